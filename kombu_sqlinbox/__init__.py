@@ -1,0 +1,20 @@
+"""kombu-sqlinbox: Celery task queues in tables of your own SQL database.
+
+Importing the package registers the ``sqlinbox`` transport alias, so
+``broker="sqlinbox+postgresql://..."`` works in any kombu or Celery app.
+"""
+
+from __future__ import annotations
+
+from kombu.transport import TRANSPORT_ALIASES
+
+from .errors import ConfigurationError, MessageTooLarge, SchemaMismatch, SqlInboxError
+from .tables import Column, InboxTable, Role, TableBuilder, TableSpec, default_table
+
+TRANSPORT_ALIASES.setdefault("sqlinbox", "kombu_sqlinbox.transport:Transport")
+
+__version__ = "0.1.0"
+__all__ = [
+    "Column", "ConfigurationError", "InboxTable", "MessageTooLarge", "Role", "SchemaMismatch",
+    "SqlInboxError", "TableBuilder", "TableSpec", "default_table",
+]

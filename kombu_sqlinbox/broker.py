@@ -1,0 +1,269 @@
+"""Per-process state behind every Transport on one database.
+
+Celery opens several kombu connections per process (consumer, producer pool,
+events); they all share one :class:`Broker` per URL and options, so the process
+has one engine with a bounded pool, one lease keeper and one view of which
+queue lives in which table. A forked child (a prefork pool process) starts with
+none of it: it opens its own engine when it first publishes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from sqlalchemy import Connection, create_engine, event
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError
+
+from .claims import Held, LeaseClaims, LeaseKeeper, Settlement
+from .dialects import ClaimedRow, Dialect, dialect_for
+from .errors import ConfigurationError
+from .options import QueueOptions, TransportOptions
+from .tables import Role, TableSpec, default_table, table_name_for_queue
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: header carrying why and from where a message reached a dead-letter queue
+DEATH_HEADER = "x-sqlinbox-death"
+
+
+@dataclass(frozen=True, eq=False)
+class QueueTable:
+    """A queue as the transport uses it: its table, its settings, how its payload is stored."""
+
+    queue: str
+    spec: TableSpec
+    options: QueueOptions
+    payload_is_text: bool
+    created_by_transport: bool
+
+
+def sqlalchemy_url(url: str) -> URL:
+    """The SQLAlchemy URL behind ``sqlinbox+...``; a bare ``postgresql://`` takes whichever
+    of psycopg 3 / psycopg2 is installed."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise ConfigurationError(
+            f"broker URL {url!r} is not an SQLAlchemy URL; write e.g. "
+            "sqlinbox+postgresql://user@host/db or sqlinbox+sqlite:///jobs.db"
+        ) from exc
+    if parsed.drivername == "postgresql":
+        for module, driver in (("psycopg", "postgresql+psycopg"), ("psycopg2", "postgresql+psycopg2")):
+            try:
+                __import__(module)
+            except ImportError:
+                continue
+            return parsed.set(drivername=driver)
+        raise ConfigurationError(
+            "a postgresql:// broker URL needs psycopg (pip install 'kombu-sqlinbox[psycopg]') "
+            "or psycopg2 (pip install 'kombu-sqlinbox[postgres]')"
+        )
+    return parsed
+
+
+class Broker:
+    """One database as a message broker, for this process."""
+
+    def __init__(self, url: str, options: TransportOptions) -> None:
+        self.options = options
+        parsed = sqlalchemy_url(url)
+        engine_options: dict[str, Any] = {"pool_size": 5, "max_overflow": 10}
+        if parsed.get_backend_name() in ("mysql", "mariadb"):
+            engine_options["isolation_level"] = "READ COMMITTED"
+        if parsed.get_backend_name() == "sqlite":
+            engine_options.pop("max_overflow")
+            engine_options.pop("pool_size")
+        engine_options.update(options.engine_options)
+        self.engine: Engine = create_engine(parsed, **engine_options)
+        self.dialect: Dialect = dialect_for(self.engine)
+        self._install_connection_hooks()
+        self._tables: dict[str, QueueTable] = {}
+        self._tables_lock = threading.Lock()
+        self.claims = LeaseClaims(self)
+        self.keeper = LeaseKeeper(self)
+        self.pid = os.getpid()
+
+    def _install_connection_hooks(self) -> None:
+        on_connect = getattr(self.dialect, "on_connect", None)
+        if on_connect is not None:
+            event.listen(self.engine, "connect", lambda dbapi, record: on_connect(dbapi))
+        begin = getattr(self.dialect, "begin", None)
+        if begin is not None:
+            event.listen(self.engine, "begin", lambda conn: conn.exec_driver_sql(begin))
+
+    # -- running work --------------------------------------------------------
+    def run(self, work: Callable[[Connection], T], attempts: int = 5) -> T:
+        """Run ``work`` in one transaction; retry deadlocks, busy databases and a connection
+        found dead in the pool (after a server restart). Other errors propagate."""
+        for attempt in range(1, attempts + 1):
+            try:
+                with self.engine.begin() as conn:
+                    return work(conn)
+            except DBAPIError as exc:
+                retry = exc.connection_invalidated or self.dialect.is_transient(exc)
+                if not retry or attempt == attempts:
+                    raise
+                time.sleep(0.01 * attempt)
+        raise AssertionError("unreachable")
+
+    def ping(self) -> None:
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+
+    # -- queues --------------------------------------------------------------
+    def table(self, queue: str) -> QueueTable:
+        """The queue's table, created or checked on first use in this process."""
+        found = self._tables.get(queue)
+        if found is not None:
+            return found
+        with self._tables_lock:
+            found = self._tables.get(queue)
+            if found is None:
+                found = self._tables[queue] = self._resolve(queue)
+        return found
+
+    def _resolve(self, queue: str) -> QueueTable:
+        options = self.options.for_queue(queue)
+        spec = options.table
+        created = spec is None
+        if spec is None:
+            spec = default_table(table_name_for_queue(queue, self.options.table_prefix))
+        if options.claim == "lease":
+            spec.require(Role.LOCKED_UNTIL, "claim='lease'", queue)
+            spec.require(Role.ATTEMPT, "claim='lease' (the attempt is the fencing token)", queue)
+        if options.max_attempts is not None:
+            spec.require(Role.ATTEMPT, "max_attempts", queue)
+        id_column = spec.column(Role.ID)
+        if id_column is not None and not id_column.generated:
+            raise ConfigurationError(
+                f"queue {queue!r}: table {spec.table!r} has a non-generated id; the transport "
+                "can only publish into a table whose id the database generates"
+            )
+        payload_is_text = self.run(
+            lambda conn: self.dialect.ensure_table(conn, spec, self.options.create_tables))
+        return QueueTable(queue, spec, options, payload_is_text, created)
+
+    def forget_table(self, queue: str) -> None:
+        with self._tables_lock:
+            self._tables.pop(queue, None)
+
+    def known_table(self, queue: str) -> bool:
+        from sqlalchemy import inspect
+
+        options = self.options.for_queue(queue)
+        spec = options.table or default_table(table_name_for_queue(queue, self.options.table_prefix))
+        with self.engine.connect() as conn:
+            return inspect(conn).has_table(spec.table, schema=spec.schema)
+
+    # -- message operations ----------------------------------------------------
+    def publish(self, table: QueueTable, params: dict[str, Any]) -> None:
+        self.run(lambda conn: self.dialect.publish(conn, table.spec, [params]))
+
+    def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
+        return self.claims.claim(table, limit)
+
+    def dead_letter(self, held: Held, row: ClaimedRow, reason: str) -> None:
+        """Move a held row to its queue's dead-letter queue (or delete it) in one transaction."""
+        source = held.table
+        target_name = source.options.dead_letter_queue
+        target = self.table(target_name) if target_name else None
+        death = {
+            "queue": source.queue,
+            "reason": reason,
+            "attempts": held.attempt,
+            "id": held.id,
+            "at": time.time(),
+        }
+        headers = dead_letter_headers(row.headers, death)
+        payload = row.payload
+        if target is not None:
+            payload = convert_payload(payload, target.payload_is_text)
+        statements = self.dialect.statements(source.spec)
+        tokens = {held.attempt: [held.id]}
+
+        def work(conn: Connection) -> None:
+            if target is not None:
+                self.dialect.publish(conn, target.spec, [self.dialect.insert_params(
+                    payload, headers, 0, None)])
+            # moved rows leave the table; dropped ones end as an ack would
+            self.dialect.settle(conn, statements.complete if target is None else
+                                statements.delete, tokens)
+
+        self.run(work)
+        self.keeper.forget(held)
+        logger.warning("sqlinbox: message %s of queue %r %s: %s", held.id, source.queue,
+                       f"moved to {target_name!r}" if target_name else "dropped", reason)
+
+    def settle(self, how: Settlement, held: Held) -> None:
+        self.keeper.settle(how, held)
+
+    def close(self) -> None:
+        self.keeper.stop()
+        self.engine.dispose()
+
+
+def convert_payload(payload: bytes | str, to_text: bool) -> bytes | str:
+    if to_text and isinstance(payload, bytes):
+        return payload.decode("utf-8", errors="replace")
+    if not to_text and isinstance(payload, str):
+        return payload.encode("utf-8")
+    return payload
+
+
+def dead_letter_headers(headers: str | None, death: dict[str, Any]) -> str:
+    """The envelope of a dead-lettered message: the original one plus the death record;
+    an envelope that does not parse is kept verbatim inside the record."""
+    try:
+        envelope = json.loads(headers) if headers else {}
+        if not isinstance(envelope, dict):
+            raise ValueError("not an object")
+    except ValueError:
+        envelope = {}
+        death["original_headers"] = headers
+    inner = envelope.setdefault("headers", {})
+    if not isinstance(inner, dict):
+        inner = envelope["headers"] = {}
+    inner[DEATH_HEADER] = death
+    return json.dumps(envelope)
+
+
+_BROKERS: dict[tuple[str, str], Broker] = {}
+_BROKERS_LOCK = threading.Lock()
+
+
+def broker_for(url: str, options: TransportOptions) -> Broker:
+    """The process's broker for this URL and options."""
+    key = (url, repr(options))
+    with _BROKERS_LOCK:
+        found = _BROKERS.get(key)
+        if found is None or found.pid != os.getpid():
+            found = _BROKERS[key] = Broker(url, options)
+        return found
+
+
+def close_all() -> None:
+    """Settle what is pending and close every broker of this process."""
+    with _BROKERS_LOCK:
+        brokers = list(_BROKERS.values())
+        _BROKERS.clear()
+    for broker in brokers:
+        broker.close()
+
+
+def _forget_after_fork() -> None:
+    """A forked child must not use the parent's pooled connections or held rows."""
+    for broker in _BROKERS.values():
+        broker.engine.dispose(close=False)
+    _BROKERS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,0 +1,40 @@
+"""Dialects: one module per database holding every statement it runs."""
+
+from __future__ import annotations
+
+from sqlalchemy.engine import Engine
+
+from ..errors import ConfigurationError
+from .base import ClaimedRow, Dialect, Statements, Tokens
+from .mysql import MySQLDialect
+from .postgresql import PostgreSQLDialect
+from .sqlite import SQLiteDialect
+
+__all__ = [
+    "ClaimedRow", "Dialect", "MySQLDialect", "PostgreSQLDialect", "SQLiteDialect", "Statements",
+    "Tokens", "dialect_for", "register",
+]
+
+_REGISTRY: dict[str, type[Dialect]] = {}
+
+
+def register(dialect: type[Dialect]) -> type[Dialect]:
+    """Make a dialect class serve the SQLAlchemy dialect names it lists (usable as decorator)."""
+    for name in dialect.names:
+        _REGISTRY[name] = dialect
+    return dialect
+
+
+for _builtin in (PostgreSQLDialect, MySQLDialect, SQLiteDialect):
+    register(_builtin)
+
+
+def dialect_for(engine: Engine) -> Dialect:
+    try:
+        cls = _REGISTRY[engine.dialect.name]
+    except KeyError:
+        raise ConfigurationError(
+            f"no kombu-sqlinbox dialect for database {engine.dialect.name!r}; "
+            "subclass kombu_sqlinbox.dialects.Dialect and register() it"
+        ) from None
+    return cls(engine)

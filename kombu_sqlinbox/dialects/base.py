@@ -1,0 +1,348 @@
+"""What every dialect shares: quoting, statement caching, the settle and check machinery.
+
+A dialect module holds every statement its database runs; this base only fills
+the identifiers of a :class:`~kombu_sqlinbox.tables.TableSpec` into those
+templates and executes them. A service adds a database by subclassing
+:class:`Dialect` and registering it (:func:`kombu_sqlinbox.dialects.register`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, ClassVar
+
+from sqlalchemy import Connection, TextClause, bindparam, inspect, text
+from sqlalchemy import types as sqltypes
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
+
+from ..errors import ConfigurationError, SchemaMismatch
+from ..tables import ColumnSpec, Role, TableSpec
+
+#: attempt -> ids held with that attempt (the attempt is the lease's fencing token)
+Tokens = Mapping[int, Sequence[int]]
+
+
+@dataclass(frozen=True)
+class ClaimedRow:
+    """A row taken by a claim: what delivery needs, plus the fencing token (attempt)."""
+
+    id: int
+    attempt: int
+    payload: bytes | str
+    headers: str | None
+    sort_key: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Statements:
+    """The compiled statements of one table; built once per (dialect, spec)."""
+
+    insert: TextClause
+    claim: tuple[TextClause, ...]
+    extend: TextClause
+    complete: TextClause
+    delete: TextClause
+    release: TextClause
+    release_uncounted: TextClause
+    size: TextClause
+    purge: TextClause
+    drop: TextClause
+
+
+def _expanding(sql: str) -> TextClause:
+    return text(sql).bindparams(bindparam("ids", expanding=True))
+
+
+class Dialect:
+    """Base of the per-database dialects. Subclasses supply the SQL text."""
+
+    #: SQLAlchemy dialect names this class serves
+    names: ClassVar[tuple[str, ...]] = ()
+    #: the database's current time, as stored in time-role columns
+    now: ClassVar[str]
+    #: ``available_at`` of a published row: the bound ``:eta`` (epoch seconds) or now
+    eta_value: ClassVar[str]
+    #: whether ``FOR UPDATE SKIP LOCKED`` exists (row-lock claims need it)
+    supports_skip_locked: ClassVar[bool] = True
+    #: SQL types of the default layout, by role (``{generated}`` ids differ)
+    column_types: ClassVar[Mapping[Role, str]]
+    generated_id_type: ClassVar[str]
+    #: the largest statement the server accepts, when it has such a limit
+    max_statement_bytes: int | None = None
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._statements: dict[TableSpec, Statements] = {}
+
+    # -- identifiers -------------------------------------------------------
+    def quote(self, name: str) -> str:
+        return '"' + name + '"'
+
+    def table_ref(self, spec: TableSpec) -> str:
+        table = self.quote(spec.table)
+        return f"{self.quote(spec.schema)}.{table}" if spec.schema else table
+
+    def fields(self, spec: TableSpec) -> dict[str, str]:
+        """Template values: ``{table}`` plus one quoted name per declared role."""
+        values = {"table": self.table_ref(spec), "now": self.now}
+        for column in spec.columns:
+            values[column.role.value] = self.quote(column.name)
+        return values
+
+    # -- statement fragments shared by every dialect ----------------------
+    def ready_filter(self, spec: TableSpec) -> str:
+        """Rows that may be claimed now: not leased, due, not yet processed."""
+        f = self.fields(spec)
+        conditions = [f"({f['locked_until']} IS NULL OR {f['locked_until']} < {self.now})"]
+        if spec.has(Role.AVAILABLE_AT):
+            conditions.append(f"{f['available_at']} <= {self.now}")
+        if spec.has(Role.PROCESSED_AT):
+            conditions.append(f"{f['processed_at']} IS NULL")
+        return " AND ".join(conditions)
+
+    def claim_order(self, spec: TableSpec) -> str:
+        """Priority first (AMQP: higher first), then the time a row became ready, then id."""
+        f = self.fields(spec)
+        order = []
+        if spec.has(Role.PRIORITY):
+            order.append(f"{f['priority']} DESC")
+        if spec.has(Role.AVAILABLE_AT):
+            order.append(f["available_at"])
+        order.append(f["id"])
+        return ", ".join(order)
+
+    def returned_columns(self, spec: TableSpec, alias: str = "") -> str:
+        """Columns a claim returns: id, attempt, payload, headers, then the sort key."""
+        f = self.fields(spec)
+        prefix = alias + "." if alias else ""
+        names = [f["id"], f["attempt"], f["payload"]]
+        names.append(f["headers"] if spec.has(Role.HEADERS) else "NULL")
+        names += [f[role.value] for role in (Role.PRIORITY, Role.AVAILABLE_AT) if spec.has(role)]
+        return ", ".join(prefix + n if n != "NULL" else n for n in names)
+
+    def statements(self, spec: TableSpec) -> Statements:
+        cached = self._statements.get(spec)
+        if cached is None:
+            cached = self._statements[spec] = self.build_statements(spec)
+        return cached
+
+    def build_statements(self, spec: TableSpec) -> Statements:
+        raise NotImplementedError
+
+    def _settle_statements(self, spec: TableSpec) -> dict[str, TextClause]:
+        """Settlement statements: same shape everywhere, fenced by (attempt, ids)."""
+        f = self.fields(spec)
+        fence = f"WHERE {f['attempt']} = :attempt AND {f['id']} IN :ids"
+        delete = f"DELETE FROM {f['table']} {fence}"
+        complete = delete
+        if spec.has(Role.PROCESSED_AT):
+            complete = (
+                f"UPDATE {f['table']} SET {f['processed_at']} = {self.now}, "
+                f"{f['locked_until']} = NULL {fence}"
+            )
+        release = f"UPDATE {f['table']} SET {f['locked_until']} = NULL {fence}"
+        uncounted = (
+            f"UPDATE {f['table']} SET {f['locked_until']} = NULL, "
+            f"{f['attempt']} = {f['attempt']} - 1 {fence}"
+        )
+        waiting = f"WHERE {f['locked_until']} IS NULL OR {f['locked_until']} < {self.now}"
+        if spec.has(Role.PROCESSED_AT):
+            waiting = f"WHERE ({waiting[6:]}) AND {f['processed_at']} IS NULL"
+        return {
+            "complete": _expanding(complete),
+            "delete": _expanding(delete),
+            "release": _expanding(release),
+            "release_uncounted": _expanding(uncounted),
+            "size": text(f"SELECT COUNT(*) FROM {f['table']} {waiting}"),
+            "purge": text(f"DELETE FROM {f['table']} {waiting}"),
+            "drop": text(f"DROP TABLE IF EXISTS {f['table']}"),
+        }
+
+    # -- operations --------------------------------------------------------
+    def insert_params(
+        self, payload: bytes | str, headers: str | None, priority: int, eta: float | None,
+    ) -> dict[str, Any]:
+        return {"payload": payload, "headers": headers, "priority": priority, "eta": eta}
+
+    def insert_sql(self, spec: TableSpec) -> str:
+        """The default publish statement: the roles a message fills, the rest by default."""
+        f = self.fields(spec)
+        values = {
+            Role.PAYLOAD: ":payload",
+            Role.HEADERS: ":headers",
+            Role.PRIORITY: ":priority",
+            Role.AVAILABLE_AT: self.eta_value,
+        }
+        roles = [role for role in values if spec.has(role)]
+        columns = ", ".join(f[role.value] for role in roles)
+        placeholders = ", ".join(values[role] for role in roles)
+        return f"INSERT INTO {f['table']} ({columns}) VALUES ({placeholders})"
+
+    def index_name(self, spec: TableSpec) -> str:
+        name = spec.table + "_claim"
+        if len(name) > 63:
+            digest = hashlib.sha1(spec.table.encode()).hexdigest()[:10]
+            name = f"{spec.table[:46]}_{digest}_claim"
+        return self.quote(name)
+
+    def publish(self, conn: Connection, spec: TableSpec, params: Sequence[dict[str, Any]]) -> None:
+        conn.execute(self.statements(spec).insert, list(params))
+
+    def claim(
+        self, conn: Connection, spec: TableSpec, limit: int, lease: float,
+    ) -> list[ClaimedRow]:
+        """Lease up to ``limit`` ready rows in one transaction; caller commits."""
+        (statement,) = self.statements(spec).claim
+        rows = conn.execute(statement, {"limit": limit, "lease": lease}).all()
+        return self.claimed(rows)
+
+    @staticmethod
+    def claimed(rows: Iterable[Sequence[Any]]) -> list[ClaimedRow]:
+        """Rows in claim order (RETURNING gives no order): -priority, ready time, id."""
+        result = [
+            ClaimedRow(row[0], row[1], row[2], row[3], tuple(row[4:]) + (row[0],))
+            for row in rows
+        ]
+        if result and len(result[0].sort_key) > 1:
+            has_priority = len(result[0].sort_key) == 3
+            result.sort(
+                key=lambda r: ((-r.sort_key[0],) + r.sort_key[1:]) if has_priority else r.sort_key
+            )
+        else:
+            result.sort(key=lambda r: r.id)
+        return result
+
+    def settle(self, conn: Connection, statement: TextClause, tokens: Tokens,
+               extra: Mapping[str, Any] | None = None) -> int:
+        """Run a fenced statement once per attempt value; returns the rows it touched."""
+        touched = 0
+        for attempt, ids in tokens.items():
+            if ids:
+                params = {"attempt": attempt, "ids": list(ids), **(extra or {})}
+                touched += conn.execute(statement, params).rowcount
+        return touched
+
+    def extend(self, conn: Connection, spec: TableSpec, tokens: Tokens, lease: float) -> int:
+        return self.settle(conn, self.statements(spec).extend, tokens, {"lease": lease})
+
+    # -- declarations and checks -------------------------------------------
+    def column_ddl(self, column: ColumnSpec) -> str:
+        if column.role is Role.ID and column.generated:
+            return f"{self.quote(column.name)} {self.generated_id_type}"
+        return f"{self.quote(column.name)} {self.column_types[column.role]}"
+
+    def index_ddl(self, spec: TableSpec) -> list[str]:
+        return []
+
+    def create_ddl(self, spec: TableSpec) -> list[str]:
+        """CREATE TABLE (and its claim index) for a declaration, in this database's types."""
+        columns = ",\n    ".join(self.column_ddl(c) for c in spec.columns)
+        key = ""
+        id_column = spec.column(Role.ID)
+        assert id_column is not None
+        if not id_column.generated:
+            key = f",\n    PRIMARY KEY ({self.quote(id_column.name)})"
+        create = f"CREATE TABLE IF NOT EXISTS {self.table_ref(spec)} (\n    {columns}{key}\n)"
+        return [create, *self.index_ddl(spec)]
+
+    def add_column_ddl(self, spec: TableSpec, column: ColumnSpec) -> str:
+        return f"ALTER TABLE {self.table_ref(spec)} ADD COLUMN {self.column_ddl(column)}"
+
+    def type_problem(self, role: Role, reflected: sqltypes.TypeEngine[Any]) -> str | None:
+        """Why a reflected column type cannot serve a role, or None when it can."""
+        wanted: dict[Role, tuple[type[Any], ...]] = {
+            Role.ID: (sqltypes.Integer,),
+            Role.ATTEMPT: (sqltypes.Integer,),
+            Role.PRIORITY: (sqltypes.Integer,),
+            Role.PAYLOAD: (sqltypes._Binary, sqltypes.String),
+            Role.HEADERS: (sqltypes.String, sqltypes.JSON),
+            Role.GROUP: (sqltypes.String, sqltypes.Integer),
+            Role.PARTITION_KEY: (sqltypes.String, sqltypes.Integer),
+        }
+        wanted.update(dict.fromkeys(
+            (Role.LOCKED_UNTIL, Role.AVAILABLE_AT, Role.PROCESSED_AT), self.time_types()))
+        if isinstance(reflected, wanted[role]):
+            return None
+        names = " or ".join(t.__name__ for t in wanted[role])
+        return f"has type {reflected}, the {role.value} role needs {names}"
+
+    def time_types(self) -> tuple[type[Any], ...]:
+        return (sqltypes.DateTime,)
+
+    def ensure_table(self, conn: Connection, spec: TableSpec, create: bool) -> bool:
+        """Create (when allowed) and check a table; returns whether its payload column is text."""
+        inspector = inspect(conn)
+        if not inspector.has_table(spec.table, schema=spec.schema):
+            if not create:
+                ddl = ";\n".join(self.create_ddl(spec))
+                raise SchemaMismatch(
+                    f"table {spec.table!r} does not exist (create_tables is off); "
+                    f"create it with:\n{ddl};"
+                )
+            for statement in self.create_ddl(spec):
+                conn.exec_driver_sql(statement)
+            inspector = inspect(conn)
+        reflected = {c["name"]: c for c in inspector.get_columns(spec.table, schema=spec.schema)}
+        folded = {name.lower(): column for name, column in reflected.items()}
+        problems = []
+        for column in spec.columns:
+            found = reflected.get(column.name) or folded.get(column.name.lower())
+            if found is None:
+                problems.append(
+                    f"table {spec.table!r}: column {column.name!r} (role {column.role.value}) "
+                    f"is missing; add it with:\n{self.add_column_ddl(spec, column)};"
+                )
+                continue
+            problem = self.type_problem(column.role, found["type"])
+            if problem:
+                problems.append(
+                    f"table {spec.table!r}: column {column.name!r} (role {column.role.value}) "
+                    f"{problem}; for example:\n{self.alter_type_ddl(spec, column)};"
+                )
+        if problems:
+            raise SchemaMismatch("\n".join(problems))
+        payload = reflected.get(spec.name_of(Role.PAYLOAD)) or folded[
+            spec.name_of(Role.PAYLOAD).lower()]
+        return not isinstance(payload["type"], sqltypes._Binary)
+
+    def alter_type_ddl(self, spec: TableSpec, column: ColumnSpec) -> str:
+        return (
+            f"ALTER TABLE {self.table_ref(spec)} ALTER COLUMN {self.quote(column.name)} "
+            f"TYPE {self.column_types[column.role]}"
+        )
+
+    # -- errors ------------------------------------------------------------
+    def is_transient(self, exc: BaseException) -> bool:
+        """A deadlock, serialization failure or busy database: retry the same work."""
+        return False
+
+    @cached_property
+    def server_version(self) -> tuple[int, ...]:
+        version = self.engine.dialect.server_version_info
+        return tuple(version or ())
+
+    def check_message_size(self, queue: str, size: int) -> None:
+        limit = self.max_statement_bytes
+        if limit is not None and size > limit - 1024:
+            from ..errors import MessageTooLarge
+
+            raise MessageTooLarge(
+                f"queue {queue!r}: a message of {size} bytes exceeds the server's "
+                f"max_allowed_packet ({limit} bytes); raise it "
+                "(SET GLOBAL max_allowed_packet = ...) or send smaller messages"
+            )
+
+    def refuse(self, queue: str, setting: str, reason: str) -> ConfigurationError:
+        return ConfigurationError(f"queue {queue!r}: {setting}: {reason} on {self.names[0]}")
+
+    def driver_error_code(self, exc: BaseException) -> Any:
+        if isinstance(exc, DBAPIError):
+            orig = exc.orig
+            return getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None) or (
+                orig.args[0] if getattr(orig, "args", None) else None
+            )
+        return None

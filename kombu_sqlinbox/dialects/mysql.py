@@ -1,0 +1,117 @@
+"""MySQL 8 and MariaDB 10.6+: every statement the transport runs there.
+
+Sessions run in UTC (``time_zone = '+00:00'``) so ``FROM_UNIXTIME`` and
+``UTC_TIMESTAMP`` agree, and in READ COMMITTED so a claim's SKIP LOCKED scan
+does not keep gap locks on rows it passed over.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Connection, text
+from sqlalchemy import types as sqltypes
+
+from ..tables import ColumnSpec, Role, TableSpec
+from .base import ClaimedRow, Dialect, Statements, _expanding
+
+NOW = "UTC_TIMESTAMP(6)"
+LEASE_UNTIL = f"{NOW} + INTERVAL (:lease * 1000000) MICROSECOND"
+#: column types that hold at most 64 KiB: too small for a Celery message
+SMALL_LOB_TYPES = ("TINYBLOB", "BLOB", "TINYTEXT", "TEXT", "VARCHAR", "VARBINARY", "CHAR")
+
+
+class MySQLDialect(Dialect):
+    names = ("mysql", "mariadb")
+    now = NOW
+    eta_value = f"COALESCE(FROM_UNIXTIME(:eta), {NOW})"
+    generated_id_type = "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY"
+    column_types = {
+        Role.ID: "BIGINT NOT NULL",
+        Role.PAYLOAD: "LONGBLOB NOT NULL",
+        Role.HEADERS: "LONGTEXT",
+        Role.GROUP: "VARCHAR(191)",
+        Role.PARTITION_KEY: "VARCHAR(191)",
+        Role.ATTEMPT: "INT NOT NULL DEFAULT 0",
+        Role.LOCKED_UNTIL: "DATETIME(6) NULL",
+        Role.AVAILABLE_AT: f"DATETIME(6) NOT NULL DEFAULT ({NOW})",
+        Role.PRIORITY: "SMALLINT NOT NULL DEFAULT 0",
+        Role.PROCESSED_AT: "DATETIME(6) NULL",
+    }
+    #: deadlock found, lock wait timeout
+    transient_codes = frozenset({1213, 1205})
+
+    def quote(self, name: str) -> str:
+        return "`" + name + "`"
+
+    def build_statements(self, spec: TableSpec) -> Statements:
+        f = self.fields(spec)
+        select = (
+            f"SELECT {self.returned_columns(spec)} FROM {f['table']} "
+            f"WHERE {self.ready_filter(spec)} ORDER BY {self.claim_order(spec)} "
+            "LIMIT :limit FOR UPDATE SKIP LOCKED"
+        )
+        lease = (
+            f"UPDATE {f['table']} SET {f['locked_until']} = {LEASE_UNTIL}, "
+            f"{f['attempt']} = {f['attempt']} + 1 WHERE {f['id']} IN :ids"
+        )
+        extend = (
+            f"UPDATE {f['table']} SET {f['locked_until']} = {LEASE_UNTIL} "
+            f"WHERE {f['attempt']} = :attempt AND {f['id']} IN :ids"
+        )
+        return Statements(
+            insert=text(self.insert_sql(spec)),
+            claim=(text(select), _expanding(lease)),
+            extend=_expanding(extend),
+            **self._settle_statements(spec),
+        )
+
+    def claim(
+        self, conn: Connection, spec: TableSpec, limit: int, lease: float,
+    ) -> list[ClaimedRow]:
+        """No UPDATE ... RETURNING here: lock the rows, then lease them, same transaction."""
+        select, lease_rows = self.statements(spec).claim
+        rows = conn.execute(select, {"limit": limit}).all()
+        if not rows:
+            return []
+        conn.execute(lease_rows, {"ids": [row[0] for row in rows], "lease": lease})
+        return self.claimed((row[0], row[1] + 1, *row[2:]) for row in rows)
+
+    def create_ddl(self, spec: TableSpec) -> list[str]:
+        """MySQL has no CREATE INDEX IF NOT EXISTS: the claim index goes inside CREATE TABLE."""
+        (create,) = super().create_ddl(spec)
+        index = f",\n    INDEX {self.index_name(spec)} ({self.mysql_index_columns(spec)})\n)"
+        return [create[: -len("\n)")] + index + " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"]
+
+    def mysql_index_columns(self, spec: TableSpec) -> str:
+        order = self.claim_order(spec)
+        if spec.has(Role.PROCESSED_AT):
+            order = f"{self.quote(spec.name_of(Role.PROCESSED_AT))}, {order}"
+        return order
+
+    def type_problem(self, role: Role, reflected: sqltypes.TypeEngine[Any]) -> str | None:
+        problem = super().type_problem(role, reflected)
+        if problem is None and role is Role.PAYLOAD:
+            if type(reflected).__name__.upper() in SMALL_LOB_TYPES:
+                return f"has type {reflected}, which holds at most 64 KiB; use LONGBLOB"
+        return problem
+
+    def alter_type_ddl(self, spec: TableSpec, column: ColumnSpec) -> str:
+        return f"ALTER TABLE {self.table_ref(spec)} MODIFY COLUMN {self.column_ddl(column)}"
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return self.driver_error_code(exc) in self.transient_codes
+
+    def on_connect(self, dbapi_connection: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute("SET time_zone = '+00:00'")
+        cursor.execute("SELECT @@max_allowed_packet")
+        (self.max_statement_bytes,) = cursor.fetchone()
+        cursor.close()
+
+    def explain(self, spec: TableSpec) -> Any:
+        f = self.fields(spec)
+        return text(
+            f"EXPLAIN SELECT {f['id']} FROM {f['table']} WHERE {self.ready_filter(spec)} "
+            f"ORDER BY {self.claim_order(spec)} LIMIT :limit FOR UPDATE SKIP LOCKED"
+        )

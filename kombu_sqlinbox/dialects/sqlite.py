@@ -1,0 +1,93 @@
+"""SQLite: every statement the transport runs there.
+
+Times are stored as REAL seconds since the epoch; ``julianday('now')`` is
+stable within one statement, so a claim compares every row with one instant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy import types as sqltypes
+
+from ..tables import ColumnSpec, Role, TableSpec
+from .base import Dialect, Statements, _expanding
+
+NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+class SQLiteDialect(Dialect):
+    names = ("sqlite",)
+    now = NOW
+    eta_value = f"COALESCE(:eta, {NOW})"
+    supports_skip_locked = False
+    generated_id_type = "INTEGER PRIMARY KEY AUTOINCREMENT"
+    column_types = {
+        Role.ID: "INTEGER NOT NULL",
+        Role.PAYLOAD: "BLOB NOT NULL",
+        Role.HEADERS: "TEXT",
+        Role.GROUP: "TEXT",
+        Role.PARTITION_KEY: "TEXT",
+        Role.ATTEMPT: "INTEGER NOT NULL DEFAULT 0",
+        Role.LOCKED_UNTIL: "REAL",
+        Role.AVAILABLE_AT: f"REAL NOT NULL DEFAULT {NOW}",
+        Role.PRIORITY: "INTEGER NOT NULL DEFAULT 0",
+        Role.PROCESSED_AT: "REAL",
+    }
+
+    def build_statements(self, spec: TableSpec) -> Statements:
+        f = self.fields(spec)
+        claim = (
+            f"UPDATE {f['table']} SET {f['locked_until']} = {NOW} + :lease, "
+            f"{f['attempt']} = {f['attempt']} + 1 "
+            f"WHERE {f['id']} IN (SELECT {f['id']} FROM {f['table']} "
+            f"WHERE {self.ready_filter(spec)} ORDER BY {self.claim_order(spec)} LIMIT :limit) "
+            f"RETURNING {self.returned_columns(spec)}"
+        )
+        extend = (
+            f"UPDATE {f['table']} SET {f['locked_until']} = {NOW} + :lease "
+            f"WHERE {f['attempt']} = :attempt AND {f['id']} IN :ids"
+        )
+        return Statements(
+            insert=text(self.insert_sql(spec)),
+            claim=(text(claim),),
+            extend=_expanding(extend),
+            **self._settle_statements(spec),
+        )
+
+    def index_ddl(self, spec: TableSpec) -> list[str]:
+        partial = ""
+        if spec.has(Role.PROCESSED_AT):
+            partial = f" WHERE {self.quote(spec.name_of(Role.PROCESSED_AT))} IS NULL"
+        return [
+            f"CREATE INDEX IF NOT EXISTS {self.index_name(spec)} ON {self.table_ref(spec)} "
+            f"({self.claim_order(spec)}){partial}"
+        ]
+
+    def time_types(self) -> tuple[type[Any], ...]:
+        return (sqltypes.Float, sqltypes.Numeric, sqltypes.Integer)
+
+    def alter_type_ddl(self, spec: TableSpec, column: ColumnSpec) -> str:
+        return (
+            f"-- SQLite cannot change a column's type: recreate {spec.table} with "
+            f"{self.column_ddl(column)}"
+        )
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return "database is locked" in str(exc) or "database is busy" in str(exc)
+
+    def on_connect(self, dbapi_connection: Any) -> None:
+        """WAL lets readers run beside the single writer; the busy timeout waits for it."""
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute(f"PRAGMA busy_timeout={int(self.busy_timeout * 1000)}")
+        cursor.close()
+
+    #: seconds a statement waits for the database's write lock
+    busy_timeout = 30.0
+    #: how our transactions begin; IMMEDIATE takes the write lock up front so a
+    #: transaction never fails to upgrade a read lock half-way
+    begin = "BEGIN IMMEDIATE"

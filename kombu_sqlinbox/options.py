@@ -1,0 +1,139 @@
+"""Transport options: every key is known, typed and checked before anything connects.
+
+kombu's ``sqla`` transport passes unknown options straight to ``create_engine``;
+here a misspelt key fails at start-up with its name, because a silently ignored
+``max_attempts`` is a queue that never parks its poison messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from importlib import import_module
+from typing import Any
+
+from .errors import ConfigurationError
+from .tables import InboxTable, TableBuilder, TableSpec, as_spec
+
+#: keys kombu's Connection reads itself for its retry policy: accepted, not ours
+KOMBU_KEYS = frozenset(
+    {"max_retries", "interval_start", "interval_step", "interval_max", "connect_retries_timeout"}
+)
+CLAIM_FORMS = ("lease",)
+
+
+@dataclass(frozen=True)
+class QueueOptions:
+    """Settings of one queue; every field may be set globally or per queue."""
+
+    table: TableSpec | None = None
+    max_attempts: int | None = None
+    dead_letter_queue: str | None = None
+    claim: str = "lease"
+    visibility_timeout: float = 30.0
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    """All transport options, parsed; see the configuration reference in the docs."""
+
+    polling_interval: float = 0.2
+    create_tables: bool = True
+    table_prefix: str = "sqlinbox_"
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
+    max_batch: int = 100
+    defaults: QueueOptions = QueueOptions()
+    queues: Mapping[str, QueueOptions] = field(default_factory=dict)
+
+    def for_queue(self, queue: str) -> QueueOptions:
+        return self.queues.get(queue, self.defaults)
+
+
+def _number(key: str, value: Any, minimum: float, integer: bool = False) -> Any:
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or value < minimum:
+        wanted = "an integer" if integer else "a number"
+        raise ConfigurationError(f"transport option {key}={value!r}: expected {wanted} >= {minimum}")
+    return value
+
+
+def _declaration(key: str, value: Any) -> TableSpec:
+    if isinstance(value, str):
+        module, _, name = value.partition(":")
+        if not name:
+            module, _, name = value.rpartition(".")
+        try:
+            value = getattr(import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigurationError(f"transport option {key}={value!r}: {exc}") from None
+    if isinstance(value, (TableSpec, TableBuilder)) or (
+        isinstance(value, type) and issubclass(value, InboxTable)
+    ):
+        return as_spec(value)
+    raise ConfigurationError(
+        f"transport option {key}: expected a table declaration, got {value!r}"
+    )
+
+
+def _queue_options(prefix: str, raw: Mapping[str, Any], base: QueueOptions) -> QueueOptions:
+    known = {"table", "max_attempts", "dead_letter_queue", "claim", "visibility_timeout"}
+    changes: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigurationError(f"unknown transport option {name!r}")
+        if key == "table":
+            changes[key] = _declaration(name, value)
+        elif key == "max_attempts":
+            changes[key] = None if value is None else _number(name, value, 1, integer=True)
+        elif key == "visibility_timeout":
+            changes[key] = float(_number(name, value, 1))
+        elif key == "claim":
+            if value not in CLAIM_FORMS:
+                raise ConfigurationError(
+                    f"transport option {name}={value!r}: expected one of {', '.join(CLAIM_FORMS)}"
+                )
+            changes[key] = value
+        elif key == "dead_letter_queue":
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigurationError(f"transport option {name}={value!r}: expected a queue name")
+            changes[key] = value
+    return replace(base, **changes)
+
+
+def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
+    """Check and convert ``transport_options``; raise naming the first bad key."""
+    raw = dict(raw or {})
+    queue_keys = {"max_attempts", "dead_letter_queue", "claim", "visibility_timeout"}
+    defaults = _queue_options("", {k: raw.pop(k) for k in list(raw) if k in queue_keys},
+                              QueueOptions())
+    if "table" in raw:
+        raise ConfigurationError("transport option 'table' belongs under queues={name: {...}}")
+    result: dict[str, Any] = {"defaults": defaults}
+    for key, value in raw.items():
+        if key in KOMBU_KEYS:
+            continue
+        if key == "polling_interval":
+            result[key] = float(_number(key, value, 0))
+        elif key == "create_tables":
+            if not isinstance(value, bool):
+                raise ConfigurationError(f"transport option {key}={value!r}: expected True/False")
+            result[key] = value
+        elif key == "table_prefix":
+            result[key] = str(value)
+        elif key == "max_batch":
+            result[key] = _number(key, value, 1, integer=True)
+        elif key == "engine_options":
+            if not isinstance(value, Mapping):
+                raise ConfigurationError(f"transport option {key}: expected a dict")
+            result[key] = dict(value)
+        elif key == "queues":
+            if not isinstance(value, Mapping):
+                raise ConfigurationError(f"transport option {key}: expected a dict of queues")
+            result[key] = {
+                str(name): _queue_options(f"queues[{name!r}].", settings or {}, defaults)
+                for name, settings in value.items()
+            }
+        else:
+            raise ConfigurationError(f"unknown transport option {key!r}")
+    return TransportOptions(**result)

@@ -1,0 +1,252 @@
+"""Queue table declarations: which column plays which role.
+
+A declaration is a :class:`TableSpec`. It can be written as a class
+(:class:`InboxTable`) or with a builder (:class:`TableBuilder`); both forms yield
+equal specs, so every statement the dialects generate is the same whichever is
+used. The default layout the transport creates for a queue is itself a spec
+(:func:`default_table`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, ClassVar
+
+from .errors import ConfigurationError
+
+
+class Role(str, Enum):
+    """What a column means to the transport; a missing optional role disables its behaviour."""
+
+    ID = "id"
+    PAYLOAD = "payload"
+    HEADERS = "headers"
+    GROUP = "group"
+    PARTITION_KEY = "partition_key"
+    ATTEMPT = "attempt"
+    LOCKED_UNTIL = "locked_until"
+    AVAILABLE_AT = "available_at"
+    PRIORITY = "priority"
+    PROCESSED_AT = "processed_at"
+
+
+REQUIRED_ROLES = (Role.ID, Role.PAYLOAD)
+IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+def check_identifier(name: str, what: str) -> str:
+    """Refuse any identifier that would need more than plain quoting to be safe."""
+    if not isinstance(name, str) or not IDENTIFIER.match(name):
+        raise ConfigurationError(
+            f"{what} {name!r} is not a valid identifier: use letters, digits and '_' "
+            "(not starting with a digit), at most 63 characters"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    """One column and its role; ``generated`` (id) and ``fifo`` (group) qualify the role."""
+
+    name: str
+    role: Role
+    generated: bool = False
+    fifo: bool = False
+
+    def __post_init__(self) -> None:
+        check_identifier(self.name, f"column for role {self.role.value}")
+        if self.generated and self.role is not Role.ID:
+            raise ConfigurationError(f"column {self.name!r}: only the id role can be generated")
+        if self.fifo and self.role is not Role.GROUP:
+            raise ConfigurationError(f"column {self.name!r}: only the group role takes fifo")
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """A whole declaration: the table name and its role-bearing columns."""
+
+    table: str
+    columns: tuple[ColumnSpec, ...]
+    schema: str | None = None
+    _by_role: dict[Role, ColumnSpec] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        check_identifier(self.table, "table")
+        if self.schema is not None:
+            check_identifier(self.schema, "schema")
+        by_role: dict[Role, ColumnSpec] = {}
+        names: set[str] = set()
+        for column in self.columns:
+            if column.role in by_role:
+                raise ConfigurationError(
+                    f"table {self.table!r}: role {column.role.value} is declared twice"
+                )
+            if column.name in names:
+                raise ConfigurationError(
+                    f"table {self.table!r}: column {column.name!r} has two roles"
+                )
+            by_role[column.role] = column
+            names.add(column.name)
+        for role in REQUIRED_ROLES:
+            if role not in by_role:
+                raise ConfigurationError(
+                    f"table {self.table!r}: a queue table needs a column with role {role.value}"
+                )
+        object.__setattr__(self, "_by_role", by_role)
+
+    def column(self, role: Role) -> ColumnSpec | None:
+        return self._by_role.get(role)
+
+    def has(self, role: Role) -> bool:
+        return role in self._by_role
+
+    def name_of(self, role: Role) -> str:
+        """Column name for a role the caller has already checked is present."""
+        return self._by_role[role].name
+
+    def require(self, role: Role, setting: str, queue: str) -> ColumnSpec:
+        """The column for ``role``, or a start-up error naming queue, setting and reason."""
+        column = self._by_role.get(role)
+        if column is None:
+            raise ConfigurationError(
+                f"queue {queue!r}: setting {setting} needs a column with role {role.value}, "
+                f"and table {self.table!r} declares none"
+            )
+        return column
+
+
+class Column:
+    """A role-bearing attribute of an :class:`InboxTable` class (the declarative form)."""
+
+    def __init__(
+        self, role: Role | str, *, name: str | None = None, generated: bool = False,
+        fifo: bool = False,
+    ) -> None:
+        self.role = Role(role)
+        self.name = name
+        self.generated = generated
+        self.fifo = fifo
+
+    def __set_name__(self, owner: type, attribute: str) -> None:
+        if self.name is None:
+            self.name = attribute
+
+    def spec(self) -> ColumnSpec:
+        assert self.name is not None
+        return ColumnSpec(self.name, self.role, self.generated, self.fifo)
+
+
+class InboxTable:
+    """Declarative form: subclass with ``table=`` and one :class:`Column` per role.
+
+    ::
+
+        class EmailJobs(InboxTable, table="email_jobs"):
+            id = Column(Role.ID, generated=True)
+            payload = Column(Role.PAYLOAD)
+            attempt = Column(Role.ATTEMPT)
+            locked_until = Column(Role.LOCKED_UNTIL)
+    """
+
+    __spec__: ClassVar[TableSpec]
+
+    def __init_subclass__(cls, *, table: str, schema: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        columns = tuple(
+            value.spec() for value in vars(cls).values() if isinstance(value, Column)
+        )
+        cls.__spec__ = TableSpec(table, columns, schema)
+
+
+class TableBuilder:
+    """Typed builder form: ``TableBuilder("email_jobs").id("id", generated=True)...build()``."""
+
+    def __init__(self, table: str, *, schema: str | None = None) -> None:
+        self._table = table
+        self._schema = schema
+        self._columns: list[ColumnSpec] = []
+
+    def _add(self, name: str, role: Role, **flags: bool) -> TableBuilder:
+        self._columns.append(ColumnSpec(name, role, **flags))
+        return self
+
+    def id(self, name: str = "id", *, generated: bool = True) -> TableBuilder:
+        return self._add(name, Role.ID, generated=generated)
+
+    def payload(self, name: str = "payload") -> TableBuilder:
+        return self._add(name, Role.PAYLOAD)
+
+    def headers(self, name: str = "headers") -> TableBuilder:
+        return self._add(name, Role.HEADERS)
+
+    def group(self, name: str, *, fifo: bool = False) -> TableBuilder:
+        return self._add(name, Role.GROUP, fifo=fifo)
+
+    def partition_key(self, name: str) -> TableBuilder:
+        return self._add(name, Role.PARTITION_KEY)
+
+    def attempt(self, name: str = "attempt") -> TableBuilder:
+        return self._add(name, Role.ATTEMPT)
+
+    def locked_until(self, name: str = "locked_until") -> TableBuilder:
+        return self._add(name, Role.LOCKED_UNTIL)
+
+    def available_at(self, name: str = "available_at") -> TableBuilder:
+        return self._add(name, Role.AVAILABLE_AT)
+
+    def priority(self, name: str = "priority") -> TableBuilder:
+        return self._add(name, Role.PRIORITY)
+
+    def processed_at(self, name: str = "processed_at") -> TableBuilder:
+        return self._add(name, Role.PROCESSED_AT)
+
+    def build(self) -> TableSpec:
+        return TableSpec(self._table, tuple(self._columns), self._schema)
+
+
+def as_spec(declaration: TableSpec | type[InboxTable] | TableBuilder) -> TableSpec:
+    """Accept any of the declaration forms wherever a spec is wanted."""
+    if isinstance(declaration, TableSpec):
+        return declaration
+    if isinstance(declaration, TableBuilder):
+        return declaration.build()
+    if isinstance(declaration, type) and issubclass(declaration, InboxTable):
+        return declaration.__spec__
+    raise ConfigurationError(f"not a table declaration: {declaration!r}")
+
+
+def default_table(table: str) -> TableSpec:
+    """The layout the transport creates for a queue nobody declared."""
+    return (
+        TableBuilder(table)
+        .id()
+        .payload()
+        .headers()
+        .priority()
+        .available_at()
+        .locked_until()
+        .attempt()
+        .build()
+    )
+
+
+def table_name_for_queue(queue: str, prefix: str = "sqlinbox_") -> str:
+    """Map any kombu queue name onto a safe, stable table name.
+
+    Names that are already plain identifiers keep their letters; anything else
+    (dots, ``@``, quotes, a hostile name) is folded to ``_`` and suffixed with a
+    hash of the original so that two different queues never share a table.
+    """
+    if not isinstance(queue, str) or not queue:
+        raise ConfigurationError(f"queue name {queue!r} is empty or not a string")
+    if "\x00" in queue or len(queue) > 255:
+        raise ConfigurationError(f"queue name {queue!r} has a NUL byte or exceeds 255 characters")
+    folded = re.sub(r"[^a-z0-9_]", "_", queue.lower())
+    name = prefix + folded
+    if folded != queue or len(name) > 63:
+        digest = hashlib.sha1(queue.encode("utf-8")).hexdigest()[:10]
+        name = f"{name[: 63 - 11]}_{digest}"
+    return check_identifier(name, "table")

@@ -1,0 +1,328 @@
+"""kombu glue: the Transport, its Channel and QoS.
+
+Each queue is a table. ``_get`` serves messages from a per-queue buffer that
+one claim fills with as many rows as Celery has free prefetch slots; the QoS
+turns ack, requeue and reject into settlements the lease keeper batches.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import threading
+from collections import deque
+from datetime import datetime, timezone
+from itertools import count
+from queue import Empty
+from typing import Any
+
+import sqlalchemy
+from kombu.transport import virtual
+from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
+
+from .broker import Broker, QueueTable, broker_for, convert_payload
+from .claims import Held, Settlement
+from .dialects import ClaimedRow
+from .errors import ConfigurationError, MessageTooLarge, SchemaMismatch
+from .options import parse_options
+from .tables import Role
+
+#: properties that describe one delivery, rebuilt on every claim rather than stored
+DELIVERY_PROPERTIES = ("delivery_tag", "delivery_info")
+
+
+class Undecodable(ValueError):
+    """A row whose stored message cannot be turned back into a kombu message."""
+
+
+def encode_message(message: dict[str, Any], table: QueueTable) -> tuple[bytes | str, str | None]:
+    """Split a kombu message into the payload column (the body) and the headers envelope.
+
+    A table without a headers role stores the whole message as JSON in its payload.
+    """
+    body = message.get("body")
+    properties = {k: v for k, v in message["properties"].items() if k not in DELIVERY_PROPERTIES}
+    info = message["properties"].get("delivery_info") or {}
+    properties["routing"] = {"exchange": info.get("exchange"),
+                             "routing_key": info.get("routing_key")}
+    if isinstance(body, bytes) and (table.payload_is_text or not table.spec.has(Role.HEADERS)):
+        try:
+            body = body.decode("utf-8")
+        except UnicodeDecodeError:
+            body = base64.b64encode(body).decode("ascii")
+            properties["body_encoding"] = "base64"
+    envelope = {
+        "headers": message.get("headers") or {},
+        "content-type": message.get("content-type"),
+        "content-encoding": message.get("content-encoding"),
+        "properties": properties,
+    }
+    if not table.spec.has(Role.HEADERS):
+        envelope["body"] = body
+        return convert_payload(json.dumps(envelope), table.payload_is_text), None
+    if body is None:
+        body = b""
+    return convert_payload(body, table.payload_is_text), json.dumps(envelope)
+
+
+def decode_row(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict[str, Any]:
+    """A claimed row as the raw message dict kombu's virtual Message takes."""
+    try:
+        if table.spec.has(Role.HEADERS):
+            envelope = json.loads(row.headers) if row.headers else {}
+            body: Any = row.payload
+        else:
+            raw = row.payload.decode("utf-8") if isinstance(row.payload, bytes) else row.payload
+            envelope = json.loads(raw)
+            body = envelope.get("body") if isinstance(envelope, dict) else None
+        if not isinstance(envelope, dict):
+            raise Undecodable("the stored envelope is not a JSON object")
+        properties = envelope.get("properties") or {}
+        headers = envelope.get("headers") or {}
+        if not isinstance(properties, dict) or not isinstance(headers, dict):
+            raise Undecodable("properties and headers must be JSON objects")
+        if properties.get("body_encoding") == "base64" and isinstance(body, str):
+            body = base64.b64decode(body.encode("ascii"), validate=True)
+            properties["body_encoding"] = None
+    except (ValueError, UnicodeDecodeError, binascii.Error, AttributeError) as exc:
+        raise Undecodable(f"cannot decode stored message: {exc}") from exc
+    routing = properties.pop("routing", None) or {}
+    properties["delivery_tag"] = delivery_tag
+    properties["delivery_info"] = {
+        "exchange": routing.get("exchange") or "",
+        "routing_key": routing.get("routing_key") or table.queue,
+        "redelivered": row.attempt > 1,
+    }
+    return {
+        "body": body,
+        "content-type": envelope.get("content-type"),
+        "content-encoding": envelope.get("content-encoding"),
+        "headers": headers,
+        "properties": properties,
+    }
+
+
+def eta_epoch(headers: dict[str, Any]) -> float | None:
+    """Celery's ``eta`` header (ISO 8601) as epoch seconds; naive times are UTC."""
+    eta = headers.get("eta")
+    if not eta:
+        return None
+    if isinstance(eta, (int, float)):
+        return float(eta)
+    moment = datetime.fromisoformat(str(eta))
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
+
+
+class QoS(virtual.QoS):
+    """Prefetch accounting plus settlement: acks may come from any thread."""
+
+    def __init__(self, channel: Channel, prefetch_count: int = 0) -> None:
+        super().__init__(channel, prefetch_count)
+        self._rows: dict[Any, tuple[Held, ClaimedRow]] = {}
+
+    def track(self, delivery_tag: Any, held: Held, row: ClaimedRow) -> None:
+        self._rows[delivery_tag] = (held, row)
+
+    def ack(self, delivery_tag: Any) -> None:
+        found = self._rows.pop(delivery_tag, None)
+        super().ack(delivery_tag)
+        if found is not None:
+            self.channel.broker.settle(Settlement.COMPLETE, found[0])
+
+    def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+        found = self._rows.pop(delivery_tag, None)
+        self._quick_ack(delivery_tag)
+        if found is None:
+            return
+        held, row = found
+        if requeue:
+            self.channel.broker.settle(Settlement.RELEASE, held)
+        else:
+            self.channel.broker.dead_letter(held, row, "rejected without requeue by the consumer")
+
+    def restore_unacked(self) -> list[Any]:
+        """Give unacked rows back in place (their delivery counted) instead of re-publishing."""
+        self._flush()
+        rows, self._rows = self._rows, {}
+        for held, _ in rows.values():
+            self.channel.broker.settle(Settlement.RELEASE, held)
+        self._delivered.clear()
+        return []
+
+
+class Channel(virtual.Channel):
+    """A kombu channel over inbox tables."""
+
+    QoS = QoS
+    body_encoding = None
+    from_transport_options = ()
+    _delivery_tags = count(1)
+
+    def __init__(self, connection: Transport, **kwargs: Any) -> None:
+        super().__init__(connection, **kwargs)
+        self.broker: Broker = connection.broker
+        self._buffers: dict[str, deque[ClaimedRow]] = {}
+        self._buffer_lock = threading.Lock()
+
+    def _next_delivery_tag(self) -> int:
+        return next(self._delivery_tags)
+
+    # -- publish ---------------------------------------------------------------
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        table = self.broker.table(queue)
+        payload, headers = encode_message(message, table)
+        self.broker.dialect.check_message_size(
+            queue, len(payload) + (len(headers) if headers else 0))
+        priority = message["properties"].get("priority") or 0
+        try:
+            priority = max(0, min(255, int(priority)))
+        except (TypeError, ValueError):
+            priority = 0
+        eta = eta_epoch(message.get("headers") or {})
+        self.broker.publish(
+            table, self.broker.dialect.insert_params(payload, headers, priority, eta))
+
+    # -- consume ---------------------------------------------------------------
+    def _claim_size(self) -> int:
+        """Free prefetch slots less rows already buffered; one for a plain basic_get."""
+        free = self.qos.can_consume_max_estimate()
+        if free is None:
+            free = self.broker.options.max_batch if self._consumers else 1
+        buffered = sum(len(buffer) for buffer in self._buffers.values())
+        return min(free - buffered, self.broker.options.max_batch)
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        table = self.broker.table(queue)
+        buffer = self._buffers.setdefault(queue, deque())
+        while True:
+            if not buffer:
+                limit = self._claim_size()
+                if limit <= 0:
+                    raise Empty()
+                buffer.extend(self.broker.claim(table, limit))
+                if not buffer:
+                    raise Empty()
+            row = buffer.popleft()
+            message = self._deliverable(table, row)
+            if message is not None:
+                return message
+
+    def _deliverable(self, table: QueueTable, row: ClaimedRow) -> dict[str, Any] | None:
+        """The message of a claimed row, or None when the row went to its dead-letter queue."""
+        held = Held(table, row.id, row.attempt)
+        limit = table.options.max_attempts
+        if limit is not None and row.attempt > limit:
+            self.broker.dead_letter(
+                held, row, f"delivered {row.attempt} times, max_attempts is {limit} "
+                "(earlier deliveries crashed, expired or were requeued)")
+            return None
+        tag = self._next_delivery_tag()
+        try:
+            message = decode_row(row, table, tag)
+        except Undecodable as exc:
+            self.broker.dead_letter(held, row, str(exc))
+            return None
+        self.qos.track(tag, held, row)
+        return message
+
+    def _release_buffered(self) -> None:
+        """Rows claimed but never handed to kombu go back with their attempt returned."""
+        for queue, buffer in self._buffers.items():
+            table = self.broker.table(queue)
+            while buffer:
+                row = buffer.popleft()
+                self.broker.settle(Settlement.RELEASE_UNCOUNTED, Held(table, row.id, row.attempt))
+
+    def basic_cancel(self, consumer_tag: str) -> Any:
+        queue = self._tag_to_queue.get(consumer_tag)
+        result = super().basic_cancel(consumer_tag)
+        buffer = self._buffers.pop(queue, None) if queue else None
+        if buffer:
+            self._buffers[queue] = buffer
+            self._release_buffered()
+            self._buffers.pop(queue, None)
+        return result
+
+    def close(self) -> None:
+        if not self.closed:
+            self._release_buffered()
+        super().close()
+        self.broker.keeper.flush(timeout=10)
+
+    # -- queue management ------------------------------------------------------
+    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        self.broker.table(queue)
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return self.broker.known_table(queue)
+
+    def _size(self, queue: str) -> int:
+        table = self.broker.table(queue)
+        statement = self.broker.dialect.statements(table.spec).size
+        return int(self.broker.run(lambda conn: conn.execute(statement).scalar_one()))
+
+    def _purge(self, queue: str) -> int:
+        table = self.broker.table(queue)
+        statement = self.broker.dialect.statements(table.spec).purge
+        return int(self.broker.run(lambda conn: conn.execute(statement).rowcount))
+
+    def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        """Drop a table the transport created; a declared (service-owned) table is only emptied."""
+        table = self.broker.table(queue)
+        statements = self.broker.dialect.statements(table.spec)
+        statement = statements.drop if table.created_by_transport else statements.purge
+        self.broker.run(lambda conn: conn.execute(statement))
+        self.broker.forget_table(queue)
+
+
+class Transport(virtual.Transport):
+    """kombu transport over SQL tables: ``sqlinbox+<SQLAlchemy URL>``."""
+
+    Channel = Channel
+    can_parse_url = True
+    default_port = None
+    driver_type = "sql"
+    driver_name = "sqlalchemy"
+    polling_interval = 0.2
+
+    connection_errors = (
+        *virtual.Transport.connection_errors, OperationalError, InterfaceError,
+        DisconnectionError,
+    )
+    channel_errors = (*virtual.Transport.channel_errors, MessageTooLarge)
+
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        self.options = parse_options(client.transport_options)
+        super().__init__(client, **kwargs)
+        self.polling_interval = self.options.polling_interval
+        self._broker: Broker | None = None
+
+    @property
+    def broker(self) -> Broker:
+        if self._broker is None:
+            self._broker = broker_for(self.url, self.options)
+        return self._broker
+
+    @property
+    def url(self) -> str:
+        hostname = self.client.hostname or ""
+        if "://" not in hostname:
+            raise ConfigurationError(
+                "the sqlinbox transport needs an SQLAlchemy URL: "
+                "broker='sqlinbox+postgresql://user@host/db' or 'sqlinbox+sqlite:///jobs.db'"
+            )
+        return str(hostname)
+
+    def establish_connection(self) -> Any:
+        self.broker.ping()
+        return super().establish_connection()
+
+    def driver_version(self) -> str:
+        return str(sqlalchemy.__version__)
+
+
+__all__ = ["Channel", "ConfigurationError", "QoS", "SchemaMismatch", "Transport"]
