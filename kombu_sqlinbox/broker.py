@@ -57,12 +57,12 @@ def sqlalchemy_url(url: str) -> URL:
             "sqlinbox+postgresql://user@host/db or sqlinbox+sqlite:///jobs.db"
         ) from exc
     if parsed.drivername == "postgresql":
-        for module, driver in (("psycopg", "postgresql+psycopg"), ("psycopg2", "postgresql+psycopg2")):
+        for module in ("psycopg", "psycopg2"):
             try:
                 __import__(module)
             except ImportError:
                 continue
-            return parsed.set(drivername=driver)
+            return parsed.set(drivername=f"postgresql+{module}")
         raise ConfigurationError(
             "a postgresql:// broker URL needs psycopg (pip install 'kombu-sqlinbox[psycopg]') "
             "or psycopg2 (pip install 'kombu-sqlinbox[postgres]')"
@@ -159,8 +159,8 @@ class Broker:
     def known_table(self, queue: str) -> bool:
         from sqlalchemy import inspect
 
-        options = self.options.for_queue(queue)
-        spec = options.table or default_table(table_name_for_queue(queue, self.options.table_prefix))
+        spec = self.options.for_queue(queue).table or default_table(
+            table_name_for_queue(queue, self.options.table_prefix))
         with self.engine.connect() as conn:
             return inspect(conn).has_table(spec.table, schema=spec.schema)
 

@@ -53,7 +53,8 @@ def _number(key: str, value: Any, minimum: float, integer: bool = False) -> Any:
     kind = int if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kind) or value < minimum:
         wanted = "an integer" if integer else "a number"
-        raise ConfigurationError(f"transport option {key}={value!r}: expected {wanted} >= {minimum}")
+        raise ConfigurationError(
+            f"transport option {key}={value!r}: expected {wanted} >= {minimum}")
     return value
 
 
@@ -96,7 +97,8 @@ def _queue_options(prefix: str, raw: Mapping[str, Any], base: QueueOptions) -> Q
             changes[key] = value
         elif key == "dead_letter_queue":
             if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigurationError(f"transport option {name}={value!r}: expected a queue name")
+                raise ConfigurationError(
+                    f"transport option {name}={value!r}: expected a queue name")
             changes[key] = value
     return replace(base, **changes)
 

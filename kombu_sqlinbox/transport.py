@@ -47,10 +47,11 @@ def encode_message(message: dict[str, Any], table: QueueTable) -> tuple[bytes | 
     properties["routing"] = {"exchange": info.get("exchange"),
                              "routing_key": info.get("routing_key")}
     if isinstance(body, bytes) and (table.payload_is_text or not table.spec.has(Role.HEADERS)):
+        raw: bytes = body
         try:
-            body = body.decode("utf-8")
+            body = raw.decode("utf-8")
         except UnicodeDecodeError:
-            body = base64.b64encode(body).decode("ascii")
+            body = base64.b64encode(raw).decode("ascii")
             properties["body_encoding"] = "base64"
     envelope = {
         "headers": message.get("headers") or {},
@@ -188,7 +189,7 @@ class Channel(virtual.Channel):
     # -- consume ---------------------------------------------------------------
     def _claim_size(self) -> int:
         """Free prefetch slots less rows already buffered; one for a plain basic_get."""
-        free = self.qos.can_consume_max_estimate()
+        free: int | None = self.qos.can_consume_max_estimate()
         if free is None:
             free = self.broker.options.max_batch if self._consumers else 1
         buffered = sum(len(buffer) for buffer in self._buffers.values())

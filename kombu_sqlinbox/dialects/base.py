@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any, ClassVar
 
 from sqlalchemy import Connection, TextClause, bindparam, inspect, text
@@ -19,7 +18,7 @@ from sqlalchemy import types as sqltypes
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from ..errors import ConfigurationError, SchemaMismatch
+from ..errors import MessageTooLarge, SchemaMismatch
 from ..tables import ColumnSpec, Role, TableSpec
 
 #: attempt -> ids held with that attempt (the attempt is the lease's fencing token)
@@ -34,6 +33,8 @@ class ClaimedRow:
     attempt: int
     payload: bytes | str
     headers: str | None
+    group: Any
+    partition_key: Any
     sort_key: tuple[Any, ...]
 
 
@@ -66,8 +67,9 @@ class Dialect:
     now: ClassVar[str]
     #: ``available_at`` of a published row: the bound ``:eta`` (epoch seconds) or now
     eta_value: ClassVar[str]
-    #: whether ``FOR UPDATE SKIP LOCKED`` exists (row-lock claims need it)
-    supports_skip_locked: ClassVar[bool] = True
+    #: how a claim's selection locks the rows it takes (empty where the database has
+    #: a single writer and needs none)
+    lock_clause: ClassVar[str] = "FOR UPDATE SKIP LOCKED"
     #: SQL types of the default layout, by role (``{generated}`` ids differ)
     column_types: ClassVar[Mapping[Role, str]]
     generated_id_type: ClassVar[str]
@@ -94,35 +96,51 @@ class Dialect:
         return values
 
     # -- statement fragments shared by every dialect ----------------------
-    def ready_filter(self, spec: TableSpec) -> str:
-        """Rows that may be claimed now: not leased, due, not yet processed."""
+    def ready_filter(self, spec: TableSpec, alias: str = "r") -> str:
+        """Rows of ``alias`` that may be claimed now: not leased, due, not processed and,
+        in a FIFO group, the group's head (no earlier unfinished row in the group)."""
         f = self.fields(spec)
-        conditions = [f"({f['locked_until']} IS NULL OR {f['locked_until']} < {self.now})"]
+        col = f"{alias}." if alias else ""
+        conditions = [
+            f"({col}{f['locked_until']} IS NULL OR {col}{f['locked_until']} < {self.now})"]
         if spec.has(Role.AVAILABLE_AT):
-            conditions.append(f"{f['available_at']} <= {self.now}")
+            conditions.append(f"{col}{f['available_at']} <= {self.now}")
         if spec.has(Role.PROCESSED_AT):
-            conditions.append(f"{f['processed_at']} IS NULL")
+            conditions.append(f"{col}{f['processed_at']} IS NULL")
+        group = spec.column(Role.GROUP)
+        if group is not None and group.fifo:
+            unfinished = (f" AND ahead.{f['processed_at']} IS NULL"
+                          if spec.has(Role.PROCESSED_AT) else "")
+            conditions.append(
+                f"NOT EXISTS (SELECT 1 FROM {f['table']} AS ahead "
+                f"WHERE ahead.{f['group']} = {col}{f['group']} "
+                f"AND ahead.{f['id']} < {col}{f['id']}{unfinished})"
+            )
         return " AND ".join(conditions)
 
-    def claim_order(self, spec: TableSpec) -> str:
+    def claim_order(self, spec: TableSpec, alias: str = "") -> str:
         """Priority first (AMQP: higher first), then the time a row became ready, then id."""
         f = self.fields(spec)
+        col = f"{alias}." if alias else ""
         order = []
         if spec.has(Role.PRIORITY):
-            order.append(f"{f['priority']} DESC")
+            order.append(f"{col}{f['priority']} DESC")
         if spec.has(Role.AVAILABLE_AT):
-            order.append(f["available_at"])
-        order.append(f["id"])
+            order.append(col + f["available_at"])
+        order.append(col + f["id"])
         return ", ".join(order)
 
     def returned_columns(self, spec: TableSpec, alias: str = "") -> str:
-        """Columns a claim returns: id, attempt, payload, headers, then the sort key."""
+        """What a claim returns, by position: id, attempt, payload, headers, group,
+        partition key, then the sort key (priority, ready time) where declared."""
         f = self.fields(spec)
-        prefix = alias + "." if alias else ""
-        names = [f["id"], f["attempt"], f["payload"]]
-        names.append(f["headers"] if spec.has(Role.HEADERS) else "NULL")
-        names += [f[role.value] for role in (Role.PRIORITY, Role.AVAILABLE_AT) if spec.has(role)]
-        return ", ".join(prefix + n if n != "NULL" else n for n in names)
+        col = f"{alias}." if alias else ""
+        optional = (Role.HEADERS, Role.GROUP, Role.PARTITION_KEY)
+        names = [col + f["id"], col + f["attempt"], col + f["payload"]]
+        names += [col + f[role.value] if spec.has(role) else "NULL" for role in optional]
+        names += [col + f[role.value] for role in (Role.PRIORITY, Role.AVAILABLE_AT)
+                  if spec.has(role)]
+        return ", ".join(names)
 
     def statements(self, spec: TableSpec) -> Statements:
         cached = self._statements.get(spec)
@@ -182,11 +200,12 @@ class Dialect:
         placeholders = ", ".join(values[role] for role in roles)
         return f"INSERT INTO {f['table']} ({columns}) VALUES ({placeholders})"
 
-    def index_name(self, spec: TableSpec) -> str:
-        name = spec.table + "_claim"
+    def index_name(self, spec: TableSpec, number: int = 0) -> str:
+        suffix = "_claim" if number == 0 else "_group"
+        name = spec.table + suffix
         if len(name) > 63:
             digest = hashlib.sha1(spec.table.encode()).hexdigest()[:10]
-            name = f"{spec.table[:46]}_{digest}_claim"
+            name = f"{spec.table[:46]}_{digest}{suffix}"
         return self.quote(name)
 
     def publish(self, conn: Connection, spec: TableSpec, params: Sequence[dict[str, Any]]) -> None:
@@ -198,22 +217,19 @@ class Dialect:
         """Lease up to ``limit`` ready rows in one transaction; caller commits."""
         (statement,) = self.statements(spec).claim
         rows = conn.execute(statement, {"limit": limit, "lease": lease}).all()
-        return self.claimed(rows)
+        return self.claimed(spec, rows)
 
     @staticmethod
-    def claimed(rows: Iterable[Sequence[Any]]) -> list[ClaimedRow]:
-        """Rows in claim order (RETURNING gives no order): -priority, ready time, id."""
+    def claimed(spec: TableSpec, rows: Iterable[Sequence[Any]]) -> list[ClaimedRow]:
+        """Rows in claim order (RETURNING gives none): -priority, ready time, id."""
         result = [
-            ClaimedRow(row[0], row[1], row[2], row[3], tuple(row[4:]) + (row[0],))
+            ClaimedRow(row[0], row[1], row[2], row[3], row[4], row[5], (*row[6:], row[0]))
             for row in rows
         ]
-        if result and len(result[0].sort_key) > 1:
-            has_priority = len(result[0].sort_key) == 3
-            result.sort(
-                key=lambda r: ((-r.sort_key[0],) + r.sort_key[1:]) if has_priority else r.sort_key
-            )
+        if spec.has(Role.PRIORITY):
+            result.sort(key=lambda r: (-r.sort_key[0], *r.sort_key[1:]))
         else:
-            result.sort(key=lambda r: r.id)
+            result.sort(key=lambda r: r.sort_key)
         return result
 
     def settle(self, conn: Connection, statement: TextClause, tokens: Tokens,
@@ -235,8 +251,32 @@ class Dialect:
             return f"{self.quote(column.name)} {self.generated_id_type}"
         return f"{self.quote(column.name)} {self.column_types[column.role]}"
 
+    def index_columns(self, spec: TableSpec) -> list[str]:
+        """Column lists of the indexes claims need: claim order, and (group, id) for the
+        FIFO head probe."""
+        indexes = [self.claim_order(spec)]
+        if spec.has(Role.GROUP):
+            indexes.append(f"{self.quote(spec.name_of(Role.GROUP))}, "
+                           f"{self.quote(spec.name_of(Role.ID))}")
+        return indexes
+
     def index_ddl(self, spec: TableSpec) -> list[str]:
-        return []
+        partial = ""
+        if spec.has(Role.PROCESSED_AT):
+            partial = f" WHERE {self.quote(spec.name_of(Role.PROCESSED_AT))} IS NULL"
+        return [
+            f"CREATE INDEX IF NOT EXISTS {self.index_name(spec, n)} ON {self.table_ref(spec)} "
+            f"({columns}){partial}"
+            for n, columns in enumerate(self.index_columns(spec))
+        ]
+
+    def explain(self, spec: TableSpec) -> TextClause:
+        """EXPLAIN of the claim's row selection: the part an index must serve."""
+        f = self.fields(spec)
+        return text(
+            f"EXPLAIN SELECT r.{f['id']} FROM {f['table']} AS r WHERE {self.ready_filter(spec)} "
+            f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit {self.lock_clause}"
+        )
 
     def create_ddl(self, spec: TableSpec) -> list[str]:
         """CREATE TABLE (and its claim index) for a declaration, in this database's types."""
@@ -320,29 +360,18 @@ class Dialect:
         """A deadlock, serialization failure or busy database: retry the same work."""
         return False
 
-    @cached_property
-    def server_version(self) -> tuple[int, ...]:
-        version = self.engine.dialect.server_version_info
-        return tuple(version or ())
-
     def check_message_size(self, queue: str, size: int) -> None:
         limit = self.max_statement_bytes
         if limit is not None and size > limit - 1024:
-            from ..errors import MessageTooLarge
-
             raise MessageTooLarge(
                 f"queue {queue!r}: a message of {size} bytes exceeds the server's "
                 f"max_allowed_packet ({limit} bytes); raise it "
                 "(SET GLOBAL max_allowed_packet = ...) or send smaller messages"
             )
 
-    def refuse(self, queue: str, setting: str, reason: str) -> ConfigurationError:
-        return ConfigurationError(f"queue {queue!r}: {setting}: {reason} on {self.names[0]}")
-
     def driver_error_code(self, exc: BaseException) -> Any:
-        if isinstance(exc, DBAPIError):
-            orig = exc.orig
-            return getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None) or (
-                orig.args[0] if getattr(orig, "args", None) else None
-            )
-        return None
+        orig = exc.orig if isinstance(exc, DBAPIError) else None
+        if orig is None:
+            return None
+        code = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
+        return code or (orig.args[0] if orig.args else None)

@@ -47,9 +47,9 @@ class MySQLDialect(Dialect):
     def build_statements(self, spec: TableSpec) -> Statements:
         f = self.fields(spec)
         select = (
-            f"SELECT {self.returned_columns(spec)} FROM {f['table']} "
-            f"WHERE {self.ready_filter(spec)} ORDER BY {self.claim_order(spec)} "
-            "LIMIT :limit FOR UPDATE SKIP LOCKED"
+            f"SELECT {self.returned_columns(spec, 'r')} FROM {f['table']} AS r "
+            f"WHERE {self.ready_filter(spec)} ORDER BY {self.claim_order(spec, 'r')} "
+            f"LIMIT :limit {self.lock_clause}"
         )
         lease = (
             f"UPDATE {f['table']} SET {f['locked_until']} = {LEASE_UNTIL}, "
@@ -75,25 +75,25 @@ class MySQLDialect(Dialect):
         if not rows:
             return []
         conn.execute(lease_rows, {"ids": [row[0] for row in rows], "lease": lease})
-        return self.claimed((row[0], row[1] + 1, *row[2:]) for row in rows)
+        return self.claimed(spec, ((row[0], row[1] + 1, *row[2:]) for row in rows))
 
     def create_ddl(self, spec: TableSpec) -> list[str]:
         """MySQL has no CREATE INDEX IF NOT EXISTS: the claim index goes inside CREATE TABLE."""
-        (create,) = super().create_ddl(spec)
-        index = f",\n    INDEX {self.index_name(spec)} ({self.mysql_index_columns(spec)})\n)"
-        return [create[: -len("\n)")] + index + " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"]
-
-    def mysql_index_columns(self, spec: TableSpec) -> str:
-        order = self.claim_order(spec)
+        create = super().create_ddl(spec)[0]
+        processed = ""
         if spec.has(Role.PROCESSED_AT):
-            order = f"{self.quote(spec.name_of(Role.PROCESSED_AT))}, {order}"
-        return order
+            processed = f"{self.quote(spec.name_of(Role.PROCESSED_AT))}, "
+        indexes = "".join(
+            f",\n    INDEX {self.index_name(spec, n)} ({processed}{columns})"
+            for n, columns in enumerate(self.index_columns(spec))
+        )
+        return [create[: -len("\n)")] + indexes + "\n) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"]
 
     def type_problem(self, role: Role, reflected: sqltypes.TypeEngine[Any]) -> str | None:
         problem = super().type_problem(role, reflected)
-        if problem is None and role is Role.PAYLOAD:
-            if type(reflected).__name__.upper() in SMALL_LOB_TYPES:
-                return f"has type {reflected}, which holds at most 64 KiB; use LONGBLOB"
+        small = type(reflected).__name__.upper() in SMALL_LOB_TYPES
+        if problem is None and role is Role.PAYLOAD and small:
+            return f"has type {reflected}, which holds at most 64 KiB; use LONGBLOB"
         return problem
 
     def alter_type_ddl(self, spec: TableSpec, column: ColumnSpec) -> str:
@@ -108,10 +108,3 @@ class MySQLDialect(Dialect):
         cursor.execute("SELECT @@max_allowed_packet")
         (self.max_statement_bytes,) = cursor.fetchone()
         cursor.close()
-
-    def explain(self, spec: TableSpec) -> Any:
-        f = self.fields(spec)
-        return text(
-            f"EXPLAIN SELECT {f['id']} FROM {f['table']} WHERE {self.ready_filter(spec)} "
-            f"ORDER BY {self.claim_order(spec)} LIMIT :limit FOR UPDATE SKIP LOCKED"
-        )

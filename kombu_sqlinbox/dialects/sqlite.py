@@ -21,7 +21,7 @@ class SQLiteDialect(Dialect):
     names = ("sqlite",)
     now = NOW
     eta_value = f"COALESCE(:eta, {NOW})"
-    supports_skip_locked = False
+    lock_clause = ""
     generated_id_type = "INTEGER PRIMARY KEY AUTOINCREMENT"
     column_types = {
         Role.ID: "INTEGER NOT NULL",
@@ -41,8 +41,8 @@ class SQLiteDialect(Dialect):
         claim = (
             f"UPDATE {f['table']} SET {f['locked_until']} = {NOW} + :lease, "
             f"{f['attempt']} = {f['attempt']} + 1 "
-            f"WHERE {f['id']} IN (SELECT {f['id']} FROM {f['table']} "
-            f"WHERE {self.ready_filter(spec)} ORDER BY {self.claim_order(spec)} LIMIT :limit) "
+            f"WHERE {f['id']} IN (SELECT r.{f['id']} FROM {f['table']} AS r "
+            f"WHERE {self.ready_filter(spec)} ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit) "
             f"RETURNING {self.returned_columns(spec)}"
         )
         extend = (
@@ -55,15 +55,6 @@ class SQLiteDialect(Dialect):
             extend=_expanding(extend),
             **self._settle_statements(spec),
         )
-
-    def index_ddl(self, spec: TableSpec) -> list[str]:
-        partial = ""
-        if spec.has(Role.PROCESSED_AT):
-            partial = f" WHERE {self.quote(spec.name_of(Role.PROCESSED_AT))} IS NULL"
-        return [
-            f"CREATE INDEX IF NOT EXISTS {self.index_name(spec)} ON {self.table_ref(spec)} "
-            f"({self.claim_order(spec)}){partial}"
-        ]
 
     def time_types(self) -> tuple[type[Any], ...]:
         return (sqltypes.Float, sqltypes.Numeric, sqltypes.Integer)
