@@ -22,7 +22,7 @@ from sqlalchemy import Connection, create_engine, event
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 
-from .claims import Held, LeaseClaims, LeaseKeeper, Settlement
+from .claims import CLAIM_FORMS, ClaimForm, Held, LeaseKeeper, Settlement, Wakeup
 from .dialects import ClaimedRow, Dialect, dialect_for
 from .errors import ConfigurationError
 from .options import QueueOptions, TransportOptions
@@ -44,6 +44,7 @@ class QueueTable:
     options: QueueOptions
     payload_is_text: bool
     created_by_transport: bool
+    claims: ClaimForm
 
 
 def sqlalchemy_url(url: str) -> URL:
@@ -88,8 +89,10 @@ class Broker:
         self._install_connection_hooks()
         self._tables: dict[str, QueueTable] = {}
         self._tables_lock = threading.Lock()
-        self.claims = LeaseClaims(self)
+        self.dialect.notify = options.notify and self.dialect.notify
+        self.forms = {name: form(self) for name, form in CLAIM_FORMS.items()}
         self.keeper = LeaseKeeper(self)
+        self.wakeup = Wakeup(self)
         self.pid = os.getpid()
 
     def _install_connection_hooks(self) -> None:
@@ -137,11 +140,11 @@ class Broker:
         created = spec is None
         if spec is None:
             spec = default_table(table_name_for_queue(queue, self.options.table_prefix))
-        if options.claim == "lease":
-            spec.require(Role.LOCKED_UNTIL, "claim='lease'", queue)
-            spec.require(Role.ATTEMPT, "claim='lease' (the attempt is the fencing token)", queue)
-        if options.max_attempts is not None:
-            spec.require(Role.ATTEMPT, "max_attempts", queue)
+        form = self.forms[options.claim]
+        form.check(queue)
+        spec.require(Role.LOCKED_UNTIL, f"claim={options.claim!r}", queue)
+        spec.require(Role.ATTEMPT, f"claim={options.claim!r} (attempt is the fencing token)",
+                     queue)
         id_column = spec.column(Role.ID)
         if id_column is not None and not id_column.generated:
             raise ConfigurationError(
@@ -150,7 +153,7 @@ class Broker:
             )
         payload_is_text = self.run(
             lambda conn: self.dialect.ensure_table(conn, spec, self.options.create_tables))
-        return QueueTable(queue, spec, options, payload_is_text, created)
+        return QueueTable(queue, spec, options, payload_is_text, created, form)
 
     def forget_table(self, queue: str) -> None:
         with self._tables_lock:
@@ -167,9 +170,10 @@ class Broker:
     # -- message operations ----------------------------------------------------
     def publish(self, table: QueueTable, params: dict[str, Any]) -> None:
         self.run(lambda conn: self.dialect.publish(conn, table.spec, [params]))
+        self.wakeup.poke()
 
     def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
-        return self.claims.claim(table, limit)
+        return table.claims.claim(table, limit)
 
     def dead_letter(self, held: Held, row: ClaimedRow, reason: str) -> None:
         """Move a held row to its queue's dead-letter queue (or delete it) in one transaction."""
@@ -198,16 +202,16 @@ class Broker:
             self.dialect.settle(conn, statements.complete if target is None else
                                 statements.delete, tokens)
 
-        self.run(work)
-        self.keeper.forget(held)
+        source.claims.run_held(held, work)
         logger.warning("sqlinbox: message %s of queue %r %s: %s", held.id, source.queue,
                        f"moved to {target_name!r}" if target_name else "dropped", reason)
 
-    def settle(self, how: Settlement, held: Held) -> None:
-        self.keeper.settle(how, held)
+    def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
+        held.table.claims.settle(how, held, delay)
 
     def close(self) -> None:
         self.keeper.stop()
+        self.wakeup.close()
         self.engine.dispose()
 
 

@@ -1,72 +1,290 @@
-"""Claim forms and the lease keeper.
+"""Claim forms, the lease keeper and the wake-up.
 
-A claim takes a batch of ready rows in one round trip. In the lease form a row
-is this process's while its ``locked_until`` lies ahead and its ``attempt``
-still equals the value the claim set: that pair is the fencing token every
-later statement on the row repeats, so a holder whose lease lapsed (and whose
-row was claimed again elsewhere) can neither extend nor settle it.
+A claim takes a batch of ready rows in one round trip and bumps their
+``attempt``. The attempt is the fencing token: every later statement on a held
+row repeats it, so a holder whose row was claimed again elsewhere (its lease
+lapsed) can neither extend nor settle it.
 
-The :class:`LeaseKeeper` is one thread per process and database. It extends the
-lease of every row the process holds (buffered, prefetched, running, settling)
-and performs settlements in batches: acks from any thread land in its queue and
-one transaction settles all of them (group commit), which is what lets a
-consumer go past one commit per message.
+* :class:`LeaseClaims` — ``locked_until`` marks the row in work; the
+  :class:`LeaseKeeper` (one thread per process and database) extends the lease
+  of every held row and settles rows in batches: acks from any thread land in
+  its queue and one transaction settles all of them (group commit).
+* :class:`RowLockClaims` — the row stays locked by an open transaction on a
+  connection of its own until it settles; a crash frees it at once.
+* :class:`AdvisoryClaims` — a lease plus a session-level advisory lock on the
+  row's key (partition key, else id), so rows of one key go into work one at a
+  time across every process on the server.
+
+:class:`Wakeup` replaces the polling sleep: it returns early on a PostgreSQL
+NOTIFY for a consumed table or an in-process poke (a local publish, a
+partition key freed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import select
 import threading
 import time
+import zlib
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import Connection, TextClause
+from sqlalchemy import Connection
 
 from .dialects import ClaimedRow
+from .errors import ConfigurationError
+from .tables import Role
 
 if TYPE_CHECKING:
     from .broker import Broker, QueueTable
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Settlement(Enum):
-    """What happens to a held row when it leaves this process."""
+    """What happens to a held row when it leaves this process (the statement's name)."""
 
     COMPLETE = "complete"  # ack: delete, or mark processed
     RELEASE = "release"  # requeue in place; the delivery counted
     RELEASE_UNCOUNTED = "release_uncounted"  # never delivered: give the attempt back
+    RETRY = "retry"  # in place, hidden for a delay
 
 
 @dataclass(frozen=True)
 class Held:
-    """A row this process holds: its queue table and fencing token."""
+    """A row this process holds: its queue table and fencing token (plus its key)."""
 
     table: QueueTable
     id: int
     attempt: int
+    key: str | None = None
 
 
-class LeaseClaims:
-    """The lease claim form: ``UPDATE ... SET locked_until, attempt + 1`` on a batch."""
+class ClaimForm:
+    """How a queue's rows are taken into work and given back."""
+
+    name = ""
 
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
 
+    def check(self, queue: str) -> None:
+        """Refuse at start-up what this database cannot do."""
+
+    def capacity(self) -> int | None:
+        """How many more rows this form may hold now (None: no limit of its own)."""
+        return None
+
+    def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
+        raise NotImplementedError
+
+    def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
+        raise NotImplementedError
+
+    def run_held(self, held: Held, work: Callable[[Connection], T]) -> T:
+        """Run ``work`` in the transaction that may change the held row, and let go of it."""
+        raise NotImplementedError
+
+    def settled(self, rows: Iterable[Held]) -> None:
+        """Called by the keeper once a batch of this form's settlements committed."""
+
+    def refuse_without_locks(self, queue: str) -> None:
+        if not self.broker.dialect.lock_clause:
+            raise ConfigurationError(
+                f"queue {queue!r}: claim={self.name!r} needs row or advisory locks, which "
+                f"{self.broker.engine.dialect.name} does not have; use claim='lease'"
+            )
+
+
+class LeaseClaims(ClaimForm):
+    """The lease form: ``UPDATE ... SET locked_until, attempt + 1`` on a batch."""
+
+    name = "lease"
+
     def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
         """Lease up to ``limit`` rows and register them with the keeper before returning."""
         dialect = self.broker.dialect
-
-        def work(conn: Connection) -> list[ClaimedRow]:
-            return dialect.claim(conn, table.spec, limit, table.options.visibility_timeout)
-
-        rows = self.broker.run(work)
+        lease = table.options.visibility_timeout
+        rows = self.broker.run(lambda conn: dialect.claim(conn, table.spec, limit, lease))
         self.broker.keeper.hold(Held(table, row.id, row.attempt) for row in rows)
         return rows
+
+    def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
+        self.broker.keeper.settle(how, held, delay)
+
+    def run_held(self, held: Held, work: Callable[[Connection], T]) -> T:
+        result = self.broker.run(work)
+        self.broker.keeper.forget(held)
+        return result
+
+
+class RowLockClaims(ClaimForm):
+    """The row-lock form: a connection and an open transaction per row in work.
+
+    The attempt is bumped and committed first (so crashes count), then the row is
+    locked ``FOR UPDATE SKIP LOCKED`` by id and attempt on a connection kept until
+    the row settles.
+    """
+
+    name = "row_lock"
+    #: connections of the pool kept free for publishes, the keeper and the tasks' own
+    #: queries
+    reserved_connections = 3
+
+    def __init__(self, broker: Broker) -> None:
+        super().__init__(broker)
+        self._open: dict[tuple[int, int], Connection] = {}
+        self._lock = threading.Lock()
+
+    def check(self, queue: str) -> None:
+        self.refuse_without_locks(queue)
+
+    def capacity(self) -> int:
+        pool = self.broker.engine.pool
+        size = int(getattr(pool, "size", lambda: 5)()) + max(
+            int(getattr(pool, "_max_overflow", 0)), 0)
+        with self._lock:
+            return max(size - self.reserved_connections - len(self._open), 0)
+
+    def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
+        dialect = self.broker.dialect
+        limit = min(limit, self.capacity())
+        if limit <= 0:
+            return []
+        counted = self.broker.run(lambda conn: dialect.claim(conn, table.spec, limit, 0.0))
+        taken = []
+        lock_row = dialect.statements(table.spec).lock_row
+        for row in counted:
+            conn = self.broker.engine.connect()
+            try:
+                conn.begin()
+                locked = conn.execute(lock_row, {"id": row.id, "attempt": row.attempt}).first()
+            except Exception:
+                conn.close()
+                raise
+            if locked is None:  # taken by another claimer between the two steps
+                conn.close()
+                continue
+            with self._lock:
+                self._open[(id(table), row.id)] = conn
+            taken.append(row)
+        return taken
+
+    def _take(self, held: Held) -> Connection:
+        with self._lock:
+            return self._open.pop((id(held.table), held.id))
+
+    def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
+        conn = self._take(held)
+        try:
+            if how is not Settlement.RELEASE:  # a release is the rollback below
+                statement = getattr(self.broker.dialect.statements(held.table.spec), how.value)
+                self.broker.dialect.settle(
+                    conn, statement, {held.attempt: [held.id]}, {"delay": delay})
+                conn.commit()
+        finally:
+            conn.close()
+
+    def run_held(self, held: Held, work: Callable[[Connection], T]) -> T:
+        conn = self._take(held)
+        try:
+            result = work(conn)
+            conn.commit()
+            return result
+        finally:
+            conn.close()
+
+
+class AdvisoryClaims(LeaseClaims):
+    """Lease plus an advisory lock on the row's key, held on one connection per process."""
+
+    name = "advisory"
+    #: candidate rows read per wanted row: keys already in work elsewhere are skipped
+    overscan = 4
+
+    def __init__(self, broker: Broker) -> None:
+        super().__init__(broker)
+        self._keys: dict[int, set[str]] = defaultdict(set)  # space -> keys held here
+        self._lock = threading.Lock()
+        self._connection: Connection | None = None
+
+    def check(self, queue: str) -> None:
+        self.refuse_without_locks(queue)
+
+    @staticmethod
+    def space(table: QueueTable) -> int:
+        """The advisory-lock namespace of a table (a signed 32-bit number)."""
+        return zlib.crc32(table.spec.table.encode()) - 2**31
+
+    @staticmethod
+    def key_of(table: QueueTable, row: ClaimedRow) -> str:
+        if table.spec.has(Role.PARTITION_KEY) and row.partition_key is not None:
+            return f"k:{row.partition_key}"
+        return f"id:{row.id}"
+
+    def _locks(self) -> Connection:
+        """The session that owns this process's advisory locks (autocommit)."""
+        if self._connection is None or self._connection.closed:
+            self._connection = self.broker.engine.connect().execution_options(
+                isolation_level="AUTOCOMMIT")
+        return self._connection
+
+    def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
+        dialect = self.broker.dialect
+        space = self.space(table)
+        lease = table.options.visibility_timeout
+        with self._lock:
+            # a lease claim over more rows than wanted, then keep one row per key we lock
+            rows = self.broker.run(
+                lambda conn: dialect.claim(conn, table.spec, limit * self.overscan, lease))
+            mine = self._keys[space]
+            firsts: dict[str, ClaimedRow] = {}
+            for row in rows:
+                key = self.key_of(table, row)
+                if key not in mine and key not in firsts and len(firsts) < limit:
+                    firsts[key] = row
+            locked = dialect.try_key_locks(self._locks(), space, list(firsts)) if firsts else []
+            taken = [row for row, ok in zip(firsts.values(), locked, strict=True) if ok]
+            mine.update(self.key_of(table, row) for row in taken)
+        kept = {row.id for row in taken}
+        back = [Held(table, row.id, row.attempt) for row in rows if row.id not in kept]
+        for held in back:
+            self.broker.keeper.settle(Settlement.RELEASE_UNCOUNTED, held)
+        self.broker.keeper.hold(
+            Held(table, row.id, row.attempt, self.key_of(table, row)) for row in taken)
+        return taken
+
+    def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
+        self.broker.keeper.settle(how, held, delay)
+
+    def run_held(self, held: Held, work: Callable[[Connection], T]) -> T:
+        result = super().run_held(held, work)
+        self.settled([held])
+        return result
+
+    def settled(self, rows: Iterable[Held]) -> None:
+        by_space: dict[int, list[str]] = defaultdict(list)
+        for held in rows:
+            if held.key is not None:
+                by_space[self.space(held.table)].append(held.key)
+        if not by_space:
+            return
+        with self._lock:
+            for space, keys in by_space.items():
+                self.broker.dialect.release_key_locks(self._locks(), space, keys)
+                self._keys[space].difference_update(keys)
+
+
+CLAIM_FORMS: dict[str, type[ClaimForm]] = {
+    form.name: form for form in (LeaseClaims, RowLockClaims, AdvisoryClaims)
+}
 
 
 class LeaseKeeper:
@@ -76,7 +294,7 @@ class LeaseKeeper:
         self.broker = broker
         self._lock = threading.Lock()
         self._held: dict[QueueTable, dict[int, int]] = defaultdict(dict)
-        self._pending: list[tuple[Settlement, Held]] = []
+        self._pending: list[tuple[Settlement, Held, float]] = []
         self._wake = threading.Event()
         self._idle = threading.Condition(self._lock)
         self._stopped = False
@@ -90,10 +308,10 @@ class LeaseKeeper:
                 self._held[held.table][held.id] = held.attempt
             self._ensure_thread()
 
-    def settle(self, how: Settlement, held: Held) -> None:
+    def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
         """Queue a settlement; the keeper thread runs it with whatever else is pending."""
         with self._lock:
-            self._pending.append((how, held))
+            self._pending.append((how, held, delay))
             self._ensure_thread()
         self._wake.set()
 
@@ -108,16 +326,10 @@ class LeaseKeeper:
         deadline = time.monotonic() + timeout
         with self._lock:
             while self._pending:
-                if self._thread is None or not self._thread.is_alive():
-                    self._lock.release()
-                    try:
-                        self._settle_pending()
-                    finally:
-                        self._lock.acquire()
-                    continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
+                self._ensure_thread()
                 self._idle.wait(min(remaining, 0.5))
         return True
 
@@ -126,7 +338,7 @@ class LeaseKeeper:
             return sum(len(rows) for rows in self._held.values())
 
     def stop(self) -> None:
-        self.flush()
+        self.flush(timeout=5.0)
         self._stopped = True
         self._wake.set()
 
@@ -165,17 +377,17 @@ class LeaseKeeper:
             batch, self._pending = self._pending, []
         if not batch:
             return
-        grouped: dict[tuple[QueueTable, Settlement], dict[int, list[int]]] = defaultdict(
+        grouped: dict[tuple[QueueTable, Settlement, float], dict[int, list[int]]] = defaultdict(
             lambda: defaultdict(list))
-        for how, held in batch:
-            grouped[(held.table, how)][held.attempt].append(held.id)
+        for how, held, delay in batch:
+            grouped[(held.table, how, delay)][held.attempt].append(held.id)
         dialect = self.broker.dialect
 
         def work(conn: Connection) -> int:
             touched = 0
-            for (table, how), tokens in grouped.items():
-                statement: TextClause = getattr(dialect.statements(table.spec), how.value)
-                touched += dialect.settle(conn, statement, tokens)
+            for (table, how, delay), tokens in grouped.items():
+                statement = getattr(dialect.statements(table.spec), how.value)
+                touched += dialect.settle(conn, statement, tokens, {"delay": delay})
             return touched
 
         try:
@@ -185,16 +397,21 @@ class LeaseKeeper:
                 self._pending[:0] = batch
             raise
         if touched < len(batch):
-            logger.warning(
-                "sqlinbox: %d of %d settled rows were no longer held by this process "
-                "(their lease lapsed and they were claimed again)", len(batch) - touched,
-                len(batch))
+            logger.info(
+                "sqlinbox: %d of %d settled rows had already left this process (settled "
+                "by a task's own transaction, or claimed again after their lease lapsed)",
+                len(batch) - touched, len(batch))
         with self._lock:
-            for _, held in batch:
+            for _, held, _ in batch:
                 rows = self._held.get(held.table)
                 if rows is not None and rows.get(held.id) == held.attempt:
                     del rows[held.id]
             self._idle.notify_all()
+        by_form: dict[ClaimForm, list[Held]] = defaultdict(list)
+        for _, held, _ in batch:
+            by_form[held.table.claims].append(held)
+        for form, rows_settled in by_form.items():
+            form.settled(rows_settled)
 
     def _extend(self) -> None:
         with self._lock:
@@ -210,9 +427,88 @@ class LeaseKeeper:
                     tokens[attempt].append(row_id)
                 kept = dialect.extend(conn, table.spec, tokens, table.options.visibility_timeout)
                 if kept < len(rows):
-                    logger.warning(
-                        "sqlinbox: %d rows of queue %r lost their lease before it was extended",
-                        len(rows) - kept, table.queue)
+                    logger.info(
+                        "sqlinbox: %d rows of queue %r were no longer this process's when "
+                        "their lease was extended", len(rows) - kept, table.queue)
 
         self.broker.run(work)
 
+
+class Wakeup:
+    """What an idle consumer waits on instead of sleeping a whole polling interval."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+        self._channels: set[str] = set()
+        self._listener: Any = None  # a detached DBAPI connection that LISTENs
+
+    def poke(self) -> None:
+        """Wake a consumer of this process now (a local publish, a key set free)."""
+        with contextlib.suppress(BlockingIOError):  # a full pipe: a wake-up is pending
+            os.write(self._write, b"!")
+
+    def listen(self, table: QueueTable) -> None:
+        """Ask for a NOTIFY wake-up from a consumed table, where the database has them."""
+        if not self.broker.dialect.notify:
+            return
+        name = self.broker.dialect.channel(table.spec)
+        if name in self._channels:
+            return
+        self._channels.add(name)
+        if self._listener is not None:
+            try:
+                self.broker.dialect.listen(self._listener, [name])
+            except Exception:
+                self._drop_listener()
+
+    def _connect_listener(self) -> Any:
+        raw = self.broker.engine.raw_connection()
+        raw.detach()
+        connection: Any = raw.driver_connection
+        connection.autocommit = True
+        self.broker.dialect.listen(connection, self._channels)
+        return connection
+
+    def _drop_listener(self) -> None:
+        if self._listener is not None:
+            try:
+                self._listener.close()
+            except Exception:
+                logger.debug("closing a dead LISTEN connection failed", exc_info=True)
+        self._listener = None
+
+    def wait(self, timeout: float) -> None:
+        """Return after a wake-up or ``timeout`` seconds, whichever comes first."""
+        sources: list[Any] = [self._read]
+        if self._channels:
+            if self._listener is None:
+                try:
+                    self._listener = self._connect_listener()
+                except Exception as exc:  # the database is away: poll until it is back
+                    logger.debug("LISTEN connection failed: %s", exc)
+            if self._listener is not None:
+                sources.append(self._listener)
+        try:
+            ready, _, _ = select.select(sources, [], [], timeout)
+        except (OSError, ValueError):  # the listener's socket died under us
+            self._drop_listener()
+            return
+        if self._read in ready:
+            try:
+                while os.read(self._read, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        if self._listener is not None and self._listener in ready:
+            try:
+                self.broker.dialect.take_notifications(self._listener)
+            except Exception:
+                self._drop_listener()
+
+    def close(self) -> None:
+        self._drop_listener()
+        os.close(self._read)
+        os.close(self._write)

@@ -19,7 +19,7 @@ from .tables import InboxTable, TableBuilder, TableSpec, as_spec
 KOMBU_KEYS = frozenset(
     {"max_retries", "interval_start", "interval_step", "interval_max", "connect_retries_timeout"}
 )
-CLAIM_FORMS = ("lease",)
+CLAIM_FORMS = ("lease", "row_lock", "advisory")
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class TransportOptions:
     table_prefix: str = "sqlinbox_"
     engine_options: Mapping[str, Any] = field(default_factory=dict)
     max_batch: int = 100
+    notify: bool = True
     defaults: QueueOptions = QueueOptions()
     queues: Mapping[str, QueueOptions] = field(default_factory=dict)
 
@@ -117,7 +118,7 @@ def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
             continue
         if key == "polling_interval":
             result[key] = float(_number(key, value, 0))
-        elif key == "create_tables":
+        elif key in ("create_tables", "notify"):
             if not isinstance(value, bool):
                 raise ConfigurationError(f"transport option {key}={value!r}: expected True/False")
             result[key] = value

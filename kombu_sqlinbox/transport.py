@@ -10,11 +10,11 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import threading
 from collections import deque
 from datetime import datetime, timezone
 from itertools import count
 from queue import Empty
+from time import monotonic
 from typing import Any
 
 import sqlalchemy
@@ -30,6 +30,9 @@ from .tables import Role
 
 #: properties that describe one delivery, rebuilt on every claim rather than stored
 DELIVERY_PROPERTIES = ("delivery_tag", "delivery_info")
+#: message headers whose values fill the group and partition-key columns on publish
+GROUP_HEADER = "group_key"
+PARTITION_HEADER = "partition_key"
 
 
 class Undecodable(ValueError):
@@ -117,6 +120,10 @@ def eta_epoch(headers: dict[str, Any]) -> float | None:
     return moment.timestamp()
 
 
+def _key(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
 class QoS(virtual.QoS):
     """Prefetch accounting plus settlement: acks may come from any thread."""
 
@@ -127,29 +134,41 @@ class QoS(virtual.QoS):
     def track(self, delivery_tag: Any, held: Held, row: ClaimedRow) -> None:
         self._rows[delivery_tag] = (held, row)
 
-    def ack(self, delivery_tag: Any) -> None:
-        found = self._rows.pop(delivery_tag, None)
-        super().ack(delivery_tag)
-        if found is not None:
-            self.channel.broker.settle(Settlement.COMPLETE, found[0])
-
-    def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
+    def _settle(self, delivery_tag: Any, how: Settlement, delay: float = 0.0) -> None:
         found = self._rows.pop(delivery_tag, None)
         self._quick_ack(delivery_tag)
-        if found is None:
-            return
-        held, row = found
+        if found is not None:
+            self.channel.broker.settle(how, found[0], delay)
+            self.channel.key_settled(found[0].table.queue, found[1])
+
+    def ack(self, delivery_tag: Any) -> None:
+        self._settle(delivery_tag, Settlement.COMPLETE)
+
+    def retry_after(self, delivery_tag: Any, seconds: float) -> None:
+        """Requeue in place (same row, attempt counted), hidden for ``seconds``."""
+        found = self._rows.get(delivery_tag)
+        if found is not None:
+            found[0].table.spec.require(Role.AVAILABLE_AT, "retry_after", found[0].table.queue)
+        self._settle(delivery_tag, Settlement.RETRY, max(0.0, float(seconds)))
+
+    def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
         if requeue:
-            self.channel.broker.settle(Settlement.RELEASE, held)
-        else:
+            self._settle(delivery_tag, Settlement.RELEASE)
+            return
+        found = self._rows.pop(delivery_tag, None)
+        self._quick_ack(delivery_tag)
+        if found is not None:
+            held, row = found
             self.channel.broker.dead_letter(held, row, "rejected without requeue by the consumer")
+            self.channel.key_settled(held.table.queue, row)
 
     def restore_unacked(self) -> list[Any]:
         """Give unacked rows back in place (their delivery counted) instead of re-publishing."""
         self._flush()
         rows, self._rows = self._rows, {}
-        for held, _ in rows.values():
+        for held, row in rows.values():
             self.channel.broker.settle(Settlement.RELEASE, held)
+            self.channel.key_settled(held.table.queue, row)
         self._delivered.clear()
         return []
 
@@ -166,7 +185,8 @@ class Channel(virtual.Channel):
         super().__init__(connection, **kwargs)
         self.broker: Broker = connection.broker
         self._buffers: dict[str, deque[ClaimedRow]] = {}
-        self._buffer_lock = threading.Lock()
+        #: partition keys with a delivered, unsettled row: their next rows wait
+        self._busy_keys: set[tuple[str, Any]] = set()
 
     def _next_delivery_tag(self) -> int:
         return next(self._delivery_tags)
@@ -182,9 +202,10 @@ class Channel(virtual.Channel):
             priority = max(0, min(255, int(priority)))
         except (TypeError, ValueError):
             priority = 0
-        eta = eta_epoch(message.get("headers") or {})
-        self.broker.publish(
-            table, self.broker.dialect.insert_params(payload, headers, priority, eta))
+        message_headers = message.get("headers") or {}
+        self.broker.publish(table, self.broker.dialect.insert_params(
+            payload, headers, priority, eta_epoch(message_headers),
+            _key(message_headers.get(GROUP_HEADER)), _key(message_headers.get(PARTITION_HEADER))))
 
     # -- consume ---------------------------------------------------------------
     def _claim_size(self) -> int:
@@ -199,32 +220,56 @@ class Channel(virtual.Channel):
         table = self.broker.table(queue)
         buffer = self._buffers.setdefault(queue, deque())
         while True:
-            if not buffer:
+            row = self._next_free(queue, buffer)
+            if row is None:
                 limit = self._claim_size()
                 if limit <= 0:
                     raise Empty()
-                buffer.extend(self.broker.claim(table, limit))
-                if not buffer:
+                claimed = self.broker.claim(table, limit)
+                if not claimed:
                     raise Empty()
-            row = buffer.popleft()
+                buffer.extend(claimed)
+                continue
             message = self._deliverable(table, row)
             if message is not None:
                 return message
+
+    def _next_free(self, queue: str, buffer: deque[ClaimedRow]) -> ClaimedRow | None:
+        """The first buffered row whose partition key has nothing in work here (C5): rows
+        of one key go out one after another, in claim order; other keys pass them."""
+        for index, row in enumerate(buffer):
+            if row.partition_key is None:
+                del buffer[index]
+                return row
+            key = (queue, row.partition_key)
+            if key not in self._busy_keys:
+                del buffer[index]
+                self._busy_keys.add(key)
+                return row
+        return None
+
+    def key_settled(self, queue: str, row: ClaimedRow) -> None:
+        """A row left this process: its partition key may send the next row (any thread)."""
+        if row.partition_key is not None:
+            self._busy_keys.discard((queue, row.partition_key))
+            self.broker.wakeup.poke()
 
     def _deliverable(self, table: QueueTable, row: ClaimedRow) -> dict[str, Any] | None:
         """The message of a claimed row, or None when the row went to its dead-letter queue."""
         held = Held(table, row.id, row.attempt)
         limit = table.options.max_attempts
+        reason = None
         if limit is not None and row.attempt > limit:
-            self.broker.dead_letter(
-                held, row, f"delivered {row.attempt} times, max_attempts is {limit} "
-                "(earlier deliveries crashed, expired or were requeued)")
-            return None
+            reason = (f"delivered {row.attempt} times, max_attempts is {limit} "
+                      "(earlier deliveries crashed, expired or were requeued)")
         tag = self._next_delivery_tag()
         try:
             message = decode_row(row, table, tag)
         except Undecodable as exc:
-            self.broker.dead_letter(held, row, str(exc))
+            reason = str(exc)
+        if reason is not None:
+            self.broker.dead_letter(held, row, reason)
+            self.key_settled(table.queue, row)
             return None
         self.qos.track(tag, held, row)
         return message
@@ -236,6 +281,10 @@ class Channel(virtual.Channel):
             while buffer:
                 row = buffer.popleft()
                 self.broker.settle(Settlement.RELEASE_UNCOUNTED, Held(table, row.id, row.attempt))
+
+    def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        self.broker.wakeup.listen(self.broker.table(queue))
+        return super().basic_consume(queue, *args, **kwargs)
 
     def basic_cancel(self, consumer_tag: str) -> Any:
         queue = self._tag_to_queue.get(consumer_tag)
@@ -317,6 +366,22 @@ class Transport(virtual.Transport):
                 "broker='sqlinbox+postgresql://user@host/db' or 'sqlinbox+sqlite:///jobs.db'"
             )
         return str(hostname)
+
+    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+        """kombu's virtual loop, with the polling sleep replaced by the broker's wake-up
+        (NOTIFY on PostgreSQL, an in-process poke everywhere)."""
+        started = monotonic()
+        interval = self.polling_interval
+        if timeout and interval > timeout:
+            interval = timeout
+        while True:
+            try:
+                self.cycle.get(self._deliver, timeout=timeout)
+                return
+            except Empty:
+                if timeout is not None and monotonic() - started >= timeout:
+                    raise TimeoutError() from None
+                self.broker.wakeup.wait(interval)
 
     def establish_connection(self) -> Any:
         self.broker.ping()

@@ -49,6 +49,8 @@ class Statements:
     delete: TextClause
     release: TextClause
     release_uncounted: TextClause
+    retry: TextClause | None
+    lock_row: TextClause
     size: TextClause
     purge: TextClause
     drop: TextClause
@@ -151,10 +153,24 @@ class Dialect:
     def build_statements(self, spec: TableSpec) -> Statements:
         raise NotImplementedError
 
-    def _settle_statements(self, spec: TableSpec) -> dict[str, TextClause]:
-        """Settlement statements: same shape everywhere, fenced by (attempt, ids)."""
+    def later(self, seconds: str) -> str:
+        """SQL for the database's now plus the bound number of seconds ``seconds``."""
+        raise NotImplementedError
+
+    def assemble(self, spec: TableSpec, claim: tuple[TextClause, ...]) -> Statements:
+        """A table's statements around its dialect-written claim. Statements on held
+        rows have the same shape everywhere, fenced by (attempt, ids)."""
         f = self.fields(spec)
         fence = f"WHERE {f['attempt']} = :attempt AND {f['id']} IN :ids"
+        extend = f"UPDATE {f['table']} SET {f['locked_until']} = {self.later(':lease')} {fence}"
+        retry = None
+        if spec.has(Role.AVAILABLE_AT):
+            retry = _expanding(
+                f"UPDATE {f['table']} SET {f['locked_until']} = NULL, "
+                f"{f['available_at']} = {self.later(':delay')} {fence}")
+        lock_row = (
+            f"SELECT r.{f['id']} FROM {f['table']} AS r "
+            f"WHERE r.{f['id']} = :id AND r.{f['attempt']} = :attempt {self.lock_clause}")
         delete = f"DELETE FROM {f['table']} {fence}"
         complete = delete
         if spec.has(Role.PROCESSED_AT):
@@ -170,21 +186,28 @@ class Dialect:
         waiting = f"WHERE {f['locked_until']} IS NULL OR {f['locked_until']} < {self.now}"
         if spec.has(Role.PROCESSED_AT):
             waiting = f"WHERE ({waiting[6:]}) AND {f['processed_at']} IS NULL"
-        return {
-            "complete": _expanding(complete),
-            "delete": _expanding(delete),
-            "release": _expanding(release),
-            "release_uncounted": _expanding(uncounted),
-            "size": text(f"SELECT COUNT(*) FROM {f['table']} {waiting}"),
-            "purge": text(f"DELETE FROM {f['table']} {waiting}"),
-            "drop": text(f"DROP TABLE IF EXISTS {f['table']}"),
-        }
+        return Statements(
+            insert=self.insert_statement(spec),
+            claim=claim,
+            extend=_expanding(extend),
+            retry=retry,
+            lock_row=text(lock_row),
+            complete=_expanding(complete),
+            delete=_expanding(delete),
+            release=_expanding(release),
+            release_uncounted=_expanding(uncounted),
+            size=text(f"SELECT COUNT(*) FROM {f['table']} {waiting}"),
+            purge=text(f"DELETE FROM {f['table']} {waiting}"),
+            drop=text(f"DROP TABLE IF EXISTS {f['table']}"),
+        )
 
     # -- operations --------------------------------------------------------
     def insert_params(
         self, payload: bytes | str, headers: str | None, priority: int, eta: float | None,
+        group: str | None = None, partition_key: str | None = None,
     ) -> dict[str, Any]:
-        return {"payload": payload, "headers": headers, "priority": priority, "eta": eta}
+        return {"payload": payload, "headers": headers, "priority": priority, "eta": eta,
+                "group": group, "partition_key": partition_key}
 
     def insert_sql(self, spec: TableSpec) -> str:
         """The default publish statement: the roles a message fills, the rest by default."""
@@ -194,6 +217,8 @@ class Dialect:
             Role.HEADERS: ":headers",
             Role.PRIORITY: ":priority",
             Role.AVAILABLE_AT: self.eta_value,
+            Role.GROUP: ":group",
+            Role.PARTITION_KEY: ":partition_key",
         }
         roles = [role for role in values if spec.has(role)]
         columns = ", ".join(f[role.value] for role in roles)
@@ -207,6 +232,9 @@ class Dialect:
             digest = hashlib.sha1(spec.table.encode()).hexdigest()[:10]
             name = f"{spec.table[:46]}_{digest}{suffix}"
         return self.quote(name)
+
+    def insert_statement(self, spec: TableSpec) -> TextClause:
+        return text(self.insert_sql(spec))
 
     def publish(self, conn: Connection, spec: TableSpec, params: Sequence[dict[str, Any]]) -> None:
         conn.execute(self.statements(spec).insert, list(params))
@@ -354,6 +382,26 @@ class Dialect:
             f"ALTER TABLE {self.table_ref(spec)} ALTER COLUMN {self.quote(column.name)} "
             f"TYPE {self.column_types[column.role]}"
         )
+
+    # -- wake-ups and advisory locks (databases that have them override) ----
+    #: whether publishes wake consumers through the database (PostgreSQL NOTIFY)
+    notify: bool = False
+
+    def channel(self, spec: TableSpec) -> str:
+        raise NotImplementedError
+
+    def listen(self, dbapi_connection: Any, channels: Iterable[str]) -> None:
+        raise NotImplementedError
+
+    def take_notifications(self, dbapi_connection: Any) -> bool:
+        raise NotImplementedError
+
+    def try_key_locks(self, conn: Connection, space: int, keys: Sequence[str]) -> list[bool]:
+        """Try a session-level lock per key without waiting; True where taken."""
+        raise NotImplementedError
+
+    def release_key_locks(self, conn: Connection, space: int, keys: Sequence[str]) -> None:
+        raise NotImplementedError
 
     # -- errors ------------------------------------------------------------
     def is_transient(self, exc: BaseException) -> bool:

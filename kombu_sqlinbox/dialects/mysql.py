@@ -7,6 +7,8 @@ does not keep gap locks on rows it passed over.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import Connection, text
@@ -16,7 +18,6 @@ from ..tables import ColumnSpec, Role, TableSpec
 from .base import ClaimedRow, Dialect, Statements, _expanding
 
 NOW = "UTC_TIMESTAMP(6)"
-LEASE_UNTIL = f"{NOW} + INTERVAL (:lease * 1000000) MICROSECOND"
 #: column types that hold at most 64 KiB: too small for a Celery message
 SMALL_LOB_TYPES = ("TINYBLOB", "BLOB", "TINYTEXT", "TEXT", "VARCHAR", "VARBINARY", "CHAR")
 
@@ -44,6 +45,9 @@ class MySQLDialect(Dialect):
     def quote(self, name: str) -> str:
         return "`" + name + "`"
 
+    def later(self, seconds: str) -> str:
+        return f"{NOW} + INTERVAL ({seconds} * 1000000) MICROSECOND"
+
     def build_statements(self, spec: TableSpec) -> Statements:
         f = self.fields(spec)
         select = (
@@ -52,19 +56,10 @@ class MySQLDialect(Dialect):
             f"LIMIT :limit {self.lock_clause}"
         )
         lease = (
-            f"UPDATE {f['table']} SET {f['locked_until']} = {LEASE_UNTIL}, "
+            f"UPDATE {f['table']} SET {f['locked_until']} = {self.later(':lease')}, "
             f"{f['attempt']} = {f['attempt']} + 1 WHERE {f['id']} IN :ids"
         )
-        extend = (
-            f"UPDATE {f['table']} SET {f['locked_until']} = {LEASE_UNTIL} "
-            f"WHERE {f['attempt']} = :attempt AND {f['id']} IN :ids"
-        )
-        return Statements(
-            insert=text(self.insert_sql(spec)),
-            claim=(text(select), _expanding(lease)),
-            extend=_expanding(extend),
-            **self._settle_statements(spec),
-        )
+        return self.assemble(spec, (text(select), _expanding(lease)))
 
     def claim(
         self, conn: Connection, spec: TableSpec, limit: int, lease: float,
@@ -101,6 +96,23 @@ class MySQLDialect(Dialect):
 
     def is_transient(self, exc: BaseException) -> bool:
         return self.driver_error_code(exc) in self.transient_codes
+
+    def lock_names(self, space: int, keys: Sequence[str]) -> dict[str, str]:
+        """GET_LOCK names (at most 64 characters): the table's space and a digest of the key."""
+        prefix = f"sqlinbox:{space & 0xFFFFFFFF:08x}:"
+        return {f"k{n}": prefix + hashlib.sha1(key.encode()).hexdigest()
+                for n, key in enumerate(keys)}
+
+    def try_key_locks(self, conn: Connection, space: int, keys: Sequence[str]) -> list[bool]:
+        names = self.lock_names(space, keys)
+        calls = ", ".join(f"GET_LOCK(:{name}, 0)" for name in names)
+        row = conn.execute(text(f"SELECT {calls}"), names).one()
+        return [value == 1 for value in row]
+
+    def release_key_locks(self, conn: Connection, space: int, keys: Sequence[str]) -> None:
+        names = self.lock_names(space, keys)
+        calls = ", ".join(f"RELEASE_LOCK(:{name})" for name in names)
+        conn.execute(text(f"SELECT {calls}"), names)
 
     def on_connect(self, dbapi_connection: Any) -> None:
         cursor = dbapi_connection.cursor()

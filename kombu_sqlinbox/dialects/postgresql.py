@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from sqlalchemy import text
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import Connection, TextClause, bindparam, text
 
 from ..tables import Role, TableSpec
-from .base import Dialect, Statements, _expanding
-
-LEASE_UNTIL = "now() + make_interval(secs => :lease)"
+from .base import Dialect, Statements
 
 
 class PostgreSQLDialect(Dialect):
@@ -31,26 +32,63 @@ class PostgreSQLDialect(Dialect):
     #: deadlock, serialization failure, lock not available
     transient_codes = frozenset({"40P01", "40001", "55P03"})
 
+    #: publishes NOTIFY the table's channel so idle consumers wake at once (C9)
+    notify = True
+
+    def later(self, seconds: str) -> str:
+        return f"now() + make_interval(secs => {seconds})"
+
     def build_statements(self, spec: TableSpec) -> Statements:
         f = self.fields(spec)
         claim = (
-            f"UPDATE {f['table']} AS q SET {f['locked_until']} = {LEASE_UNTIL}, "
+            f"UPDATE {f['table']} AS q SET {f['locked_until']} = {self.later(':lease')}, "
             f"{f['attempt']} = q.{f['attempt']} + 1 "
             f"FROM (SELECT r.{f['id']} FROM {f['table']} AS r WHERE {self.ready_filter(spec)} "
             f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit {self.lock_clause}) AS c "
             f"WHERE q.{f['id']} = c.{f['id']} "
             f"RETURNING {self.returned_columns(spec, 'q')}"
         )
-        extend = (
-            f"UPDATE {f['table']} SET {f['locked_until']} = {LEASE_UNTIL} "
-            f"WHERE {f['attempt']} = :attempt AND {f['id']} IN :ids"
-        )
-        return Statements(
-            insert=text(self.insert_sql(spec)),
-            claim=(text(claim),),
-            extend=_expanding(extend),
-            **self._settle_statements(spec),
-        )
+        return self.assemble(spec, (text(claim),))
+
+    def insert_statement(self, spec: TableSpec) -> TextClause:
+        """The insert and its NOTIFY in one statement: one round trip per publish."""
+        if not self.notify:
+            return super().insert_statement(spec)
+        return text(
+            f"WITH published AS ({self.insert_sql(spec)} RETURNING 1) "
+            "SELECT pg_notify(:channel, '') FROM published"
+        ).bindparams(bindparam("channel", value=self.channel(spec)))
+
+    def channel(self, spec: TableSpec) -> str:
+        """The NOTIFY channel of a table: its (validated) name."""
+        return spec.table
+
+    def listen(self, dbapi_connection: Any, channels: Iterable[str]) -> None:
+        cursor = dbapi_connection.cursor()
+        for channel in channels:
+            cursor.execute(f"LISTEN {self.quote(channel)}")
+        cursor.close()
+
+    def take_notifications(self, dbapi_connection: Any) -> bool:
+        """Read whatever arrived on a LISTEN connection (psycopg2 or psycopg 3)."""
+        if hasattr(dbapi_connection, "poll"):  # psycopg2
+            dbapi_connection.poll()
+            arrived = bool(dbapi_connection.notifies)
+            dbapi_connection.notifies.clear()
+            return arrived
+        return any(True for _ in dbapi_connection.notifies(timeout=0))
+
+    def try_key_locks(self, conn: Connection, space: int, keys: Sequence[str]) -> list[bool]:
+        rows = conn.execute(text(
+            "SELECT pg_try_advisory_lock(:space, hashtext(k)) "
+            "FROM unnest(CAST(:keys AS text[])) WITH ORDINALITY AS u(k, n) ORDER BY n"
+        ), {"space": space, "keys": list(keys)})
+        return [bool(row[0]) for row in rows]
+
+    def release_key_locks(self, conn: Connection, space: int, keys: Sequence[str]) -> None:
+        conn.execute(text(
+            "SELECT pg_advisory_unlock(:space, hashtext(k)) FROM unnest(CAST(:keys AS text[])) k"
+        ), {"space": space, "keys": list(keys)})
 
     def is_transient(self, exc: BaseException) -> bool:
         return self.driver_error_code(exc) in self.transient_codes

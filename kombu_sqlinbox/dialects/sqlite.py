@@ -12,7 +12,7 @@ from sqlalchemy import text
 from sqlalchemy import types as sqltypes
 
 from ..tables import ColumnSpec, Role, TableSpec
-from .base import Dialect, Statements, _expanding
+from .base import Dialect, Statements
 
 NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 
@@ -39,22 +39,16 @@ class SQLiteDialect(Dialect):
     def build_statements(self, spec: TableSpec) -> Statements:
         f = self.fields(spec)
         claim = (
-            f"UPDATE {f['table']} SET {f['locked_until']} = {NOW} + :lease, "
+            f"UPDATE {f['table']} SET {f['locked_until']} = {self.later(':lease')}, "
             f"{f['attempt']} = {f['attempt']} + 1 "
             f"WHERE {f['id']} IN (SELECT r.{f['id']} FROM {f['table']} AS r "
             f"WHERE {self.ready_filter(spec)} ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit) "
             f"RETURNING {self.returned_columns(spec)}"
         )
-        extend = (
-            f"UPDATE {f['table']} SET {f['locked_until']} = {NOW} + :lease "
-            f"WHERE {f['attempt']} = :attempt AND {f['id']} IN :ids"
-        )
-        return Statements(
-            insert=text(self.insert_sql(spec)),
-            claim=(text(claim),),
-            extend=_expanding(extend),
-            **self._settle_statements(spec),
-        )
+        return self.assemble(spec, (text(claim),))
+
+    def later(self, seconds: str) -> str:
+        return f"{NOW} + {seconds}"
 
     def time_types(self) -> tuple[type[Any], ...]:
         return (sqltypes.Float, sqltypes.Numeric, sqltypes.Integer)
