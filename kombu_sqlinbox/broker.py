@@ -99,9 +99,11 @@ class Broker:
         on_connect = getattr(self.dialect, "on_connect", None)
         if on_connect is not None:
             event.listen(self.engine, "connect", lambda dbapi, record: on_connect(dbapi))
-        begin = getattr(self.dialect, "begin", None)
-        if begin is not None:
-            event.listen(self.engine, "begin", lambda conn: conn.exec_driver_sql(begin))
+        if self.engine.dialect.name == "sqlite":
+            # pysqlite's own BEGIN is off (on_connect); ours takes the write lock up front
+            # unless a queue's transactional tasks asked for a deferred one
+            event.listen(self.engine, "begin", lambda conn: conn.exec_driver_sql(
+                "BEGIN " + conn.get_execution_options().get("sqlite_begin", "IMMEDIATE")))
 
     # -- running work --------------------------------------------------------
     def run(self, work: Callable[[Connection], T], attempts: int = 5) -> T:
@@ -168,14 +170,33 @@ class Broker:
             return inspect(conn).has_table(spec.table, schema=spec.schema)
 
     # -- message operations ----------------------------------------------------
-    def publish(self, table: QueueTable, params: dict[str, Any]) -> None:
+    def publish(self, table: QueueTable, params: dict[str, Any],
+                caller: Connection | None = None) -> None:
+        """Insert one message: in the caller's bound transaction when there is one (it
+        then exists only if the caller commits), else in a transaction of our own."""
+        if caller is not None:
+            self.check_same_database(caller, table.queue)
+            self.dialect.publish(caller, table.spec, [params])
+            return
         self.run(lambda conn: self.dialect.publish(conn, table.spec, [params]))
         self.wakeup.poke()
+
+    def check_same_database(self, caller: Connection, queue: str) -> None:
+        mine, theirs = self.engine.url, caller.engine.url
+        same = (mine.get_backend_name(), mine.host, mine.port, mine.database) == (
+            theirs.get_backend_name(), theirs.host, theirs.port, theirs.database)
+        if not same:
+            raise ConfigurationError(
+                f"queue {queue!r}: the bound transaction is on {theirs.render_as_string()}, "
+                f"the broker on {mine.render_as_string()}; a transactional enqueue needs "
+                "both on one database")
 
     def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
         return table.claims.claim(table, limit)
 
-    def dead_letter(self, held: Held, row: ClaimedRow, reason: str) -> None:
+    def dead_letter(
+        self, held: Held, row: ClaimedRow, reason: str, undecodable: bool = False,
+    ) -> None:
         """Move a held row to its queue's dead-letter queue (or delete it) in one transaction."""
         source = held.table
         target_name = source.options.dead_letter_queue
@@ -187,7 +208,9 @@ class Broker:
             "id": held.id,
             "at": time.time(),
         }
-        headers = dead_letter_headers(row.headers, death)
+        if undecodable:  # start a clean envelope so the dead letter itself decodes
+            death["original_headers"] = row.headers
+        headers = dead_letter_headers(None if undecodable else row.headers, death)
         payload = row.payload
         if target is not None:
             payload = convert_payload(payload, target.payload_is_text)
@@ -228,15 +251,13 @@ def dead_letter_headers(headers: str | None, death: dict[str, Any]) -> str:
     an envelope that does not parse is kept verbatim inside the record."""
     try:
         envelope = json.loads(headers) if headers else {}
-        if not isinstance(envelope, dict):
-            raise ValueError("not an object")
-    except ValueError:
+        parts = (envelope.get("headers", {}), envelope.get("properties", {}))
+        if not all(isinstance(part, dict) for part in parts):
+            raise ValueError("not an envelope")
+    except (ValueError, AttributeError):
         envelope = {}
         death["original_headers"] = headers
-    inner = envelope.setdefault("headers", {})
-    if not isinstance(inner, dict):
-        inner = envelope["headers"] = {}
-    inner[DEATH_HEADER] = death
+    envelope.setdefault("headers", {})[DEATH_HEADER] = death
     return json.dumps(envelope)
 
 

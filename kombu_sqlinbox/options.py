@@ -20,6 +20,7 @@ KOMBU_KEYS = frozenset(
     {"max_retries", "interval_start", "interval_step", "interval_max", "connect_retries_timeout"}
 )
 CLAIM_FORMS = ("lease", "row_lock", "advisory")
+ISOLATION_LEVELS = ("READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class QueueOptions:
     dead_letter_queue: str | None = None
     claim: str = "lease"
     visibility_timeout: float = 30.0
+    isolation_level: str | None = None
+    sqlite_begin: str = "IMMEDIATE"
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,8 @@ def _declaration(key: str, value: Any) -> TableSpec:
 
 
 def _queue_options(prefix: str, raw: Mapping[str, Any], base: QueueOptions) -> QueueOptions:
-    known = {"table", "max_attempts", "dead_letter_queue", "claim", "visibility_timeout"}
+    known = {"table", "max_attempts", "dead_letter_queue", "claim", "visibility_timeout",
+             "isolation_level", "sqlite_begin"}
     changes: dict[str, Any] = {}
     for key, value in raw.items():
         name = f"{prefix}{key}"
@@ -96,6 +100,17 @@ def _queue_options(prefix: str, raw: Mapping[str, Any], base: QueueOptions) -> Q
                     f"transport option {name}={value!r}: expected one of {', '.join(CLAIM_FORMS)}"
                 )
             changes[key] = value
+        elif key == "isolation_level":
+            if value is not None and value not in ISOLATION_LEVELS:
+                raise ConfigurationError(
+                    f"transport option {name}={value!r}: expected one of "
+                    f"{', '.join(ISOLATION_LEVELS)}")
+            changes[key] = value
+        elif key == "sqlite_begin":
+            if str(value).upper() not in ("DEFERRED", "IMMEDIATE"):
+                raise ConfigurationError(
+                    f"transport option {name}={value!r}: expected 'deferred' or 'immediate'")
+            changes[key] = str(value).upper()
         elif key == "dead_letter_queue":
             if value is not None and (not isinstance(value, str) or not value):
                 raise ConfigurationError(
@@ -107,7 +122,8 @@ def _queue_options(prefix: str, raw: Mapping[str, Any], base: QueueOptions) -> Q
 def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
     """Check and convert ``transport_options``; raise naming the first bad key."""
     raw = dict(raw or {})
-    queue_keys = {"max_attempts", "dead_letter_queue", "claim", "visibility_timeout"}
+    queue_keys = {"max_attempts", "dead_letter_queue", "claim", "visibility_timeout",
+                  "isolation_level", "sqlite_begin"}
     defaults = _queue_options("", {k: raw.pop(k) for k in list(raw) if k in queue_keys},
                               QueueOptions())
     if "table" in raw:

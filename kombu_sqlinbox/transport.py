@@ -21,6 +21,7 @@ import sqlalchemy
 from kombu.transport import virtual
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
+from . import binding
 from .broker import Broker, QueueTable, broker_for, convert_payload
 from .claims import Held, Settlement
 from .dialects import ClaimedRow
@@ -33,6 +34,9 @@ DELIVERY_PROPERTIES = ("delivery_tag", "delivery_info")
 #: message headers whose values fill the group and partition-key columns on publish
 GROUP_HEADER = "group_key"
 PARTITION_HEADER = "partition_key"
+#: header set on every delivery: which row it is, so a task's own transaction can take
+#: the row over by id and fencing token (transactional tasks)
+ROW_HEADER = "sqlinbox_row"
 
 
 class Undecodable(ValueError):
@@ -92,6 +96,7 @@ def decode_row(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict[st
     except (ValueError, UnicodeDecodeError, binascii.Error, AttributeError) as exc:
         raise Undecodable(f"cannot decode stored message: {exc}") from exc
     routing = properties.pop("routing", None) or {}
+    headers[ROW_HEADER] = {"queue": table.queue, "id": row.id, "attempt": row.attempt}
     properties["delivery_tag"] = delivery_tag
     properties["delivery_info"] = {
         "exchange": routing.get("exchange") or "",
@@ -205,7 +210,8 @@ class Channel(virtual.Channel):
         message_headers = message.get("headers") or {}
         self.broker.publish(table, self.broker.dialect.insert_params(
             payload, headers, priority, eta_epoch(message_headers),
-            _key(message_headers.get(GROUP_HEADER)), _key(message_headers.get(PARTITION_HEADER))))
+            _key(message_headers.get(GROUP_HEADER)), _key(message_headers.get(PARTITION_HEADER))),
+            binding.current())
 
     # -- consume ---------------------------------------------------------------
     def _claim_size(self) -> int:
@@ -267,8 +273,11 @@ class Channel(virtual.Channel):
             message = decode_row(row, table, tag)
         except Undecodable as exc:
             reason = str(exc)
+            undecodable = True
+        else:
+            undecodable = False
         if reason is not None:
-            self.broker.dead_letter(held, row, reason)
+            self.broker.dead_letter(held, row, reason, undecodable)
             self.key_settled(table.queue, row)
             return None
         self.qos.track(tag, held, row)
@@ -303,6 +312,15 @@ class Channel(virtual.Channel):
         self.broker.keeper.flush(timeout=10)
 
     # -- queue management ------------------------------------------------------
+    def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,
+                     **kwargs: Any) -> None:
+        """Delete the queue's table whatever this process knows of its bindings (kombu's
+        virtual channel only deletes through bindings declared in this process)."""
+        if if_empty and self._size(queue):
+            return
+        self._delete(queue)
+        self.state.queue_bindings_delete(queue)
+
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
         self.broker.table(queue)
 

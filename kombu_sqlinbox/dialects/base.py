@@ -9,6 +9,7 @@ templates and executes them. A service adds a database by subclassing
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -51,6 +52,7 @@ class Statements:
     release_uncounted: TextClause
     retry: TextClause | None
     lock_row: TextClause
+    take_over: TextClause
     size: TextClause
     purge: TextClause
     drop: TextClause
@@ -72,6 +74,8 @@ class Dialect:
     #: how a claim's selection locks the rows it takes (empty where the database has
     #: a single writer and needs none)
     lock_clause: ClassVar[str] = "FOR UPDATE SKIP LOCKED"
+    #: how a task's transaction takes over a leased row: waiting, never skipping
+    wait_lock_clause: ClassVar[str] = "FOR UPDATE"
     #: SQL types of the default layout, by role (``{generated}`` ids differ)
     column_types: ClassVar[Mapping[Role, str]]
     generated_id_type: ClassVar[str]
@@ -168,9 +172,8 @@ class Dialect:
             retry = _expanding(
                 f"UPDATE {f['table']} SET {f['locked_until']} = NULL, "
                 f"{f['available_at']} = {self.later(':delay')} {fence}")
-        lock_row = (
-            f"SELECT r.{f['id']} FROM {f['table']} AS r "
-            f"WHERE r.{f['id']} = :id AND r.{f['attempt']} = :attempt {self.lock_clause}")
+        one_row = (f"SELECT r.{f['id']} FROM {f['table']} AS r "
+                   f"WHERE r.{f['id']} = :id AND r.{f['attempt']} = :attempt ")
         delete = f"DELETE FROM {f['table']} {fence}"
         complete = delete
         if spec.has(Role.PROCESSED_AT):
@@ -191,7 +194,8 @@ class Dialect:
             claim=claim,
             extend=_expanding(extend),
             retry=retry,
-            lock_row=text(lock_row),
+            lock_row=text(one_row + self.lock_clause),
+            take_over=text(one_row + self.wait_lock_clause),
             complete=_expanding(complete),
             delete=_expanding(delete),
             release=_expanding(release),
@@ -378,10 +382,10 @@ class Dialect:
         return not isinstance(payload["type"], sqltypes._Binary)
 
     def alter_type_ddl(self, spec: TableSpec, column: ColumnSpec) -> str:
-        return (
-            f"ALTER TABLE {self.table_ref(spec)} ALTER COLUMN {self.quote(column.name)} "
-            f"TYPE {self.column_types[column.role]}"
-        )
+        name = self.quote(column.name)
+        bare = re.split(r"\s+(?:NOT NULL|NULL|DEFAULT)\b", self.column_types[column.role])[0]
+        cast = f"{name}::text::{bare}" if bare == "BYTEA" else f"{name}::{bare}"
+        return f"ALTER TABLE {self.table_ref(spec)} ALTER COLUMN {name} TYPE {bare} USING {cast}"
 
     # -- wake-ups and advisory locks (databases that have them override) ----
     #: whether publishes wake consumers through the database (PostgreSQL NOTIFY)
@@ -423,3 +427,131 @@ class Dialect:
             return None
         code = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
         return code or (orig.args[0] if orig.args else None)
+
+    # -- outbox (celery_ext.outbox) ------------------------------------------------
+    # Every statement of the transactional outbox. Its table arrives as role -> column
+    # name (validated by celery_ext.declaration); names are quoted here, values bound.
+    #: SQL types of the default outbox layout by role; "id" is the type of an id the
+    #: outbox supplies (a UUID), a generated id takes ``generated_id_type``
+    outbox_column_types: ClassVar[Mapping[str, str]] = {}
+    #: whether the record of a publish outside a caller's transaction is written in
+    #: autocommit mode (one round trip instead of BEGIN, INSERT, COMMIT); only where
+    #: switching a pooled connection to autocommit costs no round trip of its own
+    outbox_autocommit: ClassVar[bool] = False
+
+    def outbox_fields(
+        self, table: str, schema: str | None, columns: dict[str, str],
+    ) -> dict[str, str]:
+        """Template values: ``{table}``, ``{now}`` and one quoted name per declared role."""
+        ref = self.quote(table) if schema is None else f"{self.quote(schema)}.{self.quote(table)}"
+        return {"table": ref, "now": self.now,
+                **{role: self.quote(name) for role, name in columns.items()}}
+
+    def outbox_ago(self) -> str:
+        """The database's time ``:older_than`` seconds ago, comparable with its time columns."""
+        raise NotImplementedError
+
+    def outbox_age(self, moment: str) -> str:
+        """Seconds from ``moment`` (a time column expression) until now."""
+        raise NotImplementedError
+
+    def outbox_returning(self, f: dict[str, str]) -> str:
+        """What makes an INSERT return the generated record id (empty: read ``lastrowid``)."""
+        return f" RETURNING {f['id']}"
+
+    def outbox_prune_sql(self, f: dict[str, str]) -> str:
+        """Delete up to ``:limit`` records processed before ``:older_than`` seconds ago."""
+        return (
+            f"DELETE FROM {f['table']} WHERE {f['id']} IN (SELECT {f['id']} FROM {f['table']} "
+            f"WHERE {f['processed_at']} < {self.outbox_ago()} LIMIT :limit)"
+        )
+
+    def outbox_statements(
+        self, table: str, schema: str | None, columns: dict[str, str], generated_id: bool,
+    ) -> dict[str, TextClause]:
+        """Every outbox statement for one table: insert, mark, processed, pending, prune,
+        status, drop."""
+        f = self.outbox_fields(table, schema, columns)
+        values = [role for role in ("id", "task_id", "task_name", "exchange", "routing_key",
+                                    "headers", "properties", "body") if role in columns]
+        if generated_id:
+            values.remove("id")
+        insert = (
+            f"INSERT INTO {f['table']} ({', '.join(f[r] for r in values)}, {f['created_at']}) "
+            f"VALUES ({', '.join(':' + r for r in values)}, {self.now})"
+        )
+        if generated_id:
+            insert += self.outbox_returning(f)
+        unprocessed = f"{f['processed_at']} IS NULL"
+        oldest = f"MIN(CASE WHEN {unprocessed} THEN {f['created_at']} END)"
+        return {
+            "insert": text(insert),
+            "mark": text(
+                f"UPDATE {f['table']} SET {f['processed_at']} = {self.now} "
+                f"WHERE {f['id']} = :id AND {unprocessed}"),
+            "processed": text(
+                f"SELECT CASE WHEN {unprocessed} THEN 0 ELSE 1 END FROM {f['table']} "
+                f"WHERE {f['id']} = :id"),
+            "pending": text(
+                f"SELECT {f['id']}, {f['exchange']}, {f['routing_key']}, {f['headers']}, "
+                f"{f['properties']}, {f['body']} FROM {f['table']} WHERE {unprocessed} "
+                f"AND {f['created_at']} <= {self.outbox_ago()} AND {f['id']} > :after "
+                f"ORDER BY {f['id']} LIMIT :limit"),
+            "prune": text(self.outbox_prune_sql(f)),
+            "status": text(
+                f"SELECT COALESCE(SUM(CASE WHEN {unprocessed} THEN 1 ELSE 0 END), 0), "
+                f"COALESCE(SUM(CASE WHEN {unprocessed} THEN 0 ELSE 1 END), 0), "
+                f"{self.outbox_age(oldest)} FROM {f['table']}"),
+            "drop": text(f"DROP TABLE IF EXISTS {f['table']}"),
+        }
+
+    def outbox_insert(self, conn: Connection, statement: TextClause,
+                      params: Mapping[str, Any]) -> Any:
+        """Write one record and return the id the database generated for it (from RETURNING,
+        or the cursor's ``lastrowid`` where the INSERT returns nothing)."""
+        result = conn.execute(statement, dict(params))
+        return result.scalar_one() if result.returns_rows else result.lastrowid
+
+    def outbox_index_name(self, table: str) -> str:
+        digest = hashlib.sha1(table.encode()).hexdigest()[:10]
+        return self.quote(f"{table[:40]}_{digest}_outbox")
+
+    def outbox_column_ddl(self, role: str, name: str, generated_id: bool) -> str:
+        if role == "id":
+            kind = self.generated_id_type if generated_id else (
+                self.outbox_column_types["id"] + " PRIMARY KEY")
+            return f"{self.quote(name)} {kind}"
+        return f"{self.quote(name)} {self.outbox_column_types[role]}"
+
+    def outbox_create_ddl(
+        self, table: str, schema: str | None, columns: dict[str, str], generated_id: bool,
+    ) -> list[str]:
+        """CREATE TABLE for the outbox, and its index on (processed_at, id), which serves the
+        republish scan (unprocessed, by id) and pruning (processed before a moment)."""
+        f = self.outbox_fields(table, schema, columns)
+        body = ",\n    ".join(
+            self.outbox_column_ddl(role, name, generated_id) for role, name in columns.items())
+        return [
+            f"CREATE TABLE IF NOT EXISTS {f['table']} (\n    {body}\n)",
+            f"CREATE INDEX IF NOT EXISTS {self.outbox_index_name(table)} ON {f['table']} "
+            f"({f['processed_at']}, {f['id']})",
+        ]
+
+    #: SQL that begins the outbox's transactions where :meth:`on_connect` turns the driver's
+    #: own transaction handling off (SQLite), and the isolation level of its engines
+    outbox_begin: ClassVar[str | None] = None
+    outbox_isolation_level: ClassVar[str | None] = None
+
+    def outbox_prepare_engine(self, engine: Engine) -> None:
+        """Set up an engine the outbox creates from a URL the way the transport sets up its
+        own (a service's own engine is used as it is)."""
+        from sqlalchemy import event
+
+        on_connect = getattr(self, "on_connect", None)
+        if on_connect is not None:
+            event.listen(engine, "connect", lambda dbapi, record: on_connect(dbapi))
+        begin = self.outbox_begin
+        if begin is not None:
+            event.listen(engine, "begin", lambda conn: conn.exec_driver_sql(begin))
+        if self.outbox_isolation_level is not None:
+            engine.update_execution_options(isolation_level=self.outbox_isolation_level)

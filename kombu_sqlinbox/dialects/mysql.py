@@ -120,3 +120,47 @@ class MySQLDialect(Dialect):
         cursor.execute("SELECT @@max_allowed_packet")
         (self.max_statement_bytes,) = cursor.fetchone()
         cursor.close()
+
+    # -- outbox (celery_ext.outbox) ------------------------------------------------
+    outbox_column_types = {
+        "id": "VARCHAR(64) NOT NULL",
+        "task_id": "VARCHAR(255)",
+        "task_name": "VARCHAR(255)",
+        "exchange": "VARCHAR(255) NOT NULL",
+        "routing_key": "VARCHAR(255) NOT NULL",
+        "headers": "LONGTEXT NOT NULL",
+        "properties": "LONGTEXT NOT NULL",
+        "body": "LONGBLOB NOT NULL",
+        "created_at": "DATETIME(6) NOT NULL",
+        "processed_at": "DATETIME(6) NULL",
+    }
+
+    def outbox_ago(self) -> str:
+        return f"{NOW} - INTERVAL (:older_than * 1000000) MICROSECOND"
+
+    def outbox_age(self, moment: str) -> str:
+        return f"TIMESTAMPDIFF(MICROSECOND, {moment}, {NOW}) / 1000000.0"
+
+    def outbox_returning(self, f: dict[str, str]) -> str:
+        """No INSERT ... RETURNING on MySQL: the id comes from the cursor's lastrowid."""
+        return ""
+
+    def outbox_prune_sql(self, f: dict[str, str]) -> str:
+        """MySQL takes no LIMIT in an IN subquery, but DELETE itself takes one."""
+        return (
+            f"DELETE FROM {f['table']} WHERE {f['processed_at']} < {self.outbox_ago()} "
+            f"ORDER BY {f['processed_at']} LIMIT :limit"
+        )
+
+    def outbox_create_ddl(
+        self, table: str, schema: str | None, columns: dict[str, str], generated_id: bool,
+    ) -> list[str]:
+        """No CREATE INDEX IF NOT EXISTS here: the index goes inside CREATE TABLE."""
+        create, _ = super().outbox_create_ddl(table, schema, columns, generated_id)
+        f = self.outbox_fields(table, schema, columns)
+        index = (f",\n    INDEX {self.outbox_index_name(table)} "
+                 f"({f['processed_at']}, {f['id']})\n)")
+        return [create[: -len("\n)")] + index + " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"]
+
+    #: as the transport's engines: pruning takes no gap locks
+    outbox_isolation_level = "READ COMMITTED"

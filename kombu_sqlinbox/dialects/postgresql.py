@@ -92,3 +92,25 @@ class PostgreSQLDialect(Dialect):
 
     def is_transient(self, exc: BaseException) -> bool:
         return self.driver_error_code(exc) in self.transient_codes
+
+    # -- outbox (celery_ext.outbox) ------------------------------------------------
+    outbox_column_types = {
+        "id": "VARCHAR(64) NOT NULL",
+        "task_id": "TEXT",
+        "task_name": "TEXT",
+        "exchange": "TEXT NOT NULL",
+        "routing_key": "TEXT NOT NULL",
+        "headers": "TEXT NOT NULL",
+        "properties": "TEXT NOT NULL",
+        "body": "BYTEA NOT NULL",
+        "created_at": "TIMESTAMPTZ NOT NULL DEFAULT now()",
+        "processed_at": "TIMESTAMPTZ",
+    }
+
+    outbox_autocommit = True
+
+    def outbox_ago(self) -> str:
+        return "now() - make_interval(secs => :older_than)"
+
+    def outbox_age(self, moment: str) -> str:
+        return f"EXTRACT(EPOCH FROM (now() - {moment}))"

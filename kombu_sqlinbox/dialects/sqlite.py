@@ -22,6 +22,7 @@ class SQLiteDialect(Dialect):
     now = NOW
     eta_value = f"COALESCE(:eta, {NOW})"
     lock_clause = ""
+    wait_lock_clause = ""
     generated_id_type = "INTEGER PRIMARY KEY AUTOINCREMENT"
     column_types = {
         Role.ID: "INTEGER NOT NULL",
@@ -73,6 +74,26 @@ class SQLiteDialect(Dialect):
 
     #: seconds a statement waits for the database's write lock
     busy_timeout = 30.0
-    #: how our transactions begin; IMMEDIATE takes the write lock up front so a
-    #: transaction never fails to upgrade a read lock half-way
-    begin = "BEGIN IMMEDIATE"
+
+    # -- outbox (celery_ext.outbox) ------------------------------------------------
+    outbox_column_types = {
+        "id": "TEXT NOT NULL",
+        "task_id": "TEXT",
+        "task_name": "TEXT",
+        "exchange": "TEXT NOT NULL",
+        "routing_key": "TEXT NOT NULL",
+        "headers": "TEXT NOT NULL",
+        "properties": "TEXT NOT NULL",
+        "body": "BLOB NOT NULL",
+        "created_at": "REAL NOT NULL",
+        "processed_at": "REAL",
+    }
+
+    def outbox_ago(self) -> str:
+        return f"{NOW} - :older_than"
+
+    def outbox_age(self, moment: str) -> str:
+        return f"{NOW} - {moment}"
+
+    #: deferred: the outbox's transactions start with their write, its reads lock nothing
+    outbox_begin = "BEGIN"

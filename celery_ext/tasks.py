@@ -1,0 +1,215 @@
+"""The Celery task base for inbox queues: retry in place, transactional tasks.
+
+Retry in place
+--------------
+Celery's ``self.retry()`` publishes a new message and acks the old one. On an
+inbox queue that loses the row's place: a FIFO group's head would move behind
+the rows queued after it. ``self.retry_after(seconds)`` instead keeps the same
+row, counts the attempt, and hides it until due, behind rows that became ready
+earlier.
+
+The task raises :class:`RetryAfter` (a ``Reject(requeue=True)``, so on any
+other broker it is an immediate requeue); the worker-side :class:`InboxRequest`
+turns it into the transport's in-place retry. The request runs in the worker's
+main process, which holds the claim, so this works in the prefork, threads and
+solo pools alike.
+
+Transactional tasks (exactly once inside the database)
+------------------------------------------------------
+``@app.task(base=InboxTask, transactional=True)`` runs the body inside one
+transaction on the queue's database, reachable as ``self.connection`` (and
+bound, so ``other_task.delay()`` inside writes its row in it). The transaction
+first takes the delivered row over by id and fencing token (``SELECT ... FOR
+UPDATE``; the lease does not block it), and completes the row before it
+commits: the task's writes and the row's completion commit together. Wherever
+the task runs (a prefork child, a thread, the main process) the claim stays
+with the worker's main process, whose later ack finds the row already gone.
+On an exception the writes roll back before Celery settles the row; a crash
+of the pool process commits nothing and the row comes back. A delivery whose
+row is no longer there (already done, or claimed again elsewhere) skips the
+body; a body that violates a unique key of its own (the same work published
+twice) is dropped with nothing changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, NoReturn
+
+from celery import Task
+from celery.exceptions import Ignore, Reject
+from celery.worker.request import Request
+from sqlalchemy import Connection
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from kombu_sqlinbox import binding
+from kombu_sqlinbox.broker import Broker, QueueTable
+from kombu_sqlinbox.errors import ConfigurationError
+from kombu_sqlinbox.transport import ROW_HEADER
+
+__all__ = ["InboxRequest", "InboxTask", "RetryAfter", "TransactionalTaskError"]
+
+logger = logging.getLogger(__name__)
+
+
+class TransactionalTaskError(ConfigurationError):
+    """A transactional task cannot run where it was delivered (wrong broker or claim form)."""
+
+
+class RetryAfter(Reject):  # type: ignore[misc]
+    """Retry this delivery in place after ``seconds`` (same row, attempt counted)."""
+
+    def __init__(self, seconds: float, reason: str | None = None) -> None:
+        super().__init__(reason or f"retry in place in {seconds}s", requeue=True)
+        self.seconds = float(seconds)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # survives the trip from a pool process
+        return (RetryAfter, (self.seconds, self.reason))
+
+
+class InboxRequest(Request):  # type: ignore[misc]
+    """A worker request that settles :class:`RetryAfter` through the transport."""
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True,
+                   return_ok: bool = False) -> Any:
+        exc = getattr(exc_info.exception, "exc", exc_info.exception)
+        qos: Any = getattr(getattr(self.message, "channel", None), "qos", None)
+        if isinstance(exc, RetryAfter) and hasattr(qos, "retry_after"):
+            from celery.worker.state import task_ready
+
+            task_ready(self)
+            if not self.acknowledged:
+                qos.retry_after(self.message.delivery_tag, exc.seconds)
+                self.acknowledged: bool = True
+                self.send_event("task-retried", exception=repr(exc))
+            return None
+        return super().on_failure(exc_info, send_failed_event, return_ok)
+
+
+_BROKERS: dict[tuple[int, int], Broker] = {}
+#: the running transactional task's transaction (a task object serves every thread)
+_DELIVERY: ContextVar[Connection | None] = ContextVar("sqlinbox_delivery", default=None)
+
+
+def broker_of(app: Any) -> Broker:
+    """This process's sqlinbox broker for the app's broker URL (one per app and process)."""
+    key = (id(app), os.getpid())
+    found = _BROKERS.get(key)
+    if found is None:
+        transport = app.connection_for_write().transport
+        found = getattr(transport, "broker", None)
+        if not isinstance(found, Broker):
+            raise TransactionalTaskError(
+                f"transactional tasks need the sqlinbox broker; this app uses "
+                f"{type(transport).__module__}")
+        _BROKERS[key] = found
+    return found
+
+
+@contextmanager
+def delivery_transaction(app: Any, row: dict[str, Any] | None) -> Iterator[
+        tuple[Connection, QueueTable | None]]:
+    """A transaction on the queue's database that owns the delivered row, if there is one.
+
+    Yields ``(connection, table)``; the caller completes the row before leaving the block.
+    Raises :class:`~celery.exceptions.Ignore` when the row is no longer this delivery's.
+    """
+    broker = broker_of(app)
+    table = broker.table(row["queue"]) if row else None
+    options: dict[str, Any] = {}
+    if table is not None:
+        if table.options.claim == "row_lock":
+            raise TransactionalTaskError(
+                f"queue {table.queue!r}: a transactional task cannot take over a row held by "
+                "claim='row_lock' (the worker's own transaction locks it); use 'lease' or "
+                "'advisory'")
+        if table.options.isolation_level:
+            options["isolation_level"] = table.options.isolation_level
+        options["sqlite_begin"] = table.options.sqlite_begin
+    with broker.engine.connect() as conn:
+        conn = conn.execution_options(**options)
+        with conn.begin():
+            if table is not None and row is not None:
+                statement = broker.dialect.statements(table.spec).take_over
+                params = {"id": row["id"], "attempt": row["attempt"]}
+                if conn.execute(statement, params).first() is None:
+                    logger.info("sqlinbox: message %s of queue %r is no longer this "
+                                "delivery's (done, or claimed again): skipped",
+                                row["id"], row["queue"])
+                    raise Ignore()
+            yield conn, table
+
+
+def complete_row(app: Any, conn: Connection, table: QueueTable, row: dict[str, Any]) -> None:
+    """Complete the delivered row inside the task's transaction (fenced by its attempt)."""
+    broker = broker_of(app)
+    statement = broker.dialect.statements(table.spec).complete
+    broker.dialect.settle(conn, statement, {row["attempt"]: [row["id"]]})
+
+
+class InboxTask(Task):  # type: ignore[misc]
+    """Base for tasks on inbox queues: late acks, and rows given back on a lost worker.
+
+    ``acks_late`` keeps the row held (and its lease extended) until the task has
+    finished; ``reject_on_worker_lost`` puts it back in place when a pool process
+    dies mid-task, where ``max_attempts`` bounds how often that may happen.
+    """
+
+    Request = "celery_ext.tasks:InboxRequest"
+    acks_late = True
+    reject_on_worker_lost = True
+    #: run the body in the delivery's transaction (see the module docs)
+    transactional = False
+    #: in a transactional task, treat a unique-key violation as the same work done twice
+    drop_duplicates = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.transactional:
+            return super().__call__(*args, **kwargs)
+        row = self.request.get(ROW_HEADER) if self.request.id else None
+        try:
+            with delivery_transaction(self.app, row) as (conn, table):
+                delivery_token = _DELIVERY.set(conn)
+                bound_token = binding.BOUND.set(conn)
+                try:
+                    result = super().__call__(*args, **kwargs)
+                finally:
+                    binding.BOUND.reset(bound_token)
+                    _DELIVERY.reset(delivery_token)
+                if table is not None and row is not None:
+                    complete_row(self.app, conn, table, row)
+                return result
+        except IntegrityError as exc:
+            if not self.drop_duplicates:
+                raise
+            logger.warning("sqlinbox: task %s[%s] violated a unique key (%s): the same work "
+                           "was done before; dropped with nothing changed",
+                           self.name, self.request.id, exc.orig)
+            if row is not None:
+                with delivery_transaction(self.app, row) as (again, again_table):
+                    if again_table is not None:
+                        complete_row(self.app, again, again_table, row)
+            return None
+
+    @property
+    def connection(self) -> Connection:
+        """The delivery's transaction (transactional tasks only, while the body runs)."""
+        conn = _DELIVERY.get()
+        if conn is None:
+            raise TransactionalTaskError(
+                f"task {self.name}: self.connection exists only inside a transactional task")
+        return conn
+
+    def session(self, **options: Any) -> Session:
+        """An ORM Session joined to the delivery's transaction (it must not commit)."""
+        return Session(bind=self.connection, join_transaction_mode="create_savepoint",
+                       **options)
+
+    def retry_after(self, seconds: float, reason: str | None = None) -> NoReturn:
+        """Retry in place: ``raise self.retry_after(30)``, like ``raise self.retry()``."""
+        raise RetryAfter(seconds, reason)

@@ -1,0 +1,25 @@
+-- claim: lease up to :limit ready rows, in claim order, in one statement
+UPDATE "sqlinbox_celery" AS q
+SET "locked_until" = now() + make_interval(secs => :lease),
+    "attempt" = q."attempt" + 1
+FROM (SELECT r."id" FROM "sqlinbox_celery" AS r
+      WHERE (r."locked_until" IS NULL OR r."locked_until" < now())
+        AND r."available_at" <= now()
+      ORDER BY r."priority" DESC, r."available_at", r."id"
+      LIMIT :limit
+      FOR UPDATE OF r SKIP LOCKED) AS c
+WHERE q."id" = c."id"
+RETURNING q."id", q."attempt", q."payload", q."headers", NULL, NULL,
+          q."priority", q."available_at";
+
+-- extend: the lease keeper, once per attempt value among the rows held
+UPDATE "sqlinbox_celery"
+SET "locked_until" = now() + make_interval(secs => :lease)
+WHERE "attempt" = :attempt AND "id" IN :ids;
+
+-- ack: delete the rows (fenced the same way)
+DELETE FROM "sqlinbox_celery" WHERE "attempt" = :attempt AND "id" IN :ids;
+
+-- requeue: back in place, the attempt stays counted
+UPDATE "sqlinbox_celery" SET "locked_until" = NULL
+WHERE "attempt" = :attempt AND "id" IN :ids;

@@ -1,0 +1,90 @@
+"""Helpers the behaviour suite shares: publishing, bounded waits, looking at the table."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kombu import Connection
+from kombu.message import Message
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from kombu_sqlinbox.broker import DEATH_HEADER, Broker
+from kombu_sqlinbox.tables import table_name_for_queue
+
+T = TypeVar("T")
+
+#: transport options giving queue "jobs" the dead-letter queue "jobs.dead"
+DEAD_LETTERS: dict[str, Any] = {"queues": {"jobs": {"dead_letter_queue": "jobs.dead"}}}
+
+
+def broker_of(conn: Connection) -> Broker:
+    """The per-process broker behind a kombu connection (its keeper, dialect, tables)."""
+    broker: Broker = conn.default_channel.broker
+    return broker
+
+
+def publish(conn: Connection, queue: str, body: Any, **kwargs: Any) -> None:
+    """Declare ``queue`` and publish one message to it through the default exchange."""
+    conn.default_channel.queue_declare(queue)
+    conn.Producer().publish(body, routing_key=queue, **kwargs)
+
+
+def wait_for(predicate: Callable[[], T | None], what: str, timeout: float = 10.0,
+             interval: float = 0.05) -> T:
+    """Poll ``predicate`` until it returns something truthy; at the deadline fail naming
+    ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def get(conn: Connection, queue: str) -> Message | None:
+    """One ``basic_get`` on the connection's default channel."""
+    message: Message | None = conn.default_channel.basic_get(queue)
+    return message
+
+
+def get_within(conn: Connection, queue: str, timeout: float = 10.0) -> Message:
+    """The next message of ``queue``, polled until ``timeout``."""
+    return wait_for(lambda: get(conn, queue), f"a message on {queue!r}", timeout)
+
+
+def settled(conn: Connection) -> None:
+    """Wait for the lease keeper to write every pending ack/requeue (it batches them)."""
+    assert broker_of(conn).keeper.flush(timeout=10), "lease keeper did not settle in 10 s"
+
+
+def table_of(queue: str, prefix: str) -> str:
+    return table_name_for_queue(queue, prefix)
+
+
+def quoted(engine: Engine, name: str) -> str:
+    return str(engine.dialect.identifier_preparer.quote(name))
+
+
+def rows(engine: Engine, table: str) -> list[dict[str, Any]]:
+    """Every row of a default-layout queue table, by id."""
+    with engine.connect() as conn:
+        result = conn.execute(text(
+            f"SELECT id, attempt, locked_until, payload, headers FROM {quoted(engine, table)} "
+            "ORDER BY id"))
+        return [dict(row._mapping) for row in result]
+
+
+def count_rows(engine: Engine, table: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(f"SELECT COUNT(*) FROM {quoted(engine, table)}")).scalar_one())
+
+
+def death(message: Message) -> dict[str, Any]:
+    """The record the transport adds to a dead-lettered message."""
+    record: dict[str, Any] = message.headers[DEATH_HEADER]
+    return record

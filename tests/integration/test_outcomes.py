@@ -1,0 +1,143 @@
+"""Outcomes (SPEC C3): ack, requeue in place, reject, dead letters, max_attempts."""
+
+from __future__ import annotations
+
+import json
+
+from sqlalchemy.engine import Engine
+
+from .conftest import Connect
+from .support import (
+    DEAD_LETTERS,
+    broker_of,
+    death,
+    get,
+    get_within,
+    publish,
+    rows,
+    settled,
+    table_of,
+    wait_for,
+)
+
+
+def test_ack_deletes_the_row(connect: Connect, engine: Engine, table_prefix: str) -> None:
+    conn = connect()
+    publish(conn, "jobs", {"n": 1})
+    table = table_of("jobs", table_prefix)
+    message = get_within(conn, "jobs")
+    assert len(rows(engine, table)) == 1
+    message.ack()
+    settled(conn)
+    assert rows(engine, table) == []
+
+
+def test_requeue_puts_the_row_back_in_place_and_counts_the_attempt(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    conn = connect()
+    publish(conn, "jobs", {"n": "first"})
+    publish(conn, "jobs", {"n": "second"})
+    table = table_of("jobs", table_prefix)
+    first = get_within(conn, "jobs")
+    assert first.delivery_info["redelivered"] is False
+    before = rows(engine, table)[0]
+    first.requeue()
+    settled(conn)
+    after = rows(engine, table)[0]
+    assert (after["id"], after["attempt"], after["locked_until"]) == (before["id"], 1, None)
+    again = get_within(conn, "jobs")
+    assert again.decode() == {"n": "first"}
+    assert again.delivery_info["redelivered"] is True
+    assert rows(engine, table)[0]["attempt"] == 2
+    again.ack()
+
+
+def test_reject_without_requeue_deletes_the_row(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    conn = connect()
+    publish(conn, "jobs", {"n": 1})
+    get_within(conn, "jobs").reject(requeue=False)
+    settled(conn)
+    assert rows(engine, table_of("jobs", table_prefix)) == []
+
+
+def test_reject_without_requeue_moves_to_the_dead_letter_queue(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    conn = connect(**DEAD_LETTERS)
+    publish(conn, "jobs", b"\x00payload\xff", content_type="application/octet-stream",
+            content_encoding="binary", headers={"task": "t1"})
+    get_within(conn, "jobs").reject(requeue=False)
+    assert rows(engine, table_of("jobs", table_prefix)) == []
+    parked = get_within(conn, "jobs.dead")
+    assert parked.body == b"\x00payload\xff"
+    assert parked.headers["task"] == "t1"
+    record = death(parked)
+    assert record["queue"] == "jobs"
+    assert "rejected" in record["reason"]
+    assert record["attempts"] == 1
+
+
+def test_dead_letter_queue_is_an_ordinary_queue(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    conn = connect(**DEAD_LETTERS)
+    for n in range(3):
+        publish(conn, "jobs", {"n": n})
+        get_within(conn, "jobs").reject(requeue=False)
+    channel = conn.default_channel
+    assert channel.queue_declare("jobs.dead", passive=True).message_count == 3
+    parked = [get_within(conn, "jobs.dead") for _ in range(3)]
+    assert [message.decode() for message in parked] == [{"n": 0}, {"n": 1}, {"n": 2}]
+    for message in parked:
+        message.ack()
+    settled(conn)
+    assert rows(engine, table_of("jobs.dead", table_prefix)) == []
+
+
+def test_max_attempts_moves_a_requeued_row_to_the_dead_letter_queue(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    conn = connect(queues={"jobs": {"dead_letter_queue": "jobs.dead", "max_attempts": 3}})
+    publish(conn, "jobs", {"poison": True})
+    for _ in range(3):
+        get_within(conn, "jobs").requeue()
+        settled(conn)
+    assert get(conn, "jobs") is None
+    assert rows(engine, table_of("jobs", table_prefix)) == []
+    parked = get_within(conn, "jobs.dead")
+    assert parked.decode() == {"poison": True}
+    record = death(parked)
+    assert record["queue"] == "jobs"
+    assert "max_attempts" in record["reason"]
+    # three deliveries, then the fourth claim found the row over the limit
+    assert record["attempts"] == 4
+
+
+def test_max_attempts_counts_expired_leases(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """A holder that stops extending (a hung or dead worker) loses the row; the next claim
+    past max_attempts parks it instead of delivering it again."""
+    queues = {"jobs": {"dead_letter_queue": "jobs.dead", "max_attempts": 1,
+                       "visibility_timeout": 1}}
+    stalled = connect(queues=queues)
+    publish(stalled, "jobs", {"n": 1})
+    assert get_within(stalled, "jobs").decode() == {"n": 1}
+    broker_of(stalled).keeper.stop()
+    # a second broker (other options): its own keeper, as in another process
+    other = connect(queues=queues, polling_interval=0.06)
+    table = table_of("jobs", table_prefix)
+
+    def parked() -> bool:
+        assert get(other, "jobs") is None
+        return rows(engine, table) == []
+
+    wait_for(parked, "the expired row to move to the dead-letter queue")
+    dead = rows(engine, table_of("jobs.dead", table_prefix))
+    assert len(dead) == 1
+    record = json.loads(dead[0]["headers"])["headers"]["x-sqlinbox-death"]
+    assert record["attempts"] == 2
+    assert "max_attempts" in record["reason"]

@@ -1,0 +1,93 @@
+"""Start-up schema checks: a table that does not match its declaration fails with the fix."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from kombu_sqlinbox import Role, SchemaMismatch, default_table
+from kombu_sqlinbox.dialects import dialect_for
+
+from .conftest import Connect
+from .support import get_within, publish, quoted, table_of
+
+#: a payload column type that cannot hold a Celery message, per database
+WRONG_PAYLOAD = {"postgresql": "INTEGER NOT NULL", "mysql": "TEXT NOT NULL",
+                 "sqlite": "INTEGER NOT NULL"}
+
+
+def fixing_ddl(message: str) -> list[str]:
+    """The statements a SchemaMismatch message proposes (each follows a line ending in ':')."""
+    return [s.strip() for s in re.findall(r":\n(.+?);(?:\n|$)", message, flags=re.S)]
+
+
+def run_ddl(engine: Engine, statements: list[str]) -> None:
+    with engine.begin() as conn:
+        for statement in statements:
+            for part in statement.split(";\n"):
+                conn.execute(text(part))
+
+
+def test_missing_column_fails_at_declaration_with_the_fixing_ddl(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    connect().default_channel.queue_declare("jobs")
+    table = table_of("jobs", table_prefix)
+    with engine.begin() as conn:
+        conn.execute(text(f"ALTER TABLE {quoted(engine, table)} DROP COLUMN attempt"))
+    later = connect(polling_interval=0.06)  # a fresh broker: the check runs on first use
+    with pytest.raises(SchemaMismatch) as failure:
+        later.default_channel.queue_declare("jobs")
+    message = str(failure.value)
+    assert table in message
+    assert "'attempt'" in message
+    assert "role attempt" in message
+    (ddl,) = fixing_ddl(message)
+    assert "ADD COLUMN" in ddl
+    run_ddl(engine, [ddl])
+    publish(later, "jobs", {"fixed": True})
+    assert get_within(later, "jobs").decode() == {"fixed": True}
+
+
+def test_wrong_payload_type_fails_at_declaration_with_the_fixing_ddl(
+    connect: Connect, engine: Engine, table_prefix: str, database: str,
+) -> None:
+    table = table_of("jobs", table_prefix)
+    dialect = dialect_for(engine)
+    right = dialect.column_types[Role.PAYLOAD]
+    ddl = [statement.replace(right, WRONG_PAYLOAD[database])
+           for statement in dialect.create_ddl(default_table(table))]
+    run_ddl(engine, ddl)
+    conn = connect()
+    with pytest.raises(SchemaMismatch) as failure:
+        conn.default_channel.queue_declare("jobs")
+    message = str(failure.value)
+    assert table in message
+    assert "'payload'" in message
+    assert "role payload" in message
+    (fix,) = fixing_ddl(message)
+    assert right.split()[0] in fix
+    if database == "sqlite":
+        return  # SQLite cannot change a column's type: the message says to recreate the table
+    run_ddl(engine, [fix])
+    publish(conn, "jobs", {"fixed": True})
+    assert get_within(conn, "jobs").decode() == {"fixed": True}
+
+
+def test_create_tables_off_and_no_table_gives_the_create_ddl(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    conn = connect(create_tables=False)
+    with pytest.raises(SchemaMismatch) as failure:
+        conn.default_channel.queue_declare("jobs")
+    message = str(failure.value)
+    table = table_of("jobs", table_prefix)
+    assert table in message
+    (ddl,) = fixing_ddl(message)
+    assert ddl.startswith("CREATE TABLE")
+    run_ddl(engine, [ddl])
+    publish(conn, "jobs", {"created": True})
+    assert get_within(conn, "jobs").decode() == {"created": True}

@@ -1,0 +1,97 @@
+"""Transport options: every key known and typed; kombu's own keys pass."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kombu import Connection
+
+import kombu_sqlinbox
+from kombu_sqlinbox import ConfigurationError, TableBuilder
+from kombu_sqlinbox.options import KOMBU_KEYS, TransportOptions, parse_options
+
+#: importable by dotted path, as a Celery config file would name it
+DECLARED = TableBuilder("declared_jobs").id().payload().attempt().locked_until().build()
+
+
+def test_no_options_give_the_defaults() -> None:
+    assert parse_options(None) == TransportOptions()
+
+
+@pytest.mark.parametrize("raw, name", [
+    ({"visiblity_timeout": 30}, "visiblity_timeout"),
+    ({"pool_recycle": 3600}, "pool_recycle"),
+    ({"queues": {"jobs": {"max_attempt": 3}}}, "max_attempt"),
+])
+def test_unknown_key_is_refused_by_name(raw: dict[str, Any], name: str) -> None:
+    with pytest.raises(ConfigurationError, match=f"unknown transport option .*{name}"):
+        parse_options(raw)
+
+
+def test_unknown_key_fails_when_the_kombu_connection_is_made() -> None:
+    conn = Connection("sqlinbox+sqlite:///unused.db", transport_options={"bogus": 1})
+    with pytest.raises(ConfigurationError, match="bogus"):
+        conn.transport  # noqa: B018  (building the transport parses the options)
+
+
+@pytest.mark.parametrize("raw", [
+    {"polling_interval": "fast"},
+    {"polling_interval": -1},
+    {"create_tables": "yes"},
+    {"max_batch": 0},
+    {"max_batch": 1.5},
+    {"max_batch": True},
+    {"engine_options": ["pool_size", 5]},
+    {"queues": ["jobs"]},
+    {"visibility_timeout": 0},
+    {"visibility_timeout": "30"},
+    {"max_attempts": 0},
+    {"max_attempts": 2.5},
+    {"max_attempts": True},
+    {"claim": "optimistic"},
+    {"dead_letter_queue": ""},
+    {"dead_letter_queue": 7},
+    {"queues": {"jobs": {"visibility_timeout": None}}},
+    {"queues": {"jobs": {"table": "no_such_module:Table"}}},
+    {"queues": {"jobs": {"table": 42}}},
+    {"table": DECLARED},
+])
+def test_bad_values_are_refused(raw: dict[str, Any]) -> None:
+    with pytest.raises(ConfigurationError):
+        parse_options(raw)
+
+
+def test_kombu_retry_keys_are_accepted() -> None:
+    raw = dict.fromkeys(KOMBU_KEYS, 3)
+    assert {"max_retries", "interval_start", "interval_step", "interval_max"} <= KOMBU_KEYS
+    assert parse_options(raw) == TransportOptions()
+
+
+def test_queue_settings_start_from_the_global_ones() -> None:
+    options = parse_options({
+        "visibility_timeout": 60, "max_attempts": 5,
+        "queues": {"jobs": {"dead_letter_queue": "jobs.dead"}},
+    })
+    jobs = options.for_queue("jobs")
+    assert (jobs.visibility_timeout, jobs.max_attempts, jobs.dead_letter_queue) == (
+        60.0, 5, "jobs.dead")
+    other = options.for_queue("other")
+    assert (other.visibility_timeout, other.max_attempts, other.dead_letter_queue) == (
+        60.0, 5, None)
+
+
+@pytest.mark.parametrize("table", [
+    DECLARED, TableBuilder("declared_jobs").id().payload().attempt().locked_until(),
+    f"{__name__}:DECLARED", f"{__name__}.DECLARED",
+])
+def test_a_queue_table_may_be_given_in_any_form(table: Any) -> None:
+    options = parse_options({"queues": {"jobs": {"table": table}}})
+    assert options.for_queue("jobs").table == DECLARED
+
+
+def test_importing_the_package_registers_the_alias() -> None:
+    from kombu.transport import TRANSPORT_ALIASES
+
+    assert kombu_sqlinbox.__version__
+    assert TRANSPORT_ALIASES["sqlinbox"] == "kombu_sqlinbox.transport:Transport"
