@@ -47,28 +47,41 @@ class QueueTable:
     claims: ClaimForm
 
 
+#: drivers tried, in order, for a URL that names no driver (SQLAlchemy's own default
+#: first where it has one installed)
+BARE_DRIVERS = {
+    "postgresql": (("psycopg", "psycopg"), ("psycopg2", "psycopg2")),
+    "mysql": (("MySQLdb", "mysqldb"), ("pymysql", "pymysql")),
+    "mariadb": (("MySQLdb", "mysqldb"), ("pymysql", "pymysql")),
+}
+
+
 def sqlalchemy_url(url: str) -> URL:
-    """The SQLAlchemy URL behind ``sqlinbox+...``; a bare ``postgresql://`` takes whichever
-    of psycopg 3 / psycopg2 is installed."""
+    """The SQLAlchemy URL behind ``sqlinbox+...``. A URL naming no driver
+    (``postgresql://``, ``mysql://``) takes whichever supported driver is installed."""
     try:
         parsed = make_url(url)
-    except ArgumentError as exc:
+    except ArgumentError:
+        parsed = None
+    if parsed is None or parsed.drivername == "sqlinbox":
         raise ConfigurationError(
             f"broker URL {url!r} is not an SQLAlchemy URL; write e.g. "
             "sqlinbox+postgresql://user@host/db or sqlinbox+sqlite:///jobs.db"
-        ) from exc
-    if parsed.drivername == "postgresql":
-        for module in ("psycopg", "psycopg2"):
-            try:
-                __import__(module)
-            except ImportError:
-                continue
-            return parsed.set(drivername=f"postgresql+{module}")
-        raise ConfigurationError(
-            "a postgresql:// broker URL needs psycopg (pip install 'kombu-sqlinbox[psycopg]') "
-            "or psycopg2 (pip install 'kombu-sqlinbox[postgres]')"
         )
-    return parsed
+    candidates = BARE_DRIVERS.get(parsed.drivername)
+    if candidates is None:
+        return parsed
+    for module, driver in candidates:
+        try:
+            __import__(module)
+        except ImportError:
+            continue
+        return parsed.set(drivername=f"{parsed.drivername}+{driver}")
+    modules = " or ".join(module for module, _ in candidates)
+    raise ConfigurationError(
+        f"a {parsed.drivername}:// broker URL needs a driver: install {modules} (the "
+        "kombu-sqlinbox extras 'psycopg', 'postgres' and 'mysql' bring one)"
+    )
 
 
 class Broker:

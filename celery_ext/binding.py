@@ -1,0 +1,176 @@
+"""Binding the caller's own SQLAlchemy transaction to the code it calls.
+
+``with bind(session_or_connection):`` makes that transaction the one the outbox
+(and transactional enqueue) writes into, without passing it through every
+call: :func:`current` returns its :class:`~sqlalchemy.engine.Connection`, and
+:func:`after_commit` defers work (sending a message) until it commits, dropping
+that work when it rolls back.
+
+The binding lives in a :class:`contextvars.ContextVar`, not a global or a
+thread-local: each thread starts with no binding, so a web server's threads never
+see each other's transactions, and each asyncio task copies the context it was
+created in, so two coroutines interleaved on one thread keep their own binding
+(a thread-local would leak one coroutine's transaction into the other).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+from weakref import WeakKeyDictionary
+
+from sqlalchemy import event
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session
+
+from kombu_sqlinbox.binding import BOUND
+
+__all__ = ["NotBound", "after_commit", "bind", "current"]
+
+logger = logging.getLogger(__name__)
+Target = Connection | Session
+
+#: one binding for both layers: the transport writes a bound publish's row into it
+_BOUND = BOUND
+
+
+class NotBound(RuntimeError):
+    """:func:`after_commit` was called with no transaction bound."""
+
+
+class _Pending:
+    """Callbacks waiting for one bound target's transaction to commit.
+
+    ``marks`` holds how many callbacks existed when each open savepoint began, so a
+    savepoint rolled back drops exactly the callbacks registered inside it.
+    """
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[], Any]] = []
+        self.marks: list[int] = []
+
+    def run(self) -> None:
+        callbacks, self.callbacks, self.marks = self.callbacks, [], []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # the data is committed: a failing callback must not undo that
+                logger.exception("after-commit callback %r failed", callback)
+
+    def drop(self) -> None:
+        self.callbacks, self.marks = [], []
+
+    def savepoint(self) -> None:
+        self.marks.append(len(self.callbacks))
+
+    def release(self) -> None:
+        if self.marks:
+            self.marks.pop()
+
+    def rollback_to_savepoint(self) -> None:
+        if self.marks:
+            del self.callbacks[self.marks.pop():]
+
+
+#: the pending callbacks of each watched Session and Connection
+_PENDING: WeakKeyDictionary[Any, _Pending] = WeakKeyDictionary()
+
+
+def _watch_connection(conn: Connection, pending: _Pending, owns_commit: bool) -> None:
+    """Track savepoints and rollback on ``conn``; with ``owns_commit`` also its commit.
+
+    SQLAlchemy's Connection ``commit`` event fires *before* the DBAPI commit and there is
+    no event after it, so for a bound Connection the listener commits the DBAPI
+    connection itself and runs the callbacks once that returned; SQLAlchemy's own commit
+    that follows finds nothing left to commit. A failing commit raises out of
+    ``conn.commit()`` as usual and the callbacks are dropped.
+    """
+    if conn in _PENDING:
+        return
+    _PENDING[conn] = pending
+    event.listen(conn, "savepoint", lambda c, name: _PENDING[c].savepoint())
+    event.listen(conn, "release_savepoint", lambda c, name, ctx: _PENDING[c].release())
+    event.listen(conn, "rollback_savepoint",
+                 lambda c, name, ctx: _PENDING[c].rollback_to_savepoint())
+    event.listen(conn, "rollback", lambda c: _PENDING[c].drop())
+    if owns_commit:
+        event.listen(conn, "commit", _commit_then_run)
+
+
+def _commit_then_run(conn: Connection) -> None:
+    pending = _PENDING[conn]
+    if not pending.callbacks:
+        return
+    try:
+        conn.connection.dbapi_connection.commit()  # type: ignore[union-attr]
+    except BaseException:
+        pending.drop()
+        raise
+    pending.run()
+
+
+def _watch_session(session: Session) -> _Pending:
+    """Run callbacks after the session commits; watch each connection it begins on."""
+    if session in _PENDING:
+        return _PENDING[session]
+    pending = _PENDING[session] = _Pending()
+    event.listen(session, "after_commit", lambda s: _PENDING[s].run())
+    event.listen(session, "after_begin",
+                 lambda s, trans, conn: _watch_connection(conn, _PENDING[s], owns_commit=False))
+    return pending
+
+
+@contextmanager
+def bind(target: Target) -> Iterator[Connection]:
+    """Bind ``target`` (a Session or a Connection) for the code inside the block.
+
+    Tracked publishes inside write their outbox record in this transaction and are
+    sent only once it commits. The binding ends with the block; the transaction does
+    not: the caller commits or rolls back as usual, inside or after the block.
+    Bind before opening the savepoints whose rollback should drop messages.
+    """
+    if isinstance(target, Session):
+        _watch_session(target)
+        conn = target.connection()  # begins the session's transaction: after_begin watches it
+    elif isinstance(target, Connection):
+        conn = target
+        _watch_connection(conn, _Pending(), owns_commit=True)
+    else:
+        raise TypeError(f"bind() takes an SQLAlchemy Session or Connection, not {target!r}")
+    token = _BOUND.set(target)
+    try:
+        yield conn
+    finally:
+        _BOUND.reset(token)
+
+
+def current() -> Connection | None:
+    """The bound transaction's Connection, or None outside :func:`bind`.
+
+    For a bound Session this is ``session.connection()`` at the time of the call, so
+    code after a ``session.commit()`` inside the block writes into the next transaction.
+    """
+    target = _BOUND.get()
+    if isinstance(target, Session):
+        return target.connection()
+    return target
+
+
+def after_commit(callback: Callable[[], Any]) -> None:
+    """Run ``callback`` once the bound transaction commits; forget it if it rolls back.
+
+    Callbacks run in registration order on the committing thread; an exception in one
+    is logged and does not stop the others (the data is already committed).
+    """
+    target = _BOUND.get()
+    if target is None:
+        raise NotBound("after_commit() needs a transaction bound with celery_ext.bind()")
+    if isinstance(target, Session):
+        conn = target.connection()
+        pending = _watch_session(target)
+        _watch_connection(conn, pending, owns_commit=False)
+    else:
+        pending = _PENDING[target]
+    pending.callbacks.append(callback)
