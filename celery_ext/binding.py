@@ -10,7 +10,10 @@ The binding lives in a :class:`contextvars.ContextVar`, not a global or a
 thread-local: each thread starts with no binding, so a web server's threads never
 see each other's transactions, and each asyncio task copies the context it was
 created in, so two coroutines interleaved on one thread keep their own binding
-(a thread-local would leak one coroutine's transaction into the other).
+(a thread-local would leak one coroutine's transaction into the other). The
+variable is :data:`kombu_sqlinbox.binding.BOUND`: the sqlinbox transport reads it
+for its transactional enqueue and transactional tasks set it, so one binding
+serves the outbox, the transport and the tasks.
 """
 
 from __future__ import annotations
@@ -25,15 +28,12 @@ from sqlalchemy import event
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from kombu_sqlinbox.binding import BOUND
+from kombu_sqlinbox.binding import BOUND, current
 
-__all__ = ["NotBound", "after_commit", "bind", "current"]
+__all__ = ["NotBound", "after_commit", "bind", "current", "unbound"]
 
 logger = logging.getLogger(__name__)
 Target = Connection | Session
-
-#: one binding for both layers: the transport writes a bound publish's row into it
-_BOUND = BOUND
 
 
 class NotBound(RuntimeError):
@@ -139,23 +139,22 @@ def bind(target: Target) -> Iterator[Connection]:
         _watch_connection(conn, _Pending(), owns_commit=True)
     else:
         raise TypeError(f"bind() takes an SQLAlchemy Session or Connection, not {target!r}")
-    token = _BOUND.set(target)
+    token = BOUND.set(target)
     try:
         yield conn
     finally:
-        _BOUND.reset(token)
+        BOUND.reset(token)
 
 
-def current() -> Connection | None:
-    """The bound transaction's Connection, or None outside :func:`bind`.
-
-    For a bound Session this is ``session.connection()`` at the time of the call, so
-    code after a ``session.commit()`` inside the block writes into the next transaction.
-    """
-    target = _BOUND.get()
-    if isinstance(target, Session):
-        return target.connection()
-    return target
+@contextmanager
+def unbound() -> Iterator[None]:
+    """No binding inside the block: work run after a commit must not join the next
+    transaction of a Session that is still bound."""
+    token = BOUND.set(None)
+    try:
+        yield
+    finally:
+        BOUND.reset(token)
 
 
 def after_commit(callback: Callable[[], Any]) -> None:
@@ -164,13 +163,13 @@ def after_commit(callback: Callable[[], Any]) -> None:
     Callbacks run in registration order on the committing thread; an exception in one
     is logged and does not stop the others (the data is already committed).
     """
-    target = _BOUND.get()
+    target = BOUND.get()
     if target is None:
         raise NotBound("after_commit() needs a transaction bound with celery_ext.bind()")
     if isinstance(target, Session):
-        conn = target.connection()
         pending = _watch_session(target)
-        _watch_connection(conn, pending, owns_commit=False)
-    else:
+        _watch_connection(target.connection(), pending, owns_commit=False)
+    else:  # bound by bind(), or set directly (a transactional task's delivery transaction)
+        _watch_connection(target, _Pending(), owns_commit=True)
         pending = _PENDING[target]
     pending.callbacks.append(callback)

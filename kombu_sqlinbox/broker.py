@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, create_engine, event
+from sqlalchemy import Connection, create_engine
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 
@@ -84,6 +84,23 @@ def sqlalchemy_url(url: str) -> URL:
     )
 
 
+def engine_for(url: str | URL, sqlite_begin: str = "IMMEDIATE",
+               **engine_options: Any) -> tuple[Engine, Dialect]:
+    """An engine set up the way every engine of kombu-sqlinbox is (the transport's and the
+    outbox's), with the dialect that serves it."""
+    engine = create_engine(sqlalchemy_url(url) if isinstance(url, str) else url,
+                           **engine_options)
+    dialect = dialect_for(engine)
+    dialect.prepare_engine(engine, sqlite_begin)
+    return engine, dialect
+
+
+def same_database(a: Engine, b: Engine) -> bool:
+    """Whether two engines reach one database (drivers and credentials aside)."""
+    return (a.url.get_backend_name(), a.url.host, a.url.port, a.url.database) == (
+        b.url.get_backend_name(), b.url.host, b.url.port, b.url.database)
+
+
 class Broker:
     """One database as a message broker, for this process."""
 
@@ -91,15 +108,10 @@ class Broker:
         self.options = options
         parsed = sqlalchemy_url(url)
         engine_options: dict[str, Any] = {"pool_size": 5, "max_overflow": 10}
-        if parsed.get_backend_name() in ("mysql", "mariadb"):
-            engine_options["isolation_level"] = "READ COMMITTED"
         if parsed.get_backend_name() == "sqlite":
-            engine_options.pop("max_overflow")
-            engine_options.pop("pool_size")
+            engine_options.clear()
         engine_options.update(options.engine_options)
-        self.engine: Engine = create_engine(parsed, **engine_options)
-        self.dialect: Dialect = dialect_for(self.engine)
-        self._install_connection_hooks()
+        self.engine, self.dialect = engine_for(parsed, **engine_options)
         self._tables: dict[str, QueueTable] = {}
         self._tables_lock = threading.Lock()
         self.dialect.notify = options.notify and self.dialect.notify
@@ -108,23 +120,19 @@ class Broker:
         self.wakeup = Wakeup(self)
         self.pid = os.getpid()
 
-    def _install_connection_hooks(self) -> None:
-        on_connect = getattr(self.dialect, "on_connect", None)
-        if on_connect is not None:
-            event.listen(self.engine, "connect", lambda dbapi, record: on_connect(dbapi))
-        if self.engine.dialect.name == "sqlite":
-            # pysqlite's own BEGIN is off (on_connect); ours takes the write lock up front
-            # unless a queue's transactional tasks asked for a deferred one
-            event.listen(self.engine, "begin", lambda conn: conn.exec_driver_sql(
-                "BEGIN " + conn.get_execution_options().get("sqlite_begin", "IMMEDIATE")))
-
     # -- running work --------------------------------------------------------
-    def run(self, work: Callable[[Connection], T], attempts: int = 5) -> T:
+    def run(self, work: Callable[[Connection], T], attempts: int = 5,
+            read_only: bool = False) -> T:
         """Run ``work`` in one transaction; retry deadlocks, busy databases and a connection
-        found dead in the pool (after a server restart). Other errors propagate."""
+        found dead in the pool (after a server restart). Other errors propagate.
+
+        ``read_only`` work begins a deferred transaction on SQLite, so it never waits for
+        the write lock (held, say, by the caller's own transaction it publishes into)."""
+        options = {"sqlite_begin": "DEFERRED"} if read_only else {}
         for attempt in range(1, attempts + 1):
             try:
-                with self.engine.begin() as conn:
+                with self.engine.connect() as conn, conn.execution_options(
+                        **options).begin():
                     return work(conn)
             except DBAPIError as exc:
                 retry = exc.connection_invalidated or self.dialect.is_transient(exc)
@@ -134,8 +142,7 @@ class Broker:
         raise AssertionError("unreachable")
 
     def ping(self) -> None:
-        with self.engine.connect() as conn:
-            conn.exec_driver_sql("SELECT 1")
+        self.run(lambda conn: conn.exec_driver_sql("SELECT 1"), attempts=1, read_only=True)
 
     # -- queues --------------------------------------------------------------
     def table(self, queue: str) -> QueueTable:
@@ -167,7 +174,8 @@ class Broker:
                 "can only publish into a table whose id the database generates"
             )
         payload_is_text = self.run(
-            lambda conn: self.dialect.ensure_table(conn, spec, self.options.create_tables))
+            lambda conn: self.dialect.ensure_table(conn, spec, self.options.create_tables),
+            read_only=True)
         return QueueTable(queue, spec, options, payload_is_text, created, form)
 
     def forget_table(self, queue: str) -> None:
@@ -179,8 +187,8 @@ class Broker:
 
         spec = self.options.for_queue(queue).table or default_table(
             table_name_for_queue(queue, self.options.table_prefix))
-        with self.engine.connect() as conn:
-            return inspect(conn).has_table(spec.table, schema=spec.schema)
+        return self.run(lambda conn: inspect(conn).has_table(spec.table, schema=spec.schema),
+                        read_only=True)
 
     # -- message operations ----------------------------------------------------
     def publish(self, table: QueueTable, params: dict[str, Any],
@@ -195,14 +203,10 @@ class Broker:
         self.wakeup.poke()
 
     def check_same_database(self, caller: Connection, queue: str) -> None:
-        mine, theirs = self.engine.url, caller.engine.url
-        same = (mine.get_backend_name(), mine.host, mine.port, mine.database) == (
-            theirs.get_backend_name(), theirs.host, theirs.port, theirs.database)
-        if not same:
+        if not same_database(self.engine, caller.engine):
             raise ConfigurationError(
-                f"queue {queue!r}: the bound transaction is on {theirs.render_as_string()}, "
-                f"the broker on {mine.render_as_string()}; a transactional enqueue needs "
-                "both on one database")
+                f"queue {queue!r}: the bound transaction is on {caller.engine.url}, the broker "
+                f"on {self.engine.url}; a transactional enqueue needs both on one database")
 
     def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
         return table.claims.claim(table, limit)

@@ -330,7 +330,8 @@ class Channel(virtual.Channel):
     def _size(self, queue: str) -> int:
         table = self.broker.table(queue)
         statement = self.broker.dialect.statements(table.spec).size
-        return int(self.broker.run(lambda conn: conn.execute(statement).scalar_one()))
+        return int(self.broker.run(lambda conn: conn.execute(statement).scalar_one(),
+                                   read_only=True))
 
     def _purge(self, queue: str) -> int:
         table = self.broker.table(queue)

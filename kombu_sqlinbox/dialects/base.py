@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sqlalchemy import Connection, TextClause, bindparam, inspect, text
+from sqlalchemy import Connection, TextClause, bindparam, event, inspect, text
 from sqlalchemy import types as sqltypes
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
@@ -387,6 +387,15 @@ class Dialect:
         cast = f"{name}::text::{bare}" if bare == "BYTEA" else f"{name}::{bare}"
         return f"ALTER TABLE {self.table_ref(spec)} ALTER COLUMN {name} TYPE {bare} USING {cast}"
 
+    # -- engines ---------------------------------------------------------------
+    def prepare_engine(self, engine: Engine, sqlite_begin: str = "IMMEDIATE") -> None:
+        """Set up an engine of ours (the transport's, the outbox's): per-connection settings
+        and, where the database needs it, how transactions begin."""
+        event.listen(engine, "connect", lambda dbapi, record: self.on_connect(dbapi))
+
+    def on_connect(self, dbapi_connection: Any) -> None:
+        """Session settings every new connection gets."""
+
     # -- wake-ups and advisory locks (databases that have them override) ----
     #: whether publishes wake consumers through the database (PostgreSQL NOTIFY)
     notify: bool = False
@@ -537,21 +546,3 @@ class Dialect:
             f"({f['processed_at']}, {f['id']})",
         ]
 
-    #: SQL that begins the outbox's transactions where :meth:`on_connect` turns the driver's
-    #: own transaction handling off (SQLite), and the isolation level of its engines
-    outbox_begin: ClassVar[str | None] = None
-    outbox_isolation_level: ClassVar[str | None] = None
-
-    def outbox_prepare_engine(self, engine: Engine) -> None:
-        """Set up an engine the outbox creates from a URL the way the transport sets up its
-        own (a service's own engine is used as it is)."""
-        from sqlalchemy import event
-
-        on_connect = getattr(self, "on_connect", None)
-        if on_connect is not None:
-            event.listen(engine, "connect", lambda dbapi, record: on_connect(dbapi))
-        begin = self.outbox_begin
-        if begin is not None:
-            event.listen(engine, "begin", lambda conn: conn.exec_driver_sql(begin))
-        if self.outbox_isolation_level is not None:
-            engine.update_execution_options(isolation_level=self.outbox_isolation_level)

@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 from sqlalchemy import types as sqltypes
+from sqlalchemy.engine import Engine
 
 from ..tables import ColumnSpec, Role, TableSpec
 from .base import ClaimedRow, Dialect, Statements, _expanding
@@ -114,6 +115,10 @@ class MySQLDialect(Dialect):
         calls = ", ".join(f"RELEASE_LOCK(:{name})" for name in names)
         conn.execute(text(f"SELECT {calls}"), names)
 
+    def prepare_engine(self, engine: Engine, sqlite_begin: str = "IMMEDIATE") -> None:
+        super().prepare_engine(engine)
+        engine.update_execution_options(isolation_level="READ COMMITTED")
+
     def on_connect(self, dbapi_connection: Any) -> None:
         cursor = dbapi_connection.cursor()
         cursor.execute("SET time_zone = '+00:00'")
@@ -163,4 +168,3 @@ class MySQLDialect(Dialect):
         return [create[: -len("\n)")] + index + " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"]
 
     #: as the transport's engines: pruning takes no gap locks
-    outbox_isolation_level = "READ COMMITTED"

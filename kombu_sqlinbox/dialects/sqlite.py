@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import event, text
 from sqlalchemy import types as sqltypes
+from sqlalchemy.engine import Engine
 
 from ..tables import ColumnSpec, Role, TableSpec
 from .base import Dialect, Statements
@@ -63,6 +64,14 @@ class SQLiteDialect(Dialect):
     def is_transient(self, exc: BaseException) -> bool:
         return "database is locked" in str(exc) or "database is busy" in str(exc)
 
+    def prepare_engine(self, engine: Engine, sqlite_begin: str = "IMMEDIATE") -> None:
+        """pysqlite's own BEGIN is off (:meth:`on_connect`); ours takes the write lock up
+        front (IMMEDIATE) unless a connection asks otherwise (execution option
+        ``sqlite_begin``), so a transaction never fails to upgrade a read lock half-way."""
+        super().prepare_engine(engine)
+        event.listen(engine, "begin", lambda conn: conn.exec_driver_sql(
+            "BEGIN " + conn.get_execution_options().get("sqlite_begin", sqlite_begin)))
+
     def on_connect(self, dbapi_connection: Any) -> None:
         """WAL lets readers run beside the single writer; the busy timeout waits for it."""
         dbapi_connection.isolation_level = None
@@ -96,4 +105,3 @@ class SQLiteDialect(Dialect):
         return f"{NOW} - {moment}"
 
     #: deferred: the outbox's transactions start with their write, its reads lock nothing
-    outbox_begin = "BEGIN"

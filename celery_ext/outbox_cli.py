@@ -1,0 +1,71 @@
+"""Outbox operations from the command line: status, republish, prune.
+
+As a Celery sub-command (``celery -A proj outbox status``) once the distribution
+registers :data:`outbox` under the ``celery.commands`` entry point, or standalone::
+
+    python -m celery_ext.outbox_cli -A proj status
+    python -m celery_ext.outbox_cli -A proj republish --older-than 0
+    python -m celery_ext.outbox_cli -A proj prune --older-than 86400
+
+The app module must install the outbox (``celery_ext.install(app, ...)``).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import click
+from celery.app.utils import find_app
+
+from .outbox import Outbox, outbox_of
+
+__all__ = ["main", "outbox"]
+
+
+def _outbox(ctx: click.Context) -> Outbox:
+    return outbox_of(ctx.obj.app)
+
+
+@click.group(name="outbox", help="The transactional outbox: status, republish, prune.")
+def outbox() -> None:
+    """Sub-commands find the app in ``ctx.obj.app``, as Celery's own commands do."""
+
+
+@outbox.command(help="Counts of unprocessed and processed records, oldest unprocessed age.")
+@click.pass_context
+def status(ctx: click.Context) -> None:
+    found = _outbox(ctx).status()
+    age = "-" if found.oldest_unprocessed_age is None else f"{found.oldest_unprocessed_age:.1f}s"
+    click.echo(f"unprocessed: {found.unprocessed}\nprocessed: {found.processed}\n"
+               f"oldest unprocessed age: {age}")
+
+
+@outbox.command(help="Send again the records unprocessed for longer than the grace period.")
+@click.option("--older-than", type=float, default=None,
+              help="seconds unprocessed (default: the outbox's grace period)")
+@click.option("--limit", type=int, default=None, help="at most this many records")
+@click.pass_context
+def republish(ctx: click.Context, older_than: float | None, limit: int | None) -> None:
+    click.echo(f"republished: {_outbox(ctx).republish(older_than, limit)}")
+
+
+@outbox.command(help="Delete the records processed longer ago than the retention period.")
+@click.option("--older-than", type=float, default=None,
+              help="seconds since processed (default: the outbox's retention)")
+@click.pass_context
+def prune(ctx: click.Context, older_than: float | None) -> None:
+    click.echo(f"pruned: {_outbox(ctx).prune(older_than)}")
+
+
+@click.group(help=__doc__.splitlines()[0] if __doc__ else None)
+@click.option("-A", "--app", "app_name", required=True, help="the Celery app, e.g. proj")
+@click.pass_context
+def main(ctx: click.Context, app_name: str) -> None:
+    ctx.obj = SimpleNamespace(app=find_app(app_name))
+
+
+for _command in (status, republish, prune):
+    main.add_command(_command)
+
+if __name__ == "__main__":
+    main(prog_name="python -m celery_ext.outbox_cli")
