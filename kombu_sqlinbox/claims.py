@@ -85,6 +85,10 @@ class ClaimForm:
     def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
         raise NotImplementedError
 
+    def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
+        """How this form remembers a row it claimed."""
+        return Held(table, row.id, row.attempt)
+
     def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
         raise NotImplementedError
 
@@ -113,7 +117,7 @@ class LeaseClaims(ClaimForm):
         dialect = self.broker.dialect
         lease = table.options.visibility_timeout
         rows = self.broker.run(lambda conn: dialect.claim(conn, table.spec, limit, lease))
-        self.broker.keeper.hold(Held(table, row.id, row.attempt) for row in rows)
+        self.broker.keeper.hold(self.held_for(table, row) for row in rows)
         return rows
 
     def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
@@ -236,30 +240,42 @@ class AdvisoryClaims(LeaseClaims):
                 isolation_level="AUTOCOMMIT")
         return self._connection
 
+    def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
+        return Held(table, row.id, row.attempt, self.key_of(table, row))
+
     def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
+        """Pick each free key's first unfinished row, lock the keys, lease those rows.
+
+        Candidates are read without a lease, so a key locked elsewhere never has its
+        first row leased here (which would let its next row overtake it).
+        """
         dialect = self.broker.dialect
+        statements = dialect.statements(table.spec)
         space = self.space(table)
-        lease = table.options.visibility_timeout
         with self._lock:
-            # a lease claim over more rows than wanted, then keep one row per key we lock
-            rows = self.broker.run(
-                lambda conn: dialect.claim(conn, table.spec, limit * self.overscan, lease))
             mine = self._keys[space]
-            firsts: dict[str, ClaimedRow] = {}
-            for row in rows:
-                key = self.key_of(table, row)
+            candidates = self.broker.run(lambda conn: conn.execute(
+                statements.candidates, {"limit": limit * self.overscan}).all(), read_only=True)
+            firsts: dict[str, int] = {}
+            for row_id, partition_key in candidates:
+                key = f"k:{partition_key}" if partition_key is not None else f"id:{row_id}"
                 if key not in mine and key not in firsts and len(firsts) < limit:
-                    firsts[key] = row
-            locked = dialect.try_key_locks(self._locks(), space, list(firsts)) if firsts else []
-            taken = [row for row, ok in zip(firsts.values(), locked, strict=True) if ok]
-            mine.update(self.key_of(table, row) for row in taken)
-        kept = {row.id for row in taken}
-        back = [Held(table, row.id, row.attempt) for row in rows if row.id not in kept]
-        for held in back:
-            self.broker.keeper.settle(Settlement.RELEASE_UNCOUNTED, held)
-        self.broker.keeper.hold(
-            Held(table, row.id, row.attempt, self.key_of(table, row)) for row in taken)
-        return taken
+                    firsts[key] = row_id
+            if not firsts:
+                return []
+            locked = dialect.try_key_locks(self._locks(), space, list(firsts))
+            wanted = [row_id for row_id, ok in zip(firsts.values(), locked, strict=True) if ok]
+            lease = table.options.visibility_timeout
+            rows = self.broker.run(lambda conn: dialect.claim(
+                conn, table.spec, len(wanted), lease, ids=wanted)) if wanted else []
+            taken_keys = {self.key_of(table, row) for row in rows}
+            unused = [key for key, ok in zip(firsts, locked, strict=True)
+                      if ok and key not in taken_keys]
+            if unused:
+                dialect.release_key_locks(self._locks(), space, unused)
+            mine.update(taken_keys)
+        self.broker.keeper.hold(self.held_for(table, row) for row in rows)
+        return rows
 
     def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
         self.broker.keeper.settle(how, held, delay)

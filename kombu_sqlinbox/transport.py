@@ -262,7 +262,7 @@ class Channel(virtual.Channel):
 
     def _deliverable(self, table: QueueTable, row: ClaimedRow) -> dict[str, Any] | None:
         """The message of a claimed row, or None when the row went to its dead-letter queue."""
-        held = Held(table, row.id, row.attempt)
+        held = table.claims.held_for(table, row)
         limit = table.options.max_attempts
         reason = None
         if limit is not None and row.attempt > limit:
@@ -289,7 +289,7 @@ class Channel(virtual.Channel):
             table = self.broker.table(queue)
             while buffer:
                 row = buffer.popleft()
-                self.broker.settle(Settlement.RELEASE_UNCOUNTED, Held(table, row.id, row.attempt))
+                self.broker.settle(Settlement.RELEASE_UNCOUNTED, table.claims.held_for(table, row))
 
     def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
         self.broker.wakeup.listen(self.broker.table(queue))

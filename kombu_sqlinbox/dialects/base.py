@@ -45,6 +45,8 @@ class Statements:
 
     insert: TextClause
     claim: tuple[TextClause, ...]
+    claim_ids: tuple[TextClause, ...]
+    candidates: TextClause
     extend: TextClause
     complete: TextClause
     delete: TextClause
@@ -115,14 +117,27 @@ class Dialect:
             conditions.append(f"{col}{f['processed_at']} IS NULL")
         group = spec.column(Role.GROUP)
         if group is not None and group.fifo:
-            unfinished = (f" AND ahead.{f['processed_at']} IS NULL"
-                          if spec.has(Role.PROCESSED_AT) else "")
-            conditions.append(
-                f"NOT EXISTS (SELECT 1 FROM {f['table']} AS ahead "
-                f"WHERE ahead.{f['group']} = {col}{f['group']} "
-                f"AND ahead.{f['id']} < {col}{f['id']}{unfinished})"
-            )
+            conditions.append(self.head_of(spec, Role.GROUP, alias))
         return " AND ".join(conditions)
+
+    def head_of(self, spec: TableSpec, role: Role, alias: str = "r") -> str:
+        """The row is the first unfinished one of its group (or partition key)."""
+        f = self.fields(spec)
+        col = f"{alias}." if alias else ""
+        unfinished = (f" AND ahead.{f['processed_at']} IS NULL"
+                      if spec.has(Role.PROCESSED_AT) else "")
+        return (f"NOT EXISTS (SELECT 1 FROM {f['table']} AS ahead "
+                f"WHERE ahead.{f[role.value]} = {col}{f[role.value]} "
+                f"AND ahead.{f['id']} < {col}{f['id']}{unfinished})")
+
+    def selection(self, spec: TableSpec, by_ids: bool) -> str:
+        """Which rows a claim takes: the first ``:limit`` ready ones in claim order, or the
+        ready ones among ``:ids`` (rows whose keys an advisory claim has locked)."""
+        if by_ids:
+            return f"WHERE r.{self.quote(spec.name_of(Role.ID))} IN :ids AND " + (
+                self.ready_filter(spec))
+        return (f"WHERE {self.ready_filter(spec)} ORDER BY {self.claim_order(spec, 'r')} "
+                "LIMIT :limit")
 
     def claim_order(self, spec: TableSpec, alias: str = "") -> str:
         """Priority first (AMQP: higher first), then the time a row became ready, then id."""
@@ -155,13 +170,20 @@ class Dialect:
         return cached
 
     def build_statements(self, spec: TableSpec) -> Statements:
+        return self.assemble(spec, self.claim_statements(spec, self.selection(spec, False)),
+                             self.claim_statements(spec, self.selection(spec, True)))
+
+    def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
+        """The claim of the rows ``selection`` picks: lease them, bump the attempt, return
+        them (see :meth:`returned_columns`), in as few round trips as the database allows."""
         raise NotImplementedError
 
     def later(self, seconds: str) -> str:
         """SQL for the database's now plus the bound number of seconds ``seconds``."""
         raise NotImplementedError
 
-    def assemble(self, spec: TableSpec, claim: tuple[TextClause, ...]) -> Statements:
+    def assemble(self, spec: TableSpec, claim: tuple[TextClause, ...],
+                 claim_ids: tuple[TextClause, ...]) -> Statements:
         """A table's statements around its dialect-written claim. Statements on held
         rows have the same shape everywhere, fenced by (attempt, ids)."""
         f = self.fields(spec)
@@ -189,9 +211,17 @@ class Dialect:
         waiting = f"WHERE {f['locked_until']} IS NULL OR {f['locked_until']} < {self.now}"
         if spec.has(Role.PROCESSED_AT):
             waiting = f"WHERE ({waiting[6:]}) AND {f['processed_at']} IS NULL"
+        key = f"r.{f['partition_key']}" if spec.has(Role.PARTITION_KEY) else "NULL"
+        key_head = (" AND " + self.head_of(spec, Role.PARTITION_KEY)
+                    if spec.has(Role.PARTITION_KEY) else "")
+        candidates = (
+            f"SELECT r.{f['id']}, {key} FROM {f['table']} AS r WHERE {self.ready_filter(spec)}"
+            f"{key_head} ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit")
         return Statements(
             insert=self.insert_statement(spec),
             claim=claim,
+            claim_ids=claim_ids,
+            candidates=text(candidates),
             extend=_expanding(extend),
             retry=retry,
             lock_row=text(one_row + self.lock_clause),
@@ -229,12 +259,11 @@ class Dialect:
         placeholders = ", ".join(values[role] for role in roles)
         return f"INSERT INTO {f['table']} ({columns}) VALUES ({placeholders})"
 
-    def index_name(self, spec: TableSpec, number: int = 0) -> str:
-        suffix = "_claim" if number == 0 else "_group"
-        name = spec.table + suffix
+    def index_name(self, spec: TableSpec, suffix: str = "claim") -> str:
+        name = f"{spec.table}_{suffix}"
         if len(name) > 63:
             digest = hashlib.sha1(spec.table.encode()).hexdigest()[:10]
-            name = f"{spec.table[:46]}_{digest}{suffix}"
+            name = f"{spec.table[:46]}_{digest}_{suffix}"
         return self.quote(name)
 
     def insert_statement(self, spec: TableSpec) -> TextClause:
@@ -245,11 +274,14 @@ class Dialect:
 
     def claim(
         self, conn: Connection, spec: TableSpec, limit: int, lease: float,
+        ids: Sequence[int] | None = None,
     ) -> list[ClaimedRow]:
-        """Lease up to ``limit`` ready rows in one transaction; caller commits."""
-        (statement,) = self.statements(spec).claim
-        rows = conn.execute(statement, {"limit": limit, "lease": lease}).all()
-        return self.claimed(spec, rows)
+        """Lease up to ``limit`` ready rows (or the ready ones of ``ids``) in the caller's
+        transaction."""
+        statements = self.statements(spec)
+        (statement,) = statements.claim if ids is None else statements.claim_ids
+        params = {"limit": limit, "lease": lease, "ids": list(ids or ())}
+        return self.claimed(spec, conn.execute(statement, params).all())
 
     @staticmethod
     def claimed(spec: TableSpec, rows: Iterable[Sequence[Any]]) -> list[ClaimedRow]:
@@ -283,13 +315,14 @@ class Dialect:
             return f"{self.quote(column.name)} {self.generated_id_type}"
         return f"{self.quote(column.name)} {self.column_types[column.role]}"
 
-    def index_columns(self, spec: TableSpec) -> list[str]:
-        """Column lists of the indexes claims need: claim order, and (group, id) for the
-        FIFO head probe."""
-        indexes = [self.claim_order(spec)]
-        if spec.has(Role.GROUP):
-            indexes.append(f"{self.quote(spec.name_of(Role.GROUP))}, "
-                           f"{self.quote(spec.name_of(Role.ID))}")
+    def index_columns(self, spec: TableSpec) -> dict[str, str]:
+        """Indexes claims need, by name suffix: claim order, and (group, id) and
+        (partition key, id) for the probes that find a group's or a key's first row."""
+        indexes = {"claim": self.claim_order(spec)}
+        for role, suffix in ((Role.GROUP, "group"), (Role.PARTITION_KEY, "key")):
+            if spec.has(role):
+                indexes[suffix] = (f"{self.quote(spec.name_of(role))}, "
+                                   f"{self.quote(spec.name_of(Role.ID))}")
         return indexes
 
     def index_ddl(self, spec: TableSpec) -> list[str]:
@@ -297,9 +330,9 @@ class Dialect:
         if spec.has(Role.PROCESSED_AT):
             partial = f" WHERE {self.quote(spec.name_of(Role.PROCESSED_AT))} IS NULL"
         return [
-            f"CREATE INDEX IF NOT EXISTS {self.index_name(spec, n)} ON {self.table_ref(spec)} "
-            f"({columns}){partial}"
-            for n, columns in enumerate(self.index_columns(spec))
+            f"CREATE INDEX IF NOT EXISTS {self.index_name(spec, suffix)} "
+            f"ON {self.table_ref(spec)} ({columns}){partial}"
+            for suffix, columns in self.index_columns(spec).items()
         ]
 
     def explain(self, spec: TableSpec) -> TextClause:

@@ -11,12 +11,12 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, TextClause, text
 from sqlalchemy import types as sqltypes
 from sqlalchemy.engine import Engine
 
 from ..tables import ColumnSpec, Role, TableSpec
-from .base import ClaimedRow, Dialect, Statements, _expanding
+from .base import ClaimedRow, Dialect, _expanding
 
 NOW = "UTC_TIMESTAMP(6)"
 #: column types that hold at most 64 KiB: too small for a Celery message
@@ -49,25 +49,24 @@ class MySQLDialect(Dialect):
     def later(self, seconds: str) -> str:
         return f"{NOW} + INTERVAL ({seconds} * 1000000) MICROSECOND"
 
-    def build_statements(self, spec: TableSpec) -> Statements:
+    def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
         f = self.fields(spec)
-        select = (
-            f"SELECT {self.returned_columns(spec, 'r')} FROM {f['table']} AS r "
-            f"WHERE {self.ready_filter(spec)} ORDER BY {self.claim_order(spec, 'r')} "
-            f"LIMIT :limit {self.lock_clause}"
-        )
+        select = (f"SELECT {self.returned_columns(spec, 'r')} FROM {f['table']} AS r "
+                  f"{selection} {self.lock_clause}")
         lease = (
             f"UPDATE {f['table']} SET {f['locked_until']} = {self.later(':lease')}, "
             f"{f['attempt']} = {f['attempt']} + 1 WHERE {f['id']} IN :ids"
         )
-        return self.assemble(spec, (text(select), _expanding(lease)))
+        return (_expanding(select) if ":ids" in selection else text(select), _expanding(lease))
 
     def claim(
         self, conn: Connection, spec: TableSpec, limit: int, lease: float,
+        ids: Sequence[int] | None = None,
     ) -> list[ClaimedRow]:
         """No UPDATE ... RETURNING here: lock the rows, then lease them, same transaction."""
-        select, lease_rows = self.statements(spec).claim
-        rows = conn.execute(select, {"limit": limit}).all()
+        statements = self.statements(spec)
+        select, lease_rows = statements.claim if ids is None else statements.claim_ids
+        rows = conn.execute(select, {"limit": limit, "ids": list(ids or ())}).all()
         if not rows:
             return []
         conn.execute(lease_rows, {"ids": [row[0] for row in rows], "lease": lease})
@@ -80,8 +79,8 @@ class MySQLDialect(Dialect):
         if spec.has(Role.PROCESSED_AT):
             processed = f"{self.quote(spec.name_of(Role.PROCESSED_AT))}, "
         indexes = "".join(
-            f",\n    INDEX {self.index_name(spec, n)} ({processed}{columns})"
-            for n, columns in enumerate(self.index_columns(spec))
+            f",\n    INDEX {self.index_name(spec, suffix)} ({processed}{columns})"
+            for suffix, columns in self.index_columns(spec).items()
         )
         return [create[: -len("\n)")] + indexes + "\n) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"]
 

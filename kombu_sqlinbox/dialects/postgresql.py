@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import Connection, TextClause, bindparam, text
 
 from ..tables import Role, TableSpec
-from .base import Dialect, Statements
+from .base import Dialect, _expanding
 
 
 class PostgreSQLDialect(Dialect):
@@ -38,17 +38,17 @@ class PostgreSQLDialect(Dialect):
     def later(self, seconds: str) -> str:
         return f"now() + make_interval(secs => {seconds})"
 
-    def build_statements(self, spec: TableSpec) -> Statements:
+    def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
         f = self.fields(spec)
         claim = (
             f"UPDATE {f['table']} AS q SET {f['locked_until']} = {self.later(':lease')}, "
             f"{f['attempt']} = q.{f['attempt']} + 1 "
-            f"FROM (SELECT r.{f['id']} FROM {f['table']} AS r WHERE {self.ready_filter(spec)} "
-            f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit {self.lock_clause}) AS c "
+            f"FROM (SELECT r.{f['id']} FROM {f['table']} AS r {selection} "
+            f"{self.lock_clause}) AS c "
             f"WHERE q.{f['id']} = c.{f['id']} "
             f"RETURNING {self.returned_columns(spec, 'q')}"
         )
-        return self.assemble(spec, (text(claim),))
+        return (_expanding(claim) if ":ids" in selection else text(claim),)
 
     def insert_statement(self, spec: TableSpec) -> TextClause:
         """The insert and its NOTIFY in one statement: one round trip per publish."""

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import event, text
+from sqlalchemy import TextClause, event, text
 from sqlalchemy import types as sqltypes
 from sqlalchemy.engine import Engine
 
 from ..tables import ColumnSpec, Role, TableSpec
-from .base import Dialect, Statements
+from .base import Dialect, _expanding
 
 NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 
@@ -38,16 +38,15 @@ class SQLiteDialect(Dialect):
         Role.PROCESSED_AT: "REAL",
     }
 
-    def build_statements(self, spec: TableSpec) -> Statements:
+    def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
         f = self.fields(spec)
         claim = (
             f"UPDATE {f['table']} SET {f['locked_until']} = {self.later(':lease')}, "
             f"{f['attempt']} = {f['attempt']} + 1 "
-            f"WHERE {f['id']} IN (SELECT r.{f['id']} FROM {f['table']} AS r "
-            f"WHERE {self.ready_filter(spec)} ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit) "
+            f"WHERE {f['id']} IN (SELECT r.{f['id']} FROM {f['table']} AS r {selection}) "
             f"RETURNING {self.returned_columns(spec)}"
         )
-        return self.assemble(spec, (text(claim),))
+        return (_expanding(claim) if ":ids" in selection else text(claim),)
 
     def later(self, seconds: str) -> str:
         return f"{NOW} + {seconds}"
