@@ -173,9 +173,15 @@ class Broker:
                 f"queue {queue!r}: table {spec.table!r} has a non-generated id; the transport "
                 "can only publish into a table whose id the database generates"
             )
-        payload_is_text = self.run(
-            lambda conn: self.dialect.ensure_table(conn, spec, self.options.create_tables),
-            read_only=True)
+        def ensure(conn: Connection) -> bool:
+            return self.dialect.ensure_table(conn, spec, self.options.create_tables)
+
+        try:
+            payload_is_text = self.run(ensure, read_only=True)
+        except DBAPIError:
+            # another process created the table at the same moment (PostgreSQL reports
+            # a duplicate type); the second look finds and checks it
+            payload_is_text = self.run(ensure, read_only=True)
         return QueueTable(queue, spec, options, payload_is_text, created, form)
 
     def forget_table(self, queue: str) -> None:
