@@ -48,7 +48,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from kombu_sqlinbox import binding
-from kombu_sqlinbox.broker import Broker, QueueTable
+from kombu_sqlinbox.broker import Broker, QueueTable, same_database
 from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.transport import ROW_HEADER
 
@@ -145,6 +145,26 @@ def delivery_transaction(app: Any, row: dict[str, Any] | None) -> Iterator[
             yield conn, table
 
 
+def mark_outbox_record(task: Task, conn: Connection) -> None:
+    """With an outbox on the same database, mark the message's record processed in the
+    task's transaction: a duplicate delivery racing this one finds it marked and rolls
+    back (effect once)."""
+    from .outbox import HEADER, OutboxError, duplicate, outbox_of
+
+    record_id = task.request.get(HEADER)
+    if record_id is None:
+        return
+    try:
+        outbox = outbox_of(task.app)
+    except OutboxError:
+        return
+    if not same_database(outbox.engine, conn.engine):
+        return
+    if not outbox.mark_processed(conn, record_id):
+        raise duplicate(task, record_id)
+    task.request.outbox_marked = True
+
+
 def complete_row(app: Any, conn: Connection, table: QueueTable, row: dict[str, Any]) -> None:
     """Complete the delivered row inside the task's transaction (fenced by its attempt)."""
     broker = broker_of(app)
@@ -181,6 +201,7 @@ class InboxTask(Task):  # type: ignore[misc]
                 finally:
                     binding.BOUND.reset(bound_token)
                     _DELIVERY.reset(delivery_token)
+                mark_outbox_record(self, conn)
                 if table is not None and row is not None:
                     complete_row(self.app, conn, table, row)
                 return result

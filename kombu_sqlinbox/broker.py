@@ -23,7 +23,7 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 
 from .claims import CLAIM_FORMS, ClaimForm, Held, LeaseKeeper, Settlement, Wakeup
-from .dialects import ClaimedRow, Dialect, dialect_for
+from .dialects import ClaimedRow, Dialect, dialect_class, dialect_for
 from .errors import ConfigurationError
 from .options import QueueOptions, TransportOptions
 from .tables import Role, TableSpec, default_table, table_name_for_queue
@@ -88,8 +88,10 @@ def engine_for(url: str | URL, sqlite_begin: str = "IMMEDIATE",
                **engine_options: Any) -> tuple[Engine, Dialect]:
     """An engine set up the way every engine of kombu-sqlinbox is (the transport's and the
     outbox's), with the dialect that serves it."""
-    engine = create_engine(sqlalchemy_url(url) if isinstance(url, str) else url,
-                           **engine_options)
+    parsed = sqlalchemy_url(url) if isinstance(url, str) else url
+    engine_options = {**dialect_class(parsed.get_backend_name()).engine_defaults,
+                      **engine_options}
+    engine = create_engine(parsed, **engine_options)
     dialect = dialect_for(engine)
     dialect.prepare_engine(engine, sqlite_begin)
     return engine, dialect

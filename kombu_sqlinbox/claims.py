@@ -375,8 +375,10 @@ class LeaseKeeper:
     def _run(self) -> None:
         backoff = 0.0
         while not self._stopped:
+            if backoff:  # the database is away: new settlements must not hurry the retry
+                time.sleep(backoff)
             wait = max(0.0, self._next_extension - time.monotonic())
-            self._wake.wait(max(wait, backoff))
+            self._wake.wait(wait)
             self._wake.clear()
             try:
                 self._settle_pending()

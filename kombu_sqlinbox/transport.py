@@ -125,6 +125,23 @@ def eta_epoch(headers: dict[str, Any]) -> float | None:
     return moment.timestamp()
 
 
+def _driver_connection_errors() -> tuple[type[BaseException], ...]:
+    """The installed drivers' own connection errors: raised unwrapped where SQLAlchemy sets
+    a connection up (pool checkout, on-connect hooks) after a server restart."""
+    found: list[type[BaseException]] = []
+    for module in ("psycopg2", "psycopg", "pymysql", "MySQLdb", "sqlite3"):
+        try:
+            driver = __import__(module)
+        except ImportError:
+            continue
+        found += [getattr(driver, name) for name in ("OperationalError", "InterfaceError")
+                  if hasattr(driver, name)]
+    return tuple(found)
+
+
+DRIVER_CONNECTION_ERRORS = _driver_connection_errors()
+
+
 def _key(value: Any) -> str | None:
     return None if value is None else str(value)
 
@@ -359,7 +376,7 @@ class Transport(virtual.Transport):
 
     connection_errors = (
         *virtual.Transport.connection_errors, OperationalError, InterfaceError,
-        DisconnectionError,
+        DisconnectionError, *DRIVER_CONNECTION_ERRORS,
     )
     channel_errors = (*virtual.Transport.channel_errors, MessageTooLarge)
 

@@ -12,7 +12,7 @@ from .sqlite import SQLiteDialect
 
 __all__ = [
     "ClaimedRow", "Dialect", "MySQLDialect", "PostgreSQLDialect", "SQLiteDialect", "Statements",
-    "Tokens", "dialect_for", "register",
+    "Tokens", "dialect_class", "dialect_for", "register",
 ]
 
 _REGISTRY: dict[str, type[Dialect]] = {}
@@ -29,12 +29,16 @@ for _builtin in (PostgreSQLDialect, MySQLDialect, SQLiteDialect):
     register(_builtin)
 
 
-def dialect_for(engine: Engine) -> Dialect:
+def dialect_class(name: str) -> type[Dialect]:
+    """The registered dialect for an SQLAlchemy dialect name."""
     try:
-        cls = _REGISTRY[engine.dialect.name]
+        return _REGISTRY[name]
     except KeyError:
         raise ConfigurationError(
-            f"no kombu-sqlinbox dialect for database {engine.dialect.name!r}; "
+            f"no kombu-sqlinbox dialect for database {name!r}; "
             "subclass kombu_sqlinbox.dialects.Dialect and register() it"
         ) from None
-    return cls(engine)
+
+
+def dialect_for(engine: Engine) -> Dialect:
+    return dialect_class(engine.dialect.name)(engine)

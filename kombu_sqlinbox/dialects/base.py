@@ -81,6 +81,8 @@ class Dialect:
     #: SQL types of the default layout, by role (``{generated}`` ids differ)
     column_types: ClassVar[Mapping[Role, str]]
     generated_id_type: ClassVar[str]
+    #: create_engine() arguments this database's engines get unless the user sets them
+    engine_defaults: ClassVar[Mapping[str, Any]] = {}
     #: the largest statement the server accepts, when it has such a limit
     max_statement_bytes: int | None = None
 

@@ -13,7 +13,6 @@ from typing import Any
 
 from sqlalchemy import Connection, TextClause, text
 from sqlalchemy import types as sqltypes
-from sqlalchemy.engine import Engine
 
 from ..tables import ColumnSpec, Role, TableSpec
 from .base import ClaimedRow, Dialect, _expanding
@@ -25,6 +24,9 @@ SMALL_LOB_TYPES = ("TINYBLOB", "BLOB", "TINYTEXT", "TEXT", "VARCHAR", "VARBINARY
 
 class MySQLDialect(Dialect):
     names = ("mysql", "mariadb")
+    #: set once per connection by SQLAlchemy, which also restores it after a transaction
+    #: that asked for another level (a queue's ``isolation_level``)
+    engine_defaults = {"isolation_level": "READ COMMITTED"}
     now = NOW
     eta_value = f"COALESCE(FROM_UNIXTIME(:eta), {NOW})"
     generated_id_type = "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY"
@@ -113,10 +115,6 @@ class MySQLDialect(Dialect):
         names = self.lock_names(space, keys)
         calls = ", ".join(f"RELEASE_LOCK(:{name})" for name in names)
         conn.execute(text(f"SELECT {calls}"), names)
-
-    def prepare_engine(self, engine: Engine, sqlite_begin: str = "IMMEDIATE") -> None:
-        super().prepare_engine(engine)
-        engine.update_execution_options(isolation_level="READ COMMITTED")
 
     def on_connect(self, dbapi_connection: Any) -> None:
         cursor = dbapi_connection.cursor()

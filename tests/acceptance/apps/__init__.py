@@ -1,0 +1,1 @@
+"""Small programs the acceptance tests start as real processes."""

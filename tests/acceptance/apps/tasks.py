@@ -1,0 +1,80 @@
+"""The Celery app the acceptance tests run as a real ``celery worker``.
+
+Everything a test varies comes from the environment, so one module serves every
+worker: the broker URL, the transport options (JSON), extra Celery settings
+(JSON) and the directory where each task run leaves its files. A run writes its
+files outside the broker database on purpose: the restart test takes that
+database away while tasks run, and a record must not depend on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from celery import Celery, Task
+
+BROKER_ENV = "SQLINBOX_ACC_BROKER"
+OPTIONS_ENV = "SQLINBOX_ACC_OPTIONS"
+CONF_ENV = "SQLINBOX_ACC_CONF"
+RUNS_ENV = "SQLINBOX_ACC_RUNS"
+#: how long a held task waits for its release file before giving up
+HOLD_LIMIT = 120.0
+
+
+def make_app(broker_url: str, transport_options: dict[str, Any], **conf: Any) -> Celery:
+    """A Celery app on the sqlinbox transport; the worker and the test side both use it."""
+    import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox alias)
+
+    made = Celery("acceptance", broker=broker_url, set_as_current=False)
+    made.conf.update(
+        broker_transport_options=transport_options,
+        broker_connection_retry_on_startup=True,
+        task_ignore_result=True,
+        worker_redirect_stdouts=False,
+        **conf,
+    )
+    return made
+
+
+app = make_app(
+    os.environ.get(BROKER_ENV, "memory://"),
+    json.loads(os.environ.get(OPTIONS_ENV, "{}")),
+    **json.loads(os.environ.get(CONF_ENV, "{}")),
+)
+
+
+def _write(path: Path, record: dict[str, Any]) -> None:
+    """Write a file whole: readers only see it once it is complete."""
+    partial = path.with_name(path.name + ".part")
+    partial.write_text(json.dumps(record))
+    partial.rename(path)
+
+
+def run(self: Task, key: str, seconds: float = 0.0, hold: bool = False) -> None:
+    """Leave ``<key>.<run>.start``, optionally wait for ``release/<key>``, sleep, leave
+    ``<key>.<run>.done``. One start file per run is what "ran exactly once" counts."""
+    runs = Path(os.environ[RUNS_ENV])
+    token = uuid.uuid4().hex
+    info = self.request.delivery_info or {}
+    _write(runs / f"{key}.{token}.start", {
+        "key": key, "task_id": self.request.id, "pid": os.getpid(), "at": time.time(),
+        "redelivered": bool(info.get("redelivered")),
+    })
+    if hold:
+        deadline = time.monotonic() + HOLD_LIMIT
+        while not (runs / "release" / key).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"task {key}: no release file after {HOLD_LIMIT}s")
+            time.sleep(0.05)
+    if seconds:
+        time.sleep(seconds)
+    _write(runs / f"{key}.{token}.done", {"key": key, "at": time.time()})
+
+
+app.task(bind=True, name="acc.run")(run)
+app.task(bind=True, name="acc.run_late", acks_late=True)(run)

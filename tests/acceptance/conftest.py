@@ -1,0 +1,255 @@
+"""Acceptance fixtures: real worker processes over the real databases.
+
+Each test gets an :class:`Acceptance` bound to one database and one table
+prefix. It starts processes in their own session, so a whole worker (main
+process and pool) can be killed as one group, and every process it started is
+killed when the test ends, whatever happened. Process output goes to files
+under the test's ``tmp_path``; a failed test prints them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from kombu_sqlinbox.tables import table_name_for_queue
+from tests.acceptance.apps import tasks
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = "tests.acceptance.apps.tasks"
+FAILED = pytest.StashKey[bool]()
+#: how long a worker may take to say "ready." / to finish a warm shutdown
+START_LIMIT = 60.0
+STOP_LIMIT = 30.0
+
+
+def wait_until(
+    predicate: Callable[[], Any], timeout: float, what: str,
+    alive: Sequence[Proc] = (), interval: float = 0.1,
+) -> Any:
+    """Poll ``predicate`` until it is truthy and return its value; raise naming ``what`` on
+    timeout, or as soon as one of the ``alive`` processes has exited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        for proc in alive:
+            if proc.popen.poll() is not None:
+                raise AssertionError(
+                    f"waiting for {what}: {proc.name} exited with {proc.popen.returncode}\n"
+                    f"{proc.tail()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Proc:
+    """A child process in its own session with its output in a log file."""
+
+    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], log: Path) -> None:
+        self.name = name
+        self.log = log
+        with log.open("wb") as out:
+            self.popen = subprocess.Popen(
+                list(argv), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.output().splitlines()[-lines:])
+
+    def wait(self, timeout: float) -> int:
+        """The exit status; kill the group and fail when it does not come in time."""
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(
+                f"{self.name} did not exit within {timeout:.0f}s\n{self.tail()}") from None
+        finally:
+            self.kill_group()
+
+    def terminate(self) -> None:
+        """SIGTERM: Celery's warm shutdown."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = STOP_LIMIT) -> int:
+        """SIGTERM and a bounded wait for the exit status."""
+        self.terminate()
+        return self.wait(timeout)
+
+    def kill(self) -> None:
+        """``kill -9`` of the whole process group: the main process and any pool children."""
+        self.kill_group()
+        self.popen.wait(10)
+
+    def kill_group(self) -> None:
+        """SIGKILL to whatever is left of the group (pool children outliving their parent)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+
+
+def worker_ready(proc: Proc) -> bool:
+    """Celery logs ``<name>@<host> ready.`` once it consumes."""
+    out = proc.output()
+    return f"{proc.name}@" in out and " ready." in out
+
+
+class Runs:
+    """The files tasks leave behind (``<key>.<run>.start``, ``<key>.<run>.done``) and the
+    ``release/<key>`` files a held task waits for."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        (path / "release").mkdir(parents=True)
+
+    def _count(self, suffix: str) -> Counter[str]:
+        return Counter(name.split(".", 1)[0] for name in os.listdir(self.path)
+                       if name.endswith(suffix))
+
+    def starts(self) -> Counter[str]:
+        return self._count(".start")
+
+    def done(self) -> Counter[str]:
+        return self._count(".done")
+
+    def records(self, key: str) -> list[dict[str, Any]]:
+        """The start records of ``key``, oldest first."""
+        found = [json.loads(p.read_text()) for p in self.path.glob(f"{key}.*.start")]
+        return sorted(found, key=lambda record: record["at"])
+
+    def release(self, key: str) -> None:
+        (self.path / "release" / key).touch()
+
+
+def check_exactly_once(counts: Counter[str], expected: Iterable[str]) -> None:
+    expected = set(expected)
+    missing = sorted(expected - set(counts))
+    twice = {key: n for key, n in counts.items() if n > 1}
+    strange = sorted(set(counts) - expected)
+    assert not missing and not twice and not strange, (
+        f"{len(missing)} never ran (first {missing[:10]}), {len(twice)} ran more than once "
+        f"({dict(list(twice.items())[:10])}), {len(strange)} unexpected")
+
+
+class Acceptance:
+    """One test's database, table prefix, transport options, processes and task records."""
+
+    def __init__(self, broker_url: str, table_prefix: str, engine: Engine, tmp: Path) -> None:
+        self.broker_url = broker_url
+        self.table_prefix = table_prefix
+        self.engine = engine
+        self.tmp = tmp
+        self.options: dict[str, Any] = {"table_prefix": table_prefix, "polling_interval": 0.1}
+        self.runs = Runs(tmp / "runs")
+        self.procs: list[Proc] = []
+        self._app: Celery | None = None
+
+    def configure(self, **options: Any) -> None:
+        """Add transport options; only before the first process or app uses them."""
+        assert not self.procs and self._app is None, "configure before starting anything"
+        self.options.update(options)
+
+    # -- processes -------------------------------------------------------------
+    def spawn(self, name: str, argv: Sequence[str], **env: str) -> Proc:
+        proc = Proc(name, argv, {**os.environ, **env}, self.tmp / f"{name}.log")
+        self.procs.append(proc)
+        return proc
+
+    def worker(self, pool: str = "prefork", concurrency: int = 2, name: str = "w1",
+               **conf: Any) -> Proc:
+        """A real ``celery worker`` on this database, returned once it is ready."""
+        return self.workers([name], pool, concurrency, **conf)[0]
+
+    def workers(self, names: Sequence[str], pool: str = "prefork", concurrency: int = 2,
+                **conf: Any) -> list[Proc]:
+        """Several workers started together (``conf``: Celery settings), once all are ready."""
+        argv = [sys.executable, "-m", "celery", "-A", APP, "worker", "-P", pool,
+                "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"]
+        if pool != "solo":
+            argv += ["-c", str(concurrency)]
+        env = {tasks.BROKER_ENV: self.broker_url, tasks.OPTIONS_ENV: json.dumps(self.options),
+               tasks.CONF_ENV: json.dumps(conf), tasks.RUNS_ENV: str(self.runs.path)}
+        if len(names) > 1:
+            # the queue's table exists before they start: first use of a new table from
+            # several processes at once is racy on PostgreSQL (see /tmp/sqlinbox-bugs.md)
+            self.declare("celery")
+        started = [self.spawn(name, [*argv, "-n", f"{name}@%h"], **env) for name in names]
+        for proc in started:
+            wait_until(partial(worker_ready, proc), START_LIMIT,
+                       f"worker {proc.name} to be ready", alive=started)
+        return started
+
+    def cleanup(self, failed: bool) -> None:
+        for proc in self.procs:
+            proc.kill()
+            if failed:
+                print(f"\n===== {proc.name} ({proc.log}) =====\n{proc.tail(200)}")
+        if self._app is not None:
+            self._app.close()
+
+    # -- publishing and looking -------------------------------------------------
+    @property
+    def app(self) -> Celery:
+        """The test side of the Celery app, to send tasks with."""
+        if self._app is None:
+            self._app = tasks.make_app(self.broker_url, dict(self.options))
+        return self._app
+
+    def send(self, name: str, keys: Iterable[str], **options: Any) -> None:
+        """Send one task per key through Celery's own producer path."""
+        kwargs = options.pop("kwargs", {})
+        with self.app.producer_or_acquire() as producer:
+            for key in keys:
+                self.app.send_task(name, args=(key,), kwargs=kwargs, producer=producer,
+                                   **options)
+
+    def declare(self, queue: str) -> None:
+        with self.app.connection_for_write() as conn:
+            conn.default_channel.queue_declare(queue)
+
+    def table(self, queue: str) -> str:
+        name = table_name_for_queue(queue, self.table_prefix)
+        return str(self.engine.dialect.identifier_preparer.quote(name))
+
+    def rows(self, queue: str = "celery") -> int:
+        """Every row of the queue's table: waiting, leased or running."""
+        with self.engine.connect() as conn:
+            return int(conn.execute(text(f"SELECT COUNT(*) FROM {self.table(queue)}")).scalar_one())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.failed:
+        item.stash[FAILED] = True
+    return report
+
+
+@pytest.fixture
+def acceptance(request: pytest.FixtureRequest, tmp_path: Path, broker_url: str,
+               table_prefix: str, engine: Engine) -> Iterator[Acceptance]:
+    made = Acceptance(broker_url, table_prefix, engine, tmp_path)
+    try:
+        yield made
+    finally:
+        made.cleanup(request.node.stash.get(FAILED, False))

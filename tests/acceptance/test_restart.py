@@ -1,0 +1,91 @@
+"""The database server restarts while a worker runs 300 tasks: every task is done and the
+worker goes on by itself. Duplicates are allowed (an ack can be lost with the connection)
+and reported.
+
+This restarts the shared PostgreSQL / MariaDB server: it must not run while other tests
+use them (CI runs everything one after the other). The server is always left running.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.acceptance.conftest import Acceptance, wait_until
+from tests.conftest import server_answers
+
+TASKS = 300
+RESTART_AFTER = 50
+#: bounded waits for the server's own commands and for it to answer again
+SERVER_LIMIT = 60.0
+MARIADBD = "/usr/sbin/mariadbd"
+
+
+def run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=SERVER_LIMIT)
+
+
+def mariadbd_running() -> bool:
+    return run("start-stop-daemon", "--status", "--exec", MARIADBD).returncode == 0
+
+
+def start_server(database: str, url: str) -> None:
+    if database == "postgresql":
+        run("pg_ctlcluster", "15", "main", "start")
+    else:
+        run("start-stop-daemon", "--start", "--oknodo", "--background", "--exec", MARIADBD)
+    wait_until(lambda: server_answers(url) is None, SERVER_LIMIT, f"{database} to answer",
+               interval=0.5)
+
+
+def restart_server(database: str, url: str) -> None:
+    if database == "postgresql":
+        result = run("pg_ctlcluster", "15", "main", "restart")
+        assert result.returncode == 0, result.stderr
+    else:
+        result = run("mariadb-admin", "-uroot", "shutdown")
+        assert result.returncode == 0, result.stderr
+        wait_until(lambda: not mariadbd_running(), SERVER_LIMIT, "mariadbd to exit")
+    start_server(database, url)
+
+
+@pytest.fixture
+def server(database: str, db_url: str, table_prefix: str) -> Iterator[str]:
+    """The server under test; started again afterwards if a test left it down (set up after
+    ``table_prefix`` so it is up again before that drops the test's tables)."""
+    yield db_url
+    if server_answers(db_url) is not None:
+        start_server(database, db_url)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("database", ["postgresql", "mysql"])
+def test_worker_survives_a_database_restart(acceptance: Acceptance, server: str,
+                                            database: str) -> None:
+    acceptance.configure(visibility_timeout=5)
+    worker = acceptance.worker("prefork", 2)
+    keys = [f"t{n}" for n in range(TASKS)]
+    acceptance.send("acc.run", keys, kwargs={"seconds": 0.03})
+    wait_until(lambda: len(acceptance.runs.done()) >= RESTART_AFTER, 60,
+               f"{RESTART_AFTER} tasks before the restart", alive=[worker])
+
+    began = time.monotonic()
+    restart_server(database, server)
+    restarted = time.monotonic()
+    done_at_restart = len(acceptance.runs.done())
+    acceptance.engine.dispose()  # the test's own pooled connections died with the server
+    wait_until(lambda: len(acceptance.runs.done()) >= TASKS, 180,
+               f"all {TASKS} tasks after the restart", alive=[worker], interval=0.5)
+    finished = time.monotonic()
+    assert "Connection to broker lost" in worker.output(), "the restart missed the worker"
+    assert worker.stop() == 0, worker.tail()
+
+    done = acceptance.runs.done()
+    assert not set(keys) - set(done), "tasks lost across the restart"
+    twice = sorted(key for key, n in acceptance.runs.starts().items() if n > 1)
+    print(f"{database}: restart took {restarted - began:.1f}s with {done_at_restart} done; "
+          f"all done {finished - restarted:.1f}s later; ran twice: {len(twice)} {twice[:20]}")
+    assert acceptance.rows() == 0
