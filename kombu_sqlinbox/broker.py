@@ -124,17 +124,22 @@ class Broker:
 
     # -- running work --------------------------------------------------------
     def run(self, work: Callable[[Connection], T], attempts: int = 5,
-            read_only: bool = False) -> T:
+            read_only: bool = False, durable: bool = True) -> T:
         """Run ``work`` in one transaction; retry deadlocks, busy databases and a connection
         found dead in the pool (after a server restart). Other errors propagate.
 
         ``read_only`` work begins a deferred transaction on SQLite, so it never waits for
-        the write lock (held, say, by the caller's own transaction it publishes into)."""
+        the write lock (held, say, by the caller's own transaction it publishes into).
+        Work that is not ``durable`` (claims, lease extensions, settlements: losing one in
+        a server crash means a redelivery, never a lost message) skips the commit's wait
+        for the disk where the database allows it."""
         options = {"sqlite_begin": "DEFERRED"} if read_only else {}
         for attempt in range(1, attempts + 1):
             try:
                 with self.engine.connect() as conn, conn.execution_options(
                         **options).begin():
+                    if not durable and self.dialect.relaxed_commit:
+                        conn.exec_driver_sql(self.dialect.relaxed_commit)
                     return work(conn)
             except DBAPIError as exc:
                 retry = exc.connection_invalidated or self.dialect.is_transient(exc)

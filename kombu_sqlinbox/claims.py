@@ -116,7 +116,8 @@ class LeaseClaims(ClaimForm):
         """Lease up to ``limit`` rows and register them with the keeper before returning."""
         dialect = self.broker.dialect
         lease = table.options.visibility_timeout
-        rows = self.broker.run(lambda conn: dialect.claim(conn, table.spec, limit, lease))
+        rows = self.broker.run(lambda conn: dialect.claim(conn, table.spec, limit, lease),
+                               durable=False)
         self.broker.keeper.hold(self.held_for(table, row) for row in rows)
         return rows
 
@@ -267,7 +268,7 @@ class AdvisoryClaims(LeaseClaims):
             wanted = [row_id for row_id, ok in zip(firsts.values(), locked, strict=True) if ok]
             lease = table.options.visibility_timeout
             rows = self.broker.run(lambda conn: dialect.claim(
-                conn, table.spec, len(wanted), lease, ids=wanted)) if wanted else []
+                conn, table.spec, len(wanted), lease, ids=wanted), durable=False) if wanted else []
             taken_keys = {self.key_of(table, row) for row in rows}
             unused = [key for key, ok in zip(firsts, locked, strict=True)
                       if ok and key not in taken_keys]
@@ -409,7 +410,7 @@ class LeaseKeeper:
             return touched
 
         try:
-            touched = self.broker.run(work)
+            touched = self.broker.run(work, durable=False)
         except Exception:
             with self._lock:
                 self._pending[:0] = batch
@@ -449,7 +450,7 @@ class LeaseKeeper:
                         "sqlinbox: %d rows of queue %r were no longer this process's when "
                         "their lease was extended", len(rows) - kept, table.queue)
 
-        self.broker.run(work)
+        self.broker.run(work, durable=False)
 
 
 class Wakeup:
@@ -484,8 +485,8 @@ class Wakeup:
 
     def _connect_listener(self) -> Any:
         raw = self.broker.engine.raw_connection()
+        connection: Any = raw.driver_connection  # read before detach() forgets it
         raw.detach()
-        connection: Any = raw.driver_connection
         connection.autocommit = True
         self.broker.dialect.listen(connection, self._channels)
         return connection
@@ -506,7 +507,8 @@ class Wakeup:
                 try:
                     self._listener = self._connect_listener()
                 except Exception as exc:  # the database is away: poll until it is back
-                    logger.debug("LISTEN connection failed: %s", exc)
+                    logger.warning("sqlinbox: LISTEN connection failed (%s); polling every "
+                                   "%.2fs until it works", exc, timeout)
             if self._listener is not None:
                 sources.append(self._listener)
         try:

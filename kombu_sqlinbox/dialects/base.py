@@ -60,6 +60,11 @@ class Statements:
     drop: TextClause
 
 
+def _plain(payload: Any) -> bytes | str:
+    """psycopg2 hands BYTEA over as a memoryview, which a prefork pool cannot pickle."""
+    return bytes(payload) if isinstance(payload, memoryview) else payload  # type: ignore[no-any-return]
+
+
 def _expanding(sql: str) -> TextClause:
     return text(sql).bindparams(bindparam("ids", expanding=True))
 
@@ -81,6 +86,8 @@ class Dialect:
     #: SQL types of the default layout, by role (``{generated}`` ids differ)
     column_types: ClassVar[Mapping[Role, str]]
     generated_id_type: ClassVar[str]
+    #: run first in a transaction whose commit need not wait for the disk
+    relaxed_commit: ClassVar[str | None] = None
     #: create_engine() arguments this database's engines get unless the user sets them
     engine_defaults: ClassVar[Mapping[str, Any]] = {}
     #: the largest statement the server accepts, when it has such a limit
@@ -289,7 +296,8 @@ class Dialect:
     def claimed(spec: TableSpec, rows: Iterable[Sequence[Any]]) -> list[ClaimedRow]:
         """Rows in claim order (RETURNING gives none): -priority, ready time, id."""
         result = [
-            ClaimedRow(row[0], row[1], row[2], row[3], row[4], row[5], (*row[6:], row[0]))
+            ClaimedRow(row[0], row[1], _plain(row[2]), row[3], row[4], row[5],
+                       (*row[6:], row[0]))
             for row in rows
         ]
         if spec.has(Role.PRIORITY):

@@ -1,0 +1,180 @@
+"""What the benchmark runs against: brokers, databases, sizes, and the run's scratch names."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kombu import Connection, Exchange, Queue
+from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.engine import make_url
+
+import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox+ alias)
+
+from .registry import gist
+
+SERVERS = {
+    "postgresql": os.environ.get(
+        "BENCH_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"),
+    "mysql": os.environ.get("BENCH_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test"),
+}
+REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+AMQP_URL = os.environ.get("BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+DATABASES = ("postgresql", "mysql", "sqlite")
+#: database-backed broker kinds; redis and rabbitmq are measured once and shown in every group
+SQL_BROKERS = ("sqlinbox", "sqla", "raw")
+SERVER_BROKERS = ("redis", "rabbitmq")
+BROKERS = SQL_BROKERS + SERVER_BROKERS
+#: the polling interval every polling transport gets (kombu's virtual transports sleep it
+#: between empty polls; Redis and RabbitMQ push instead)
+POLLING_INTERVAL = 0.1
+
+
+@dataclass(frozen=True)
+class Sizes:
+    publish: int = 2000
+    consume: int = 5000
+    tasks: int = 2000
+    latency: int = 60
+    #: longest any one measurement may take before it stops and reports what it got
+    cap: float = 30.0
+
+    def quick(self) -> Sizes:
+        return Sizes(self.publish // 5, self.consume // 5, self.tasks // 5, 20, 15.0)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One broker on one database (or a message server, database None)."""
+
+    broker: str
+    database: str | None
+    url: str
+    transport_options: dict[str, Any] = field(default_factory=dict)
+    polling_interval: float | None = None
+    #: share of the message counts it gets: kombu sqla is two orders of magnitude slower
+    scale: float = 1.0
+
+    @property
+    def label(self) -> str:
+        return f"{self.broker}@{self.database}" if self.database else self.broker
+
+
+@dataclass
+class Context:
+    """State of one benchmark run: its id, sizes and scratch space."""
+
+    sizes: Sizes
+    #: driver of the sqlinbox and sqla PostgreSQL URLs (the raw loop is psycopg2 throughout)
+    pg_driver: str = "psycopg2"
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    scratch: Path = field(init=False)
+    _names: int = 0
+
+    def __post_init__(self) -> None:
+        self.scratch = Path(f"/tmp/sqlinbox-bench-{self.run_id}")
+        self.scratch.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def prefix(self) -> str:
+        """Every table this run creates starts with it, so cleanup finds them all."""
+        return f"b{self.run_id}_"
+
+    def queue_name(self, tag: str) -> str:
+        """A queue name no earlier measurement (or run) used."""
+        self._names += 1
+        return f"bench{self._names}_{tag}"
+
+    def count(self, target: Target, size: int) -> int:
+        return max(20, int(size * target.scale))
+
+    def deadline(self) -> float:
+        return time.monotonic() + self.sizes.cap
+
+    def sqlite_url(self, name: str) -> str:
+        return f"sqlite:///{self.scratch / name}.db"
+
+    def targets(self, database: str, brokers: set[str]) -> list[Target]:
+        url = SERVERS.get(database) or ""
+        kombu_url = url
+        if database == "postgresql":
+            driver = f"postgresql+{self.pg_driver}"
+            kombu_url = make_url(url).set(drivername=driver).render_as_string(hide_password=False)
+        made = []
+        if "sqlinbox" in brokers:
+            made.append(Target(
+                "sqlinbox", database, "sqlinbox+" + (kombu_url or self.sqlite_url("sqlinbox")),
+                {"table_prefix": self.prefix, "polling_interval": POLLING_INTERVAL},
+                POLLING_INTERVAL))
+        if "sqla" in brokers:
+            # no polling_interval in its options: kombu sqla hands every unknown option to
+            # create_engine, which refuses it; the interval is set on the transport instead
+            made.append(Target(
+                "sqla", database, "sqla+" + (kombu_url or self.sqlite_url("sqla")),
+                {"queue_tablename": self.prefix + "kombu_queue",
+                 "message_tablename": self.prefix + "kombu_message"},
+                POLLING_INTERVAL, scale=0.1))
+        if "raw" in brokers:
+            made.append(Target("raw", database, url or self.sqlite_url("raw")))
+        return made
+
+    def server_targets(self, brokers: set[str]) -> list[Target]:
+        made = [Target("redis", None, REDIS_URL)] if "redis" in brokers else []
+        if "rabbitmq" in brokers:
+            made.append(Target("rabbitmq", None, AMQP_URL))
+        return made
+
+    def cleanup(self) -> None:
+        """Drop every table of this run on the servers and remove the SQLite files."""
+        for url in SERVERS.values():
+            try:
+                drop_tables(url, self.prefix)
+            except Exception as exc:  # a server that is down has nothing of ours
+                print(f"cleanup of {url}: {gist(str(exc))}")
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def drop_tables(url: str, prefix: str) -> None:
+    """Drop tables named with ``prefix``; sorted, so kombu_message goes before kombu_queue."""
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            quote = conn.dialect.identifier_preparer.quote
+            for name in sorted(inspect(conn).get_table_names()):
+                if name.startswith(prefix):
+                    conn.execute(text(f"DROP TABLE IF EXISTS {quote(name)}"))
+    finally:
+        engine.dispose()
+
+
+def connect(target: Target) -> Connection:
+    """A connected kombu Connection for a broker target, with its polling interval set."""
+    conn = Connection(target.url, transport_options=dict(target.transport_options),
+                      connect_timeout=10)
+    conn.ensure_connection(max_retries=2)
+    if target.polling_interval is not None:
+        conn.transport.polling_interval = target.polling_interval
+    return conn
+
+
+def kombu_queue(name: str) -> Queue:
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)
+
+
+def delete_queue(target: Target, name: str) -> None:
+    """Remove a measurement's queue (and its exchange) from the broker; best effort."""
+    try:
+        with connect(target) as conn:
+            queue = kombu_queue(name)
+            bound = queue(conn.default_channel)
+            bound.declare()
+            bound.delete()
+            if queue.exchange is not None and target.broker in SERVER_BROKERS:
+                queue.exchange(conn.default_channel).delete()
+    except Exception as exc:  # cleanup must not hide the figures
+        print(f"cleanup of {target.label} queue {name}: {gist(str(exc))}")
