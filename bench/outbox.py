@@ -1,10 +1,10 @@
 """Outbox benchmark: what recording costs per ``apply_async``, and how fast republish sends.
 
-    python bench/outbox.py [--quick] [--tasks N] [--rounds R]
+    python bench/outbox.py [--quick] [--outbox-tasks N] [--outbox-rounds R] [--json PATH]
 
-``run(args)`` returns rows for ``bench/run.py`` (any object with an optional ``quick``
-attribute will do). The outbox database is PostgreSQL and the broker RabbitMQ
-(``SQLINBOX_TEST_POSTGRES``, ``SQLINBOX_BENCH_AMQP`` override the local defaults).
+Also a section of ``bench/run.py``. The outbox database is PostgreSQL (psycopg 3) and
+the broker RabbitMQ (``BENCH_POSTGRES_URL``, ``BENCH_AMQP_URL`` override the local
+defaults).
 
 Rounds alternate outbox off / on / on inside a caller transaction, so load from other
 processes on the machine spreads over all three; each figure is the median of the
@@ -14,28 +14,38 @@ rounds. Overhead is median(on) - median(off), per task, outside a caller transac
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
 import time
-import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
+if __name__ == "__main__":  # run as a script: import the bench package, not its modules
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from celery import Celery
-from sqlalchemy import Engine
 
 import celery_ext
-from celery_ext.outbox import Outbox, engine_from_url
+from bench.cli import run_alone
+from bench.registry import Cell, Row, Section, alternate, goal, progress
+from bench.report import table
+from bench.targets import AMQP_URL, Context
+from celery_ext.outbox import engine_from_url
 
-POSTGRES = os.environ.get("SQLINBOX_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
-AMQP = os.environ.get("SQLINBOX_BENCH_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
+NAME = "outbox"
+FIGURES = {"per_task_ms": "ms per task (median)", "records_per_s": "records/s"}
+OVERHEAD = "overhead: on - off"
 #: the figure issue 5 sets: recording may add at most this much per task (ms)
 TARGET_MS = 1.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("outbox (issue 5)")
+    group.add_argument("--outbox-tasks", type=int, default=0,
+                       help="tasks per mode and round (default 500, quick 100)")
+    group.add_argument("--outbox-rounds", type=int, default=0,
+                       help="rounds (default 9, quick 5)")
 
 
 def noop(*args: Any) -> None:
@@ -43,96 +53,92 @@ def noop(*args: Any) -> None:
 
 
 def _app(queue: str) -> Celery:
-    app = Celery("outbox-bench", broker=AMQP, set_as_current=False)
+    app = Celery("outbox-bench", broker=AMQP_URL, set_as_current=False)
     app.conf.update(task_default_queue=queue, task_ignore_result=True)
     app.task(name="bench.noop")(noop)
     return app
 
 
-def _per_task_ms(send: Callable[[], Any], tasks: int) -> float:
+def per_task_ms(send: Callable[[], Any], tasks: int) -> float:
     began = time.perf_counter()
     for _ in range(tasks):
         send()
     return (time.perf_counter() - began) * 1000.0 / tasks
 
 
-def _purge(app: Celery, queue: str) -> None:
-    with app.connection_for_write() as conn:
-        conn.default_channel.queue_delete(queue)
-
-
-def measure(tasks: int, rounds: int) -> list[dict[str, Any]]:
-    queue = f"outbox_bench_{uuid.uuid4().hex[:8]}"
-    table = f"outbox_bench_{uuid.uuid4().hex[:8]}"
+def measure(ctx: Context, tasks: int, rounds: int) -> list[Row]:
+    queue = ctx.queue_name("outbox")
     plain, tracked = _app(queue), _app(queue)
-    engine: Engine = engine_from_url(POSTGRES)
-    outbox: Outbox = celery_ext.install(tracked, engine, table=table)
+    engine = engine_from_url(ctx.url("postgresql", "outbox"))
+    outbox = celery_ext.install(tracked, engine, table=f"{ctx.prefix}outbox")
     noop_plain, noop_tracked = plain.tasks["bench.noop"], tracked.tasks["bench.noop"]
 
     def in_transaction() -> None:
         with engine.begin() as conn, celery_ext.bind(conn):
             noop_tracked.apply_async((1,))
 
-    modes: dict[str, Callable[[], Any]] = {
-        "off": lambda: noop_plain.apply_async((1,)),
-        "on": lambda: noop_tracked.apply_async((1,)),
-        "on, in caller transaction": in_transaction,
+    sends: dict[str, Callable[[], Any]] = {
+        "RabbitMQ, outbox off": lambda: noop_plain.apply_async((1,)),
+        "RabbitMQ, outbox on": lambda: noop_tracked.apply_async((1,)),
+        "RabbitMQ, outbox on, in caller transaction": in_transaction,
     }
     try:
         outbox.create()
-        for send in modes.values():  # warm connections, pools and prepared statements
-            _per_task_ms(send, 50)
-        times: dict[str, list[float]] = {mode: [] for mode in modes}
-        for _ in range(rounds):
-            for mode, send in modes.items():
-                times[mode].append(_per_task_ms(send, tasks))
-        rows: list[dict[str, Any]] = [
-            {"scenario": "outbox apply_async", "database": "postgresql", "broker": "rabbitmq",
-             "outbox": mode, "tasks": tasks * rounds,
-             "per_task_ms": round(statistics.median(found), 3),
-             "best_round_ms": round(min(found), 3)}
-            for mode, found in times.items()]
-        overhead = statistics.median(times["on"]) - statistics.median(times["off"])
-        rows.append({"scenario": "outbox overhead", "database": "postgresql",
-                     "broker": "rabbitmq", "overhead_ms": round(overhead, 3),
-                     "target_ms": TARGET_MS, "met": overhead <= TARGET_MS})
+        for send in sends.values():  # warm connections, pools and prepared statements
+            per_task_ms(send, 50)
+        cells = alternate({mode: partial(per_task_ms, send, tasks)
+                           for mode, send in sends.items()}, rounds, lambda v: f"{v:.3f}")
+        for cell in cells.values():
+            cell.details.update(tasks=tasks, rounds=rounds)
+        off, on = (cells[f"RabbitMQ, outbox {m}"].value for m in ("off", "on"))
+        if off is not None and on is not None:
+            cells[OVERHEAD] = Cell(on - off, f"{on - off:.3f}")
+        rows = [cell.row(NAME, "postgresql", mode, "per_task_ms") for mode, cell in cells.items()]
         pending = outbox.status().unprocessed
         began = time.perf_counter()
         sent = outbox.republish(older_than=0)
-        elapsed = time.perf_counter() - began
-        rows.append({"scenario": "outbox republish", "database": "postgresql",
-                     "broker": "rabbitmq", "records": sent, "unprocessed_before": pending,
-                     "records_per_s": round(sent / elapsed) if elapsed else None})
+        republished = Cell.rate(sent, time.perf_counter() - began, unprocessed_before=pending)
+        rows.append(republished.row(NAME, "postgresql", "republish (RabbitMQ)", "records_per_s"))
         return rows
     finally:
         outbox.drop()
         outbox.uninstall()
-        _purge(plain, queue)
+        with plain.connection_for_write() as conn:
+            conn.default_channel.queue_delete(queue)
         plain.close()
         tracked.close()
         engine.dispose()
 
 
-def run(args: Any) -> list[dict[str, Any]]:
-    """Rows for bench/run.py; ``args.quick`` (optional) runs about a fifth of the tasks."""
-    quick = bool(getattr(args, "quick", False))
-    tasks = int(getattr(args, "outbox_tasks", 0) or (100 if quick else 500))
-    rounds = int(getattr(args, "outbox_rounds", 0) or (5 if quick else 9))
-    return measure(tasks, rounds)
+def run(args: argparse.Namespace) -> list[Row]:
+    """Rows per outbox mode, the overhead, republish (``args``: ``quick``, ``outbox_tasks``,
+    ``outbox_rounds``)."""
+    tasks = args.outbox_tasks or (100 if args.quick else 500)
+    rounds = args.outbox_rounds or (5 if args.quick else 9)
+    with Context(pg_driver="psycopg") as ctx:
+        rows = measure(ctx, tasks, rounds)
+    for r in rows:
+        progress(f"{NAME} {r['setup']}: {r['text']}")
+    return rows
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--tasks", dest="outbox_tasks", type=int, default=0,
-                        help="tasks per mode and round")
-    parser.add_argument("--rounds", dest="outbox_rounds", type=int, default=0)
-    rows = run(parser.parse_args(argv))
-    for row in rows:
-        print("  ".join(f"{key}={value}" for key, value in row.items()))
-    overhead = next(r for r in rows if r["scenario"] == "outbox overhead")
-    return 0 if overhead["met"] else 1
+def markdown(rows: list[Row], args: argparse.Namespace) -> str:
+    details = rows[0]["details"]
+    return (table(rows, FIGURES) + f"\n\n`apply_async` of a no-op task, {details.get('tasks')} "
+            f"per mode and round, median of {details.get('rounds')} rounds (modes alternate); "
+            "republish: every record left unprocessed (nothing consumes the queue).")
 
+
+def targets(rows: list[Row]) -> list[Row]:
+    found = [r["value"] for r in rows if r["setup"] == OVERHEAD]
+    if not found:
+        return []
+    return [goal(NAME, "postgresql", "outbox overhead, ms per task (outside a transaction)",
+                 found[0], TARGET_MS, at_most=True)]
+
+
+SECTION = Section(NAME, "Transactional outbox: apply_async overhead and republish (issue 5)",
+                  add_arguments, run, markdown, targets)
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run_alone(SECTION)

@@ -1,19 +1,29 @@
-"""Scenarios plug in here: each fills named table columns for the brokers it applies to.
+"""What plugs into the benchmark: figures (:class:`Cell`), issue 2's scenarios, and sections.
 
-A later issue adds a measurement by writing one function and decorating it with
-:func:`scenario`; ``run.py`` discovers it through :data:`SCENARIOS` and the
-report shows any column that received a value.
+A section is one table of ``bench/run.py`` (issue 2's core, ordering, transactional,
+outbox): a module with ``run(args) -> list[Row]`` and a :data:`Section` record naming
+its arguments, table and targets. Within the core section, a measurement is one
+function decorated with :func:`scenario`; the table shows any column that got a value.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
+import statistics
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .targets import Context, Target
+
+#: one figure of a section: section, database (None: a message server), setup, figure,
+#: value (what ratios use), text (what the table shows), details
+Row = dict[str, Any]
+BEGAN = time.monotonic()
 
 
 @dataclass
@@ -35,6 +45,10 @@ class Cell:
         reason = f"{type(exc).__name__}: {gist(str(exc))}"
         return cls(None, "failed: " + (reason[:70] + "…" if len(reason) > 70 else reason))
 
+    def row(self, section: str, database: str | None, setup: str, figure: str) -> Row:
+        return {"section": section, "database": database, "setup": setup, "figure": figure,
+                "value": self.value, "text": self.text, "details": self.details}
+
 
 def gist(message: str) -> str:
     """The line of an error message or traceback that says what went wrong."""
@@ -54,6 +68,53 @@ def guarded(measure: Callable[[], Cell]) -> Cell:
         return Cell.failed(exc)
 
 
+def progress(message: str) -> None:
+    """A line on stderr while the run goes on, stamped with seconds since it began."""
+    print(f"[{time.monotonic() - BEGAN:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def alternate(modes: dict[str, Callable[[], float]], rounds: int,
+              text: Callable[[float], str]) -> dict[str, Cell]:
+    """Each mode once per round, modes alternating, so load from elsewhere on the machine
+    spreads over all of them; a mode's figure is the median of its rounds. A mode that
+    fails is reported failed and not run again."""
+    found: dict[str, list[float]] = {mode: [] for mode in modes}
+    failed: dict[str, Cell] = {}
+    for _ in range(rounds):
+        for mode, measure in modes.items():
+            if mode not in failed:
+                try:
+                    found[mode].append(measure())
+                except Exception as exc:
+                    failed[mode] = Cell.failed(exc)
+    cells = {}
+    for mode, values in found.items():
+        if mode in failed or not values:
+            cells[mode] = failed.get(mode) or Cell(None, "n/a")
+        else:
+            median = statistics.median(values)
+            cells[mode] = Cell(median, text(median), {"rounds": values})
+    return cells
+
+
+def ratio(top: Cell | None, bottom: Cell | None) -> float | None:
+    if top is None or bottom is None or not top.value or not bottom.value:
+        return None
+    return top.value / bottom.value
+
+
+def goal(section: str, database: str | None, what: str, value: float | None,
+         limit: float | None, *, at_most: bool = False) -> Row:
+    """A target an issue sets (``limit`` None: a figure the issue asks for, no target)."""
+    met = None
+    if value is not None and limit is not None:
+        met = value <= limit if at_most else value >= limit
+    wanted = "-" if limit is None else f"{'≤' if at_most else '≥'} {limit:g}"
+    return {"section": section, "database": database, "target": what, "value": value,
+            "goal": wanted, "met": met}
+
+
+# -- issue 2's scenarios ------------------------------------------------------------------
 Runner = Callable[["Target", "Context"], dict[str, Cell]]
 
 
@@ -87,3 +148,19 @@ def columns() -> dict[str, str]:
         for key, heading in entry.columns.items():
             found.setdefault(key, heading)
     return found
+
+
+# -- sections -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Section:
+    """One table of the benchmark and what it takes to fill it."""
+
+    name: str
+    title: str
+    #: the section's own command-line options (shared ones live in ``bench/cli.py``)
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], list[Row]]
+    #: the Markdown table (and its notes) of the rows ``run`` returned
+    markdown: Callable[[list[Row], argparse.Namespace], str]
+    #: the issue's targets, computed from the rows (see :func:`goal`)
+    targets: Callable[[list[Row]], list[Row]]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
+import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,9 +71,9 @@ class Target:
 
 @dataclass
 class Context:
-    """State of one benchmark run: its id, sizes and scratch space."""
+    """State of one section's run: its id, sizes and scratch space; leaving it cleans up."""
 
-    sizes: Sizes
+    sizes: Sizes = field(default_factory=Sizes)
     #: driver of the sqlinbox and sqla PostgreSQL URLs (the raw loop is psycopg2 throughout)
     pg_driver: str = "psycopg2"
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
@@ -99,28 +103,34 @@ class Context:
     def sqlite_url(self, name: str) -> str:
         return f"sqlite:///{self.scratch / name}.db"
 
-    def targets(self, database: str, brokers: set[str]) -> list[Target]:
-        url = SERVERS.get(database) or ""
-        kombu_url = url
+    def url(self, database: str, sqlite_name: str) -> str:
+        """SQLAlchemy URL of a database server (with this run's PostgreSQL driver), or of a
+        SQLite file in the scratch directory."""
+        if database == "sqlite":
+            return self.sqlite_url(sqlite_name)
+        url = make_url(SERVERS[database])
         if database == "postgresql":
-            driver = f"postgresql+{self.pg_driver}"
-            kombu_url = make_url(url).set(drivername=driver).render_as_string(hide_password=False)
-        made = []
-        if "sqlinbox" in brokers:
-            made.append(Target(
-                "sqlinbox", database, "sqlinbox+" + (kombu_url or self.sqlite_url("sqlinbox")),
-                {"table_prefix": self.prefix, "polling_interval": POLLING_INTERVAL},
-                POLLING_INTERVAL))
+            url = url.set(drivername=f"postgresql+{self.pg_driver}")
+        return url.render_as_string(hide_password=False)
+
+    def sqlinbox(self, database: str, sqlite_name: str = "sqlinbox", **options: Any) -> Target:
+        """The sqlinbox transport on ``database``, tables prefixed for this run."""
+        return Target("sqlinbox", database, "sqlinbox+" + self.url(database, sqlite_name),
+                      {"table_prefix": self.prefix, "polling_interval": POLLING_INTERVAL,
+                       **options}, POLLING_INTERVAL)
+
+    def targets(self, database: str, brokers: set[str]) -> list[Target]:
+        made = [self.sqlinbox(database)] if "sqlinbox" in brokers else []
         if "sqla" in brokers:
             # no polling_interval in its options: kombu sqla hands every unknown option to
             # create_engine, which refuses it; the interval is set on the transport instead
             made.append(Target(
-                "sqla", database, "sqla+" + (kombu_url or self.sqlite_url("sqla")),
+                "sqla", database, "sqla+" + self.url(database, "sqla"),
                 {"queue_tablename": self.prefix + "kombu_queue",
                  "message_tablename": self.prefix + "kombu_message"},
                 POLLING_INTERVAL, scale=0.1))
-        if "raw" in brokers:
-            made.append(Target("raw", database, url or self.sqlite_url("raw")))
+        if "raw" in brokers:  # psycopg2 throughout: the raw loop drives the DBAPI itself
+            made.append(Target("raw", database, SERVERS.get(database) or self.sqlite_url("raw")))
         return made
 
     def server_targets(self, brokers: set[str]) -> list[Target]:
@@ -129,13 +139,21 @@ class Context:
             made.append(Target("rabbitmq", None, AMQP_URL))
         return made
 
-    def cleanup(self) -> None:
-        """Drop every table of this run on the servers and remove the SQLite files."""
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Close this process's transport engines, then drop every table of this run on the
+        servers and remove the SQLite files."""
+        from kombu_sqlinbox.broker import close_all
+
+        close_all()
+        gc.collect()  # let closed kombu sqla channels give their sessions back
         for url in SERVERS.values():
             try:
                 drop_tables(url, self.prefix)
             except Exception as exc:  # a server that is down has nothing of ours
-                print(f"cleanup of {url}: {gist(str(exc))}")
+                print(f"cleanup of {url}: {gist(str(exc))}", file=sys.stderr)
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
@@ -164,6 +182,15 @@ def connect(target: Target) -> Connection:
 
 def kombu_queue(name: str) -> Queue:
     return Queue(name, Exchange(name, type="direct"), routing_key=name)
+
+
+@contextmanager
+def scratch_queue(target: Target, name: str) -> Iterator[Queue]:
+    """A measurement's own queue, deleted from the broker when the block ends."""
+    try:
+        yield kombu_queue(name)
+    finally:
+        delete_queue(target, name)
 
 
 def delete_queue(target: Target, name: str) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -44,7 +45,7 @@ from celery import Task
 from celery.exceptions import Ignore, Reject
 from celery.worker.request import Request
 from sqlalchemy import Connection
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session
 
 from kombu_sqlinbox import binding
@@ -135,14 +136,19 @@ def delivery_transaction(app: Any, row: dict[str, Any] | None) -> Iterator[
         conn = conn.execution_options(**options)
         with conn.begin():
             if table is not None and row is not None:
-                statement = broker.dialect.statements(table.spec).take_over
+                statement = broker.dialect.statements(table.spec).still_held
                 params = {"id": row["id"], "attempt": row["attempt"]}
                 if conn.execute(statement, params).first() is None:
-                    logger.info("sqlinbox: message %s of queue %r is no longer this "
-                                "delivery's (done, or claimed again): skipped",
-                                row["id"], row["queue"])
-                    raise Ignore()
+                    raise row_gone(row, "skipped")
             yield conn, table
+
+
+def row_gone(row: dict[str, Any], what: str) -> Ignore:
+    """The Ignore for a delivery whose row is no longer its own (done, or claimed again
+    after its lease lapsed: the other delivery runs it)."""
+    logger.warning("sqlinbox: message %s of queue %r is no longer this delivery's: %s",
+                   row["id"], row["queue"], what)
+    return Ignore()
 
 
 def mark_outbox_record(task: Task, conn: Connection) -> None:
@@ -166,10 +172,16 @@ def mark_outbox_record(task: Task, conn: Connection) -> None:
 
 
 def complete_row(app: Any, conn: Connection, table: QueueTable, row: dict[str, Any]) -> None:
-    """Complete the delivered row inside the task's transaction (fenced by its attempt)."""
+    """Complete the delivered row inside the task's transaction, fenced by its attempt.
+
+    The row is not locked while the body runs (the lease keeps other claimers off and
+    the keeper keeps extending it); if it was claimed again meanwhile, nothing of this
+    delivery commits.
+    """
     broker = broker_of(app)
     statement = broker.dialect.statements(table.spec).complete
-    broker.dialect.settle(conn, statement, {row["attempt"]: [row["id"]]})
+    if broker.dialect.settle(conn, statement, {row["attempt"]: [row["id"]]}) != 1:
+        raise row_gone(row, "its writes are rolled back")
 
 
 class InboxTask(Task):  # type: ignore[misc]
@@ -192,6 +204,8 @@ class InboxTask(Task):  # type: ignore[misc]
         if not self.transactional:
             return super().__call__(*args, **kwargs)
         row = self.request.get(ROW_HEADER) if self.request.id else None
+        if row is not None:  # retries in place are earlier deliveries of this very row
+            self.request.retries = max(int(row["attempt"]) - 1, self.request.retries or 0)
         try:
             with delivery_transaction(self.app, row) as (conn, table):
                 delivery_token = _DELIVERY.set(conn)
@@ -205,8 +219,13 @@ class InboxTask(Task):  # type: ignore[misc]
                 if table is not None and row is not None:
                     complete_row(self.app, conn, table, row)
                 return result
-        except IntegrityError as exc:
-            if not self.drop_duplicates:
+        except DBAPIError as exc:
+            if broker_of(self.app).dialect.is_transient(exc):
+                # a deadlock, serialization failure or busy SQLite: nothing committed;
+                # the row goes back in place and runs again
+                raise Reject(f"transient database error, requeued: {exc.orig}",
+                             requeue=True) from exc
+            if not (self.drop_duplicates and isinstance(exc, IntegrityError)):
                 raise
             logger.warning("sqlinbox: task %s[%s] violated a unique key (%s): the same work "
                            "was done before; dropped with nothing changed",
@@ -230,6 +249,29 @@ class InboxTask(Task):  # type: ignore[misc]
         """An ORM Session joined to the delivery's transaction (it must not commit)."""
         return Session(bind=self.connection, join_transaction_mode="create_savepoint",
                        **options)
+
+    def retry(self, *args: Any, countdown: float | None = None, eta: Any = None,
+              **kwargs: Any) -> Any:
+        """Celery's retry; inside a transactional task it retries in place instead.
+
+        A new message would have to be written outside the delivery's transaction (which
+        the retry rolls back): on SQLite that write waits for the write lock the task itself
+        holds. The same row, hidden for ``countdown`` (or until ``eta``), needs no write
+        at all; ``max_attempts`` bounds it as it bounds every delivery.
+        """
+        if not self.transactional or _DELIVERY.get() is None:
+            return super().retry(*args, countdown=countdown, eta=eta, **kwargs)
+        max_retries = kwargs.get("max_retries", self.max_retries)
+        if max_retries is not None and self.request.retries >= max_retries:
+            if kwargs.get("exc") is not None:
+                raise kwargs["exc"]
+            raise self.MaxRetriesExceededError(
+                f"Can't retry {self.name}[{self.request.id}] args:{self.request.args} "
+                f"kwargs:{self.request.kwargs}")
+        if countdown is None and eta is not None:
+            countdown = eta.timestamp() - time.time()
+        raise RetryAfter(self.default_retry_delay if countdown is None else countdown,
+                         "retry in place (transactional task)")
 
     def retry_after(self, seconds: float, reason: str | None = None) -> NoReturn:
         """Retry in place: ``raise self.retry_after(30)``, like ``raise self.retry()``."""

@@ -46,6 +46,11 @@ class QueueTable:
     created_by_transport: bool
     claims: ClaimForm
 
+    @property
+    def fifo(self) -> bool:
+        group = self.spec.column(Role.GROUP)
+        return group is not None and group.fifo
+
 
 #: drivers tried, in order, for a URL that names no driver (SQLAlchemy's own default
 #: first where it has one installed)
@@ -121,6 +126,7 @@ class Broker:
         self.keeper = LeaseKeeper(self)
         self.wakeup = Wakeup(self)
         self.pid = os.getpid()
+        self.closed = False
 
     # -- running work --------------------------------------------------------
     def run(self, work: Callable[[Connection], T], attempts: int = 5,
@@ -263,6 +269,7 @@ class Broker:
         held.table.claims.settle(how, held, delay)
 
     def close(self) -> None:
+        self.closed = True
         self.keeper.stop()
         self.wakeup.close()
         self.engine.dispose()
@@ -300,7 +307,7 @@ def broker_for(url: str, options: TransportOptions) -> Broker:
     key = (url, repr(options))
     with _BROKERS_LOCK:
         found = _BROKERS.get(key)
-        if found is None or found.pid != os.getpid():
+        if found is None or found.pid != os.getpid() or found.closed:
             found = _BROKERS[key] = Broker(url, options)
         return found
 

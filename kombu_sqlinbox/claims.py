@@ -402,11 +402,16 @@ class LeaseKeeper:
             grouped[(held.table, how, delay)][held.attempt].append(held.id)
         dialect = self.broker.dialect
 
+        # a settled FIFO head lets the row behind it go: wake consumers here and elsewhere
+        heads = {table for table, _, _ in grouped if table.fifo}
+
         def work(conn: Connection) -> int:
             touched = 0
             for (table, how, delay), tokens in grouped.items():
                 statement = getattr(dialect.statements(table.spec), how.value)
                 touched += dialect.settle(conn, statement, tokens, {"delay": delay})
+            for table in heads:
+                dialect.wake(conn, table.spec)
             return touched
 
         try:
@@ -426,6 +431,8 @@ class LeaseKeeper:
                 if rows is not None and rows.get(held.id) == held.attempt:
                     del rows[held.id]
             self._idle.notify_all()
+        if heads:
+            self.broker.wakeup.poke()
         by_form: dict[ClaimForm, list[Held]] = defaultdict(list)
         for _, held, _ in batch:
             by_form[held.table.claims].append(held)

@@ -158,10 +158,12 @@ class QoS(virtual.QoS):
 
     def _settle(self, delivery_tag: Any, how: Settlement, delay: float = 0.0) -> None:
         found = self._rows.pop(delivery_tag, None)
+        was_full = not self.can_consume()
         self._quick_ack(delivery_tag)
         if found is not None:
             self.channel.broker.settle(how, found[0], delay)
             self.channel.key_settled(found[0].table.queue, found[1])
+            self.channel.slot_freed(was_full)
 
     def ack(self, delivery_tag: Any) -> None:
         self._settle(delivery_tag, Settlement.COMPLETE)
@@ -209,6 +211,8 @@ class Channel(virtual.Channel):
         self._buffers: dict[str, deque[ClaimedRow]] = {}
         #: partition keys with a delivered, unsettled row: their next rows wait
         self._busy_keys: set[tuple[str, Any]] = set()
+        #: the last claim was skipped for want of a free prefetch slot
+        self._starved = False
 
     def _next_delivery_tag(self) -> int:
         return next(self._delivery_tags)
@@ -247,6 +251,7 @@ class Channel(virtual.Channel):
             if row is None:
                 limit = self._claim_size()
                 if limit <= 0:
+                    self._starved = True
                     raise Empty()
                 claimed = self.broker.claim(table, limit)
                 if not claimed:
@@ -270,6 +275,13 @@ class Channel(virtual.Channel):
                 self._busy_keys.add(key)
                 return row
         return None
+
+    def slot_freed(self, was_full: bool) -> None:
+        """A prefetch slot came free (any thread): wake the consumer if it stopped claiming
+        for want of one, rather than let it sleep a whole polling interval."""
+        if was_full or self._starved:
+            self._starved = False
+            self.broker.wakeup.poke()
 
     def key_settled(self, queue: str, row: ClaimedRow) -> None:
         """A row left this process: its partition key may send the next row (any thread)."""
@@ -389,7 +401,7 @@ class Transport(virtual.Transport):
 
     @property
     def broker(self) -> Broker:
-        if self._broker is None:
+        if self._broker is None or self._broker.closed:
             self._broker = broker_for(self.url, self.options)
         return self._broker
 

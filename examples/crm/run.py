@@ -17,7 +17,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 
+from kombu import Connection
 from sqlalchemy import select
 
 HERE = Path(__file__).resolve().parent
@@ -61,24 +63,23 @@ def main() -> int:
                     channel = conn.default_channel
 
                     def accounted() -> bool:
-                        parked = channel.queue_declare("crm.parked").message_count
-                        return len(received()) + parked == len(sent)
+                        parked = int(channel.queue_declare("crm.parked").message_count)
+                        return len(received(crm_app)) + parked == len(sent)
 
                     wait_until(accounted, started + DEADLINE, worker)
-                    report(conn)
+                    report(crm_app, conn)
             except (RuntimeError, TimeoutError) as exc:
                 stop_worker(worker)
                 log.seek(0)
                 print(f"failed: {exc}\n{log.read().decode(errors='replace')}", file=sys.stderr)
                 return 1
-            status = stop_worker(worker)
+            status = int(stop_worker(worker))
     print(f"\nworker stopped (exit status {status}) after {time.monotonic() - started:.1f} s")
     return status
 
 
-def received() -> list[tuple[str, int, str]]:
-    import crm_app
-
+def received(crm_app: ModuleType) -> list[tuple[str, int, str]]:
+    """What the fake CRMs received: (target, contact, email), in the order they got it."""
     table = crm_app.received
     with crm_app.engine().connect() as conn:
         rows = conn.execute(select(table.c.target, table.c.contact_id, table.c.fields)
@@ -86,13 +87,13 @@ def received() -> list[tuple[str, int, str]]:
     return [(target, contact, json.loads(fields)["email"]) for target, contact, fields in rows]
 
 
-def report(conn: object) -> None:
+def report(crm_app: ModuleType, conn: Connection) -> None:
     for target in TARGETS:
         print(f"\n{target} received, in this order:")
-        for _, contact_id, email in (row for row in received() if row[0] == target):
+        for _, contact_id, email in (row for row in received(crm_app) if row[0] == target):
             print(f"  contact {contact_id}: {email}")
     print("\nparked in crm.parked:")
-    with conn.SimpleQueue("crm.parked") as parked:  # type: ignore[attr-defined]
+    with conn.SimpleQueue("crm.parked") as parked:
         while parked.qsize():
             message = parked.get(timeout=5)
             death = message.headers["x-sqlinbox-death"]

@@ -22,7 +22,15 @@ import time
 
 from celery import Celery
 from sqlalchemy import (
-    Column, Double, Integer, MetaData, String, Table, create_engine, select, update,
+    Column,
+    Double,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    create_engine,
+    select,
+    update,
 )
 from sqlalchemy.engine import Engine
 

@@ -53,10 +53,10 @@ def main() -> int:
         print(f"queued {total} postings of {len(ACCOUNTS)} accounts in table ledger_postings")
 
         def applied() -> list[tuple[str, int, int, float, float]]:
+            """(account, posting, balance after, started, finished), in the order applied."""
             with ledger_app.engine().connect() as conn:
-                return [tuple(row) for row in conn.execute(select(  # type: ignore[misc]
-                    entries.c.account, entries.c.posting_no, entries.c.balance,
-                    entries.c.started, entries.c.finished).order_by(entries.c.n))]
+                return [(r.account, r.posting_no, r.balance, r.started, r.finished)
+                        for r in conn.execute(select(entries).order_by(entries.c.n))]
 
         with Path(directory, "worker.log").open("w+b") as log:
             worker = start_worker("ledger_app", HERE, {}, log,
@@ -68,7 +68,7 @@ def main() -> int:
                 log.seek(0)
                 print(f"failed: {exc}\n{log.read().decode(errors='replace')}", file=sys.stderr)
                 return 1
-            status = stop_worker(worker)
+            status = int(stop_worker(worker))
         rows = applied()
     for account in ACCOUNTS[:3]:
         statement = ", ".join(f"#{no}: {balance}" for acct, no, balance, _, _ in rows

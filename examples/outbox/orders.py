@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from proj import send_receipt
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 import celery_ext
-from proj import send_receipt
 
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS shop_orders (id INTEGER PRIMARY KEY, cents INTEGER NOT NULL)",

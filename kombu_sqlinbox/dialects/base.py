@@ -54,7 +54,7 @@ class Statements:
     release_uncounted: TextClause
     retry: TextClause | None
     lock_row: TextClause
-    take_over: TextClause
+    still_held: TextClause
     size: TextClause
     purge: TextClause
     drop: TextClause
@@ -81,8 +81,6 @@ class Dialect:
     #: how a claim's selection locks the rows it takes (empty where the database has
     #: a single writer and needs none)
     lock_clause: ClassVar[str] = "FOR UPDATE SKIP LOCKED"
-    #: how a task's transaction takes over a leased row: waiting, never skipping
-    wait_lock_clause: ClassVar[str] = "FOR UPDATE"
     #: SQL types of the default layout, by role (``{generated}`` ids differ)
     column_types: ClassVar[Mapping[Role, str]]
     generated_id_type: ClassVar[str]
@@ -234,7 +232,7 @@ class Dialect:
             extend=_expanding(extend),
             retry=retry,
             lock_row=text(one_row + self.lock_clause),
-            take_over=text(one_row + self.wait_lock_clause),
+            still_held=text(one_row),
             complete=_expanding(complete),
             delete=_expanding(delete),
             release=_expanding(release),
@@ -445,6 +443,9 @@ class Dialect:
 
     def channel(self, spec: TableSpec) -> str:
         raise NotImplementedError
+
+    def wake(self, conn: Connection, spec: TableSpec) -> None:
+        """Wake the table's idle consumers in other processes when ``conn`` commits."""
 
     def listen(self, dbapi_connection: Any, channels: Iterable[str]) -> None:
         raise NotImplementedError

@@ -60,6 +60,10 @@ class PostgreSQLDialect(Dialect):
             "SELECT pg_notify(:channel, '') FROM published"
         ).bindparams(bindparam("channel", value=self.channel(spec)))
 
+    def wake(self, conn: Connection, spec: TableSpec) -> None:
+        if self.notify:
+            conn.execute(text("SELECT pg_notify(:channel, '')"), {"channel": self.channel(spec)})
+
     def channel(self, spec: TableSpec) -> str:
         """The NOTIFY channel of a table: its (validated) name."""
         return spec.table

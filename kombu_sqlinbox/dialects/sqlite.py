@@ -23,7 +23,6 @@ class SQLiteDialect(Dialect):
     now = NOW
     eta_value = f"COALESCE(:eta, {NOW})"
     lock_clause = ""
-    wait_lock_clause = ""
     generated_id_type = "INTEGER PRIMARY KEY AUTOINCREMENT"
     column_types = {
         Role.ID: "INTEGER NOT NULL",
@@ -75,9 +74,10 @@ class SQLiteDialect(Dialect):
         """WAL lets readers run beside the single writer; the busy timeout waits for it."""
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
+        # the busy timeout first: switching to WAL needs the lock another connection may hold
+        cursor.execute(f"PRAGMA busy_timeout={int(self.busy_timeout * 1000)}")
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.execute(f"PRAGMA busy_timeout={int(self.busy_timeout * 1000)}")
         cursor.close()
 
     #: seconds a statement waits for the database's write lock

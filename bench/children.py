@@ -1,0 +1,99 @@
+"""Consumer processes a measurement spawns, and the one channel they report through.
+
+Children are started with ``spawn`` so none inherits the parent's pooled
+connections or its lease-keeper thread.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue as stdlib_queue
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .registry import gist
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+@dataclass
+class Link:
+    """A child's side: its index, the report queue, the common start signal and counter."""
+
+    index: int
+    reports: Any
+    start: Any
+    counter: Any
+
+    def report(self, kind: str, value: Any = None) -> None:
+        self.reports.put((kind, self.index, value))
+
+    def ready(self, cap: float) -> None:
+        """Say so, then wait (at most ``cap`` s) until the parent starts every child at once."""
+        self.report("ready")
+        self.start.wait(cap)
+
+    def add(self, count: int = 1) -> None:
+        with self.counter.get_lock():
+            self.counter.value += count
+
+
+def _main(entry: Callable[..., None], link: Link, args: tuple[Any, ...]) -> None:
+    """Runs in the child: a failure reaches the parent as an ``error`` report."""
+    try:
+        entry(link, *args)
+    except Exception:
+        link.report("error", traceback.format_exc(limit=4))
+
+
+class Children:
+    """``count`` spawned processes running ``entry(link, *args)``; reaped on exit.
+
+    ``entry`` must be a module-level function (it is pickled by name).
+    """
+
+    def __init__(self, count: int, entry: Callable[..., None], *args: Any) -> None:
+        self.reports: Any = SPAWN.Queue()
+        self.start = SPAWN.Event()
+        self.counter = SPAWN.Value("i", 0)
+        self.processes = [
+            SPAWN.Process(target=_main, args=(
+                entry, Link(i, self.reports, self.start, self.counter), args))
+            for i in range(count)
+        ]
+
+    def __enter__(self) -> Children:
+        for process in self.processes:
+            process.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.start.set()  # a child still waiting for the start signal goes on, and ends
+        for process in self.processes:
+            process.join(10)
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+
+    def next(self, deadline: float) -> tuple[str, int, Any]:
+        """The next report; a child's error or the deadline raises."""
+        try:
+            kind, index, value = self.reports.get(timeout=max(0.01, deadline - time.monotonic()))
+        except stdlib_queue.Empty:
+            raise TimeoutError("consumer processes did not report in time") from None
+        if kind == "error":
+            raise RuntimeError(f"consumer {index} failed: {gist(value)}")
+        return kind, index, value
+
+    def wait_ready(self, deadline: float) -> None:
+        """Every child has said ``ready``."""
+        for _ in self.processes:
+            kind, index, _ = self.next(deadline)
+            if kind != "ready":
+                raise RuntimeError(f"consumer {index} reported {kind!r} before it was ready")
+
+    def any_exited(self) -> bool:
+        return any(not process.is_alive() for process in self.processes)

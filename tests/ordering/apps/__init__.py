@@ -1,0 +1,1 @@
+"""Programs the ordering tests start as real processes, and what they share."""

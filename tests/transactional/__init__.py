@@ -1,0 +1,1 @@
+"""Transactional tasks and enqueue: the refund example under real workers."""

@@ -1,0 +1,1 @@
+"""Programs the transactional tests run as real processes."""

@@ -1,0 +1,260 @@
+"""Fixtures of the transactional suite: the refund example under real workers.
+
+One :class:`Service` per database and pool: a database of its own (a fresh
+PostgreSQL or MariaDB database, or a SQLite file) holding the example's tables
+and queues, the fake card processor, and one ``celery worker`` of
+:mod:`tests.transactional.apps.service` consuming every queue. It is shared by
+the tests of this package (package scope), so each worker starts once; tests
+use order ids of their own and leave the queues drained. The test process's
+side of the example app (``refund.delay``, ``web.request_refund``) is pointed at
+the service's database while its tests run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import kombu.pools
+import pytest
+from sqlalchemy import Engine, create_engine, func, select, text
+from sqlalchemy.engine import make_url
+
+from kombu_sqlinbox.tables import table_name_for_queue
+from tests.acceptance.conftest import (  # the hook marks failed tests, to print logs
+    FAILED,
+    START_LIMIT,
+    Proc,
+    pytest_runtest_makereport,  # noqa: F401
+    wait_until,
+    worker_ready,
+)
+from tests.conftest import DATABASES, require_server
+from tests.transactional.apps import service as service_app
+from tests.transactional.apps.service import card_processor, refunds_app
+
+ROOT = Path(__file__).resolve().parents[2]
+POOLS = ("prefork", "threads", "solo")
+#: the card client's timeout in the workers: a timed-out call costs this much, and a held
+#: one (a test looking at the open transaction) must be released within it
+CARD_TIMEOUT = 2.0
+#: the lease of the example's queues: a row a dead process held comes back this soon
+VISIBILITY_TIMEOUT = 5.0
+#: the longest any outcome may take to show
+SETTLE_LIMIT = 30.0
+REFUND = "refunds.refund"
+RECEIPT = "refunds.send_receipt"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "pools(*names): run a service test only on these worker pools")
+    config.addinivalue_line(
+        "markers", "databases(*names): run a service test only on these databases")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Each test using ``service`` runs once per database and pool (narrowed by markers);
+    tests with the same pair share one service, in package scope."""
+    if "service" not in metafunc.fixturenames:
+        return
+    pools = metafunc.definition.get_closest_marker("pools")
+    databases = metafunc.definition.get_closest_marker("databases")
+    pairs = [(db, pool) for db in (databases.args if databases else DATABASES)
+             for pool in (pools.args if pools else POOLS)]
+    metafunc.parametrize("service", pairs, indirect=True, scope="package",
+                         ids=[f"{db}-{pool}" for db, pool in pairs])
+
+
+@contextmanager
+def fresh_database(kind: str, tmp: Path) -> Iterator[str]:
+    """An SQLAlchemy URL of an empty database, dropped afterwards (SQLite: a new file)."""
+    if kind == "sqlite":
+        yield f"sqlite:///{tmp}/refunds.db"
+        return
+    server = make_url(require_server(kind))
+    if kind == "postgresql":
+        server = server.set(drivername="postgresql+psycopg")
+    name = f"sqlinbox_tx_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    try:
+        yield server.set(database=name).render_as_string(hide_password=False)
+    finally:
+        force = " WITH (FORCE)" if kind == "postgresql" else ""
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}{force}")
+        admin.dispose()
+
+
+def drop_app_connections() -> None:
+    """Close the connections and producers this process pooled (kombu keeps them in
+    process-wide pools, keyed by URL), so the example app's next publish opens new ones."""
+    kombu.pools.reset()
+    app = service_app.app
+    app.close()
+    app.amqp._producer_pool = None
+
+
+@contextmanager
+def pointed_at(db_url: str) -> Iterator[None]:
+    """Point the test process's side of the example app at ``db_url`` for the block, then
+    back where it was."""
+    previous = str(service_app.app.conf.broker_url).removeprefix("sqlinbox+")
+    drop_app_connections()
+    service_app.configure(db_url)
+    try:
+        yield
+    finally:
+        drop_app_connections()
+        service_app.configure(previous)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_app_connections() -> None:
+    """tests/conftest.py closes this process's brokers after every test, and a pooled kombu
+    connection would keep using its closed one: each test starts with new connections."""
+    drop_app_connections()
+
+
+def queue_rows(engine: Engine, queue: str) -> int:
+    """Rows of a queue's table committed and visible to a connection of our own."""
+    table = engine.dialect.identifier_preparer.quote(table_name_for_queue(queue, "sqlinbox_"))
+    with engine.connect() as conn:
+        return int(conn.execute(text(f"SELECT COUNT(*) FROM {table}")).scalar_one())
+
+
+class Service:
+    """The refund example on one database under one worker pool."""
+
+    def __init__(self, kind: str, pool: str, db_url: str, tmp: Path) -> None:
+        self.kind = kind
+        self.pool = pool
+        self.db_url = db_url
+        self.tmp = tmp
+        self.runs = tmp / "runs"
+        self.runs.mkdir()
+        self.mail = tmp / "mail"
+        self.engine: Engine = create_engine(db_url)
+        refunds_app.metadata.create_all(self.engine)
+        self.card = card_processor.FakeCardProcessor(late_by=CARD_TIMEOUT + 1.0)
+        self.worker: Proc | None = None
+
+    def start(self) -> None:
+        """A ``celery worker`` on every queue of the service (pool ``-c 2``), once ready."""
+        env = {**os.environ,
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               "REFUNDS_DATABASE_URL": self.db_url, "REFUNDS_CARD_URL": self.card.url,
+               "REFUNDS_CARD_TIMEOUT": str(CARD_TIMEOUT), "REFUNDS_RETRY_SECONDS": "0.1",
+               "REFUNDS_MAIL_DIR": str(self.mail), service_app.RUNS_ENV: str(self.runs),
+               service_app.VISIBILITY_ENV: str(VISIBILITY_TIMEOUT)}
+        argv = [sys.executable, "-m", "celery", "-A", "tests.transactional.apps.service",
+                "worker", "-P", self.pool, "-Q", ",".join(self.queues()), "-n", "w1@%h",
+                "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"]
+        if self.pool != "solo":
+            argv += ["-c", "2"]
+        self.worker = Proc("w1", argv, env, self.tmp / "w1.log")
+        wait_until(partial(worker_ready, self.worker), START_LIMIT, "the worker to be ready",
+                   alive=[self.worker])
+
+    def close(self, failed: bool) -> None:
+        if self.worker is not None:
+            self.worker.kill()
+            if failed:
+                print(f"\n===== {self.worker.name} ({self.worker.log}) =====\n"
+                      f"{self.worker.tail(200)}")
+        self.card.close()
+        self.engine.dispose()
+
+    # -- waiting ----------------------------------------------------------------------------
+    def wait(self, predicate: Callable[[], Any], what: str,
+             timeout: float = SETTLE_LIMIT) -> Any:
+        """Poll until ``predicate()`` is truthy; fail early if the worker died."""
+        alive = [self.worker] if self.worker is not None else []
+        return wait_until(predicate, timeout, what, alive=alive, interval=0.05)
+
+    def wait_drained(self) -> None:
+        """Every queue of the service is empty: nothing waits, runs or is held."""
+        self.wait(self.drained, "every queue to drain")
+
+    def drained(self) -> bool:
+        return not any(self.queue_rows(queue) for queue in self.queues())
+
+    def check_refunded_once(self, order_id: str) -> None:
+        """One ``refunds`` row carrying the processor's one refund, one receipt sent once,
+        and every queue drained."""
+        self.wait(lambda: self.receipts(order_id) == 1, f"the receipt of {order_id}")
+        self.wait_drained()
+        key = f"refund-{order_id}"
+        assert self.refund_rows(order_id) == [(order_id, self.card.refunded()[key])]
+        assert self.receipts(order_id) == 1
+        assert len(self.runs_of(RECEIPT, order_id)) == 1
+        assert (self.mail / f"receipt-{order_id}.eml").exists()
+
+    # -- looking ----------------------------------------------------------------------------
+    def queues(self) -> list[str]:
+        return ["refunds", "mail", *service_app.probe_queues(self.db_url)]
+
+    def queue_rows(self, queue: str) -> int:
+        return queue_rows(self.engine, queue)
+
+    def count(self, table: Any, *where: Any) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(table)
+                                    .where(*where)).scalar_one())
+
+    def refund_rows(self, order_id: str) -> list[tuple[Any, ...]]:
+        refunds = refunds_app.refunds
+        with self.engine.connect() as conn:
+            return [tuple(row) for row in conn.execute(
+                select(refunds.c.order_id, refunds.c.card_reference)
+                .where(refunds.c.order_id == order_id))]
+
+    def receipts(self, order_id: str) -> int:
+        return self.count(refunds_app.receipts, refunds_app.receipts.c.order_id == order_id)
+
+    def note(self, key: str) -> str | None:
+        """What a probe task noted under ``key``, if it ran."""
+        path = self.runs / f"{key}.note"
+        return str(json.loads(path.read_text())["what"]) if path.exists() else None
+
+    def runs_of(self, task: str, first_arg: str) -> list[dict[str, Any]]:
+        """The ``task_prerun`` records of ``task`` called with ``first_arg``."""
+        found = [json.loads(path.read_text()) for path in self.runs.glob("*.prerun")]
+        return [run for run in found if run["task"] == task and run["args"][:1] == [first_arg]]
+
+    def failure(self, task_id: str) -> dict[str, Any] | None:
+        path = self.runs / f"{task_id}.failure"
+        return json.loads(path.read_text()) if path.exists() else None
+
+
+@pytest.fixture(scope="package")
+def service(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    kind, pool = request.param
+    tmp = tmp_path_factory.mktemp(f"tx-{kind}-{pool}")
+    with fresh_database(kind, tmp) as db_url:
+        made = Service(kind, pool, db_url, tmp)
+        try:
+            made.start()
+            with pointed_at(db_url):
+                yield made
+        finally:
+            made.close(failed=any(
+                item.stash.get(FAILED, False) for item in request.session.items
+                if getattr(getattr(item, "callspec", None), "params", {}).get("service")
+                == request.param))
+
+
+@pytest.fixture
+def order_id() -> str:
+    """An order id no other test uses."""
+    return f"o-{uuid.uuid4().hex[:10]}"
