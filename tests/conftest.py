@@ -109,3 +109,22 @@ def _close_brokers() -> Iterator[None]:
     from kombu_sqlinbox.broker import close_all
 
     close_all()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--databases", default=",".join(DATABASES),
+        help="comma-separated databases the behaviour suite runs on (tox runs one per env)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep the tests parametrised over the chosen databases (and every other test)."""
+    chosen = set(str(config.getoption("--databases")).split(","))
+    kept, dropped = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        database = callspec.params.get("database") if callspec is not None else None
+        (dropped if database is not None and database not in chosen else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
