@@ -320,10 +320,20 @@ class LeaseKeeper:
 
     # -- called from consumer and pool threads ------------------------------
     def hold(self, rows: Iterable[Held]) -> None:
+        soonest: float | None = None
         with self._lock:
             for held in rows:
                 self._held[held.table][held.id] = held.attempt
+                due = time.monotonic() + held.table.options.visibility_timeout / 3
+                soonest = due if soonest is None else min(soonest, due)
             self._ensure_thread()
+            # a row with a shorter lease than those held so far must not wait for the
+            # extension their longer interval scheduled
+            early = soonest is not None and soonest < self._next_extension
+            if soonest is not None and early:
+                self._next_extension = soonest
+        if early:
+            self._wake.set()
 
     def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
         """Queue a settlement; the keeper thread runs it with whatever else is pending."""
