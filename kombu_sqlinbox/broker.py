@@ -171,10 +171,8 @@ class Broker:
 
     def _resolve(self, queue: str) -> QueueTable:
         options = self.options.for_queue(queue)
-        spec = options.table
-        created = spec is None
-        if spec is None:
-            spec = default_table(table_name_for_queue(queue, self.options.table_prefix))
+        spec = self.spec_for(queue)
+        created = options.table is None
         form = self.forms[options.claim]
         form.check(queue)
         spec.require(Role.LOCKED_UNTIL, f"claim={options.claim!r}", queue)
@@ -201,11 +199,15 @@ class Broker:
         with self._tables_lock:
             self._tables.pop(queue, None)
 
+    def spec_for(self, queue: str) -> TableSpec:
+        """The queue's declared table, or the default layout under the table prefix."""
+        return self.options.for_queue(queue).table or default_table(
+            table_name_for_queue(queue, self.options.table_prefix))
+
     def known_table(self, queue: str) -> bool:
         from sqlalchemy import inspect
 
-        spec = self.options.for_queue(queue).table or default_table(
-            table_name_for_queue(queue, self.options.table_prefix))
+        spec = self.spec_for(queue)
         return self.run(lambda conn: inspect(conn).has_table(spec.table, schema=spec.schema),
                         read_only=True)
 

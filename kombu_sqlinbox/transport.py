@@ -312,9 +312,10 @@ class Channel(virtual.Channel):
         self.qos.track(tag, held, row)
         return message
 
-    def _release_buffered(self) -> None:
+    def _release_buffered(self, queues: list[str]) -> None:
         """Rows claimed but never handed to kombu go back with their attempt returned."""
-        for queue, buffer in self._buffers.items():
+        for queue in queues:
+            buffer = self._buffers.pop(queue, None) or deque()
             table = self.broker.table(queue)
             while buffer:
                 row = buffer.popleft()
@@ -327,16 +328,13 @@ class Channel(virtual.Channel):
     def basic_cancel(self, consumer_tag: str) -> Any:
         queue = self._tag_to_queue.get(consumer_tag)
         result = super().basic_cancel(consumer_tag)
-        buffer = self._buffers.pop(queue, None) if queue else None
-        if buffer:
-            self._buffers[queue] = buffer
-            self._release_buffered()
-            self._buffers.pop(queue, None)
+        if queue:
+            self._release_buffered([queue])
         return result
 
     def close(self) -> None:
         if not self.closed:
-            self._release_buffered()
+            self._release_buffered(list(self._buffers))
         super().close()
         self.broker.keeper.flush(timeout=10)
 
