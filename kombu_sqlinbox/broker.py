@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -129,7 +130,7 @@ class Broker:
         self.closed = False
 
     # -- running work --------------------------------------------------------
-    def run(self, work: Callable[[Connection], T], attempts: int = 5,
+    def run(self, work: Callable[[Connection], T], attempts: int = 10,
             read_only: bool = False, durable: bool = True) -> T:
         """Run ``work`` in one transaction; retry deadlocks, busy databases and a connection
         found dead in the pool (after a server restart). Other errors propagate.
@@ -151,7 +152,8 @@ class Broker:
                 retry = exc.connection_invalidated or self.dialect.is_transient(exc)
                 if not retry or attempt == attempts:
                     raise
-                time.sleep(0.01 * attempt)
+                # racing claimers deadlock in bursts on MariaDB: back off, jittered
+                time.sleep(random.uniform(0.005, 0.02) * attempt)
         raise AssertionError("unreachable")
 
     def ping(self) -> None:
