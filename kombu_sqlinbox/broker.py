@@ -9,6 +9,7 @@ none of it: it opens its own engine when it first publishes.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -317,7 +318,8 @@ def broker_for(url: str, options: TransportOptions) -> Broker:
 
 
 def close_all() -> None:
-    """Settle what is pending and close every broker of this process."""
+    """Write what is pending and close every broker of this process; also run at the
+    process's exit, so acks made just before a normal exit are not delivered again."""
     with _BROKERS_LOCK:
         brokers = list(_BROKERS.values())
         _BROKERS.clear()
@@ -333,3 +335,4 @@ def _forget_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
+atexit.register(close_all)

@@ -6,9 +6,10 @@ row repeats it, so a holder whose row was claimed again elsewhere (its lease
 lapsed) can neither extend nor settle it.
 
 * :class:`LeaseClaims` — ``locked_until`` marks the row in work; the
-  :class:`LeaseKeeper` (one thread per process and database) extends the lease
-  of every held row and settles rows in batches: acks from any thread land in
-  its queue and one transaction settles all of them (group commit).
+  :class:`LeaseKeeper` (one per process and database) extends the lease of
+  every held row on one thread and settles rows in batches on another: acks
+  from any thread land in its queue and one transaction settles all of them
+  (group commit).
 * :class:`RowLockClaims` — the row stays locked by an open transaction on a
   connection of its own until it settles; a crash frees it at once.
 * :class:`AdvisoryClaims` — a lease plus a session-level advisory lock on the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import select
 import threading
@@ -304,18 +306,64 @@ CLAIM_FORMS: dict[str, type[ClaimForm]] = {
 }
 
 
+#: how long closing a channel, a broker or the process waits for the settlements queued
+#: so far to be written
+SETTLE_LIMIT = 10.0
+#: the first and the longest wait before a failed settlement group or extension is retried
+BACKOFF_FIRST = 0.2
+BACKOFF_MAX = 5.0
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A settlement waiting to be written; ``seq`` orders it for :meth:`LeaseKeeper.flush`."""
+
+    seq: int
+    how: Settlement
+    held: Held
+    delay: float
+
+
+@dataclass
+class Failing:
+    """A settlement group whose statement failed: when it is tried next."""
+
+    failures: int = 0
+    backoff: float = 0.0
+    retry_at: float = 0.0
+
+
+#: settlements written together: one queue's acks, or its requeues, ...
+Group = tuple["QueueTable", Settlement]
+
+
+def next_backoff(backoff: float) -> float:
+    """The wait after one more failure: doubling, from the first to the longest."""
+    return min(max(backoff * 2, BACKOFF_FIRST), BACKOFF_MAX)
+
+
 class LeaseKeeper:
-    """Extends leases of held rows and settles them in batches, on its own thread."""
+    """Extends leases of held rows and settles them in batches, each on its own thread.
+
+    Extensions never wait behind a settlement. Settlements are grouped by queue and kind
+    (acks, requeues, ...); a group whose statement fails is retried with back-off on its
+    own while every other group is written, and one whose table no longer exists is
+    dropped (its rows went with the table).
+    """
 
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
         self._lock = threading.Lock()
+        self._written = threading.Condition(self._lock)  # settlements left the queue
         self._held: dict[QueueTable, dict[int, int]] = defaultdict(dict)
-        self._pending: list[tuple[Settlement, Held, float]] = []
-        self._wake = threading.Event()
-        self._idle = threading.Condition(self._lock)
+        self._pending: list[Queued] = []
+        self._writing: list[Queued] = []
+        self._failing: dict[Group, Failing] = {}
+        self._queued = 0
+        self._settle_wake = threading.Event()
+        self._extend_wake = threading.Event()
         self._stopped = False
-        self._thread: threading.Thread | None = None
+        self._threads: dict[str, threading.Thread] = {}
         self._next_extension = 0.0
 
     # -- called from consumer and pool threads ------------------------------
@@ -326,21 +374,22 @@ class LeaseKeeper:
                 self._held[held.table][held.id] = held.attempt
                 due = time.monotonic() + held.table.options.visibility_timeout / 3
                 soonest = due if soonest is None else min(soonest, due)
-            self._ensure_thread()
+            self._ensure_threads()
             # a row with a shorter lease than those held so far must not wait for the
             # extension their longer interval scheduled
             early = soonest is not None and soonest < self._next_extension
             if soonest is not None and early:
                 self._next_extension = soonest
         if early:
-            self._wake.set()
+            self._extend_wake.set()
 
     def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
-        """Queue a settlement; the keeper thread runs it with whatever else is pending."""
+        """Queue a settlement; the settling thread writes it with whatever else is due."""
         with self._lock:
-            self._pending.append((how, held, delay))
-            self._ensure_thread()
-        self._wake.set()
+            self._queued += 1
+            self._pending.append(Queued(self._queued, how, held, delay))
+            self._ensure_threads()
+        self._settle_wake.set()
 
     def forget(self, held: Held) -> None:
         """Stop extending a row that left by another path (moved to a dead-letter queue)."""
@@ -348,70 +397,101 @@ class LeaseKeeper:
             self._held[held.table].pop(held.id, None)
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until every queued settlement has been written; False on timeout."""
-        self._wake.set()
+        """Wait until every settlement queued so far is committed (or dropped with its
+        table); False on timeout."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            while self._pending:
+            target = self._queued
+            if self._oldest() <= target:
+                self._ensure_threads()
+        self._settle_wake.set()
+        with self._lock:
+            while self._oldest() <= target:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                self._ensure_thread()
-                self._idle.wait(min(remaining, 0.5))
+                self._written.wait(remaining)
         return True
 
     def held_count(self) -> int:
         with self._lock:
             return sum(len(rows) for rows in self._held.values())
 
-    def stop(self) -> None:
-        self.flush(timeout=5.0)
+    def stop(self, timeout: float = SETTLE_LIMIT) -> None:
+        """Write what is queued (waiting at most ``timeout``), then end both threads."""
+        if not self.flush(timeout):
+            with self._lock:
+                left = len(self._pending) + len(self._writing)
+            logger.warning(
+                "sqlinbox lease keeper: %d settlements not written within %.0fs; their rows "
+                "go back to their queues when their lease runs out", left, timeout)
         self._stopped = True
-        self._wake.set()
+        self._settle_wake.set()
+        self._extend_wake.set()
 
-    # -- the keeper thread --------------------------------------------------
-    def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._stopped = False
-            self._thread = threading.Thread(
-                target=self._run, name="sqlinbox-lease-keeper", daemon=True)
-            self._thread.start()
+    # -- the threads --------------------------------------------------------
+    def _ensure_threads(self) -> None:
+        """Start the settling and the extending thread where not running (call locked)."""
+        for name, target in (("settler", self._settle_loop), ("extender", self._extend_loop)):
+            thread = self._threads.get(name)
+            if thread is None or not thread.is_alive():
+                self._stopped = False
+                self._threads[name] = thread = threading.Thread(
+                    target=target, name=f"sqlinbox-lease-{name}", daemon=True)
+                thread.start()
+
+    def _oldest(self) -> float:
+        """The sequence number of the oldest settlement not yet written (call locked)."""
+        return min((queued.seq for queued in (*self._pending, *self._writing)),
+                   default=math.inf)
 
     def _interval(self) -> float:
-        """Extend at a third of the shortest lease held: two tries before any lease lapses."""
-        with self._lock:
-            leases = [t.options.visibility_timeout for t, rows in self._held.items() if rows]
+        """Extend at a third of the shortest lease held: two tries before any lease lapses
+        (call locked)."""
+        leases = [t.options.visibility_timeout for t, rows in self._held.items() if rows]
         return min(leases) / 3 if leases else 1.0
 
-    def _run(self) -> None:
-        backoff = 0.0
+    # -- settling -----------------------------------------------------------
+    def _settle_loop(self) -> None:
         while not self._stopped:
-            if backoff:  # the database is away: new settlements must not hurry the retry
-                time.sleep(backoff)
-            wait = max(0.0, self._next_extension - time.monotonic())
-            self._wake.wait(wait)
-            self._wake.clear()
-            try:
-                self._settle_pending()
-                if time.monotonic() >= self._next_extension:
-                    self._extend()
-                    self._next_extension = time.monotonic() + self._interval()
-                backoff = 0.0
-            except Exception as exc:  # the database is away: keep everything, try again
-                backoff = min(max(backoff * 2, 0.2), 5.0)
-                logger.warning("sqlinbox lease keeper: %s; retrying in %.1fs", exc, backoff)
+            with self._lock:
+                due, wait = self._take_due()
+            if due:
+                self._write(due)
+                continue
+            self._settle_wake.wait(wait)
+            self._settle_wake.clear()
 
-    def _settle_pending(self) -> None:
-        with self._lock:
-            batch, self._pending = self._pending, []
-        if not batch:
-            return
+    def _take_due(self) -> tuple[list[Queued], float | None]:
+        """Move every settlement not held back by its group's back-off to ``_writing``;
+        else how long until a held-back group is due (call locked)."""
+        now = time.monotonic()
+        due: list[Queued] = []
+        later: list[Queued] = []
+        for queued in self._pending:
+            failing = self._failing.get((queued.held.table, queued.how))
+            (later if failing is not None and failing.retry_at > now else due).append(queued)
+        self._pending = later
+        self._writing.extend(due)
+        retries = [self._failing[(q.held.table, q.how)].retry_at for q in later]
+        return due, (max(0.0, min(retries) - now) if retries else None)
+
+    def _write(self, due: list[Queued]) -> None:
+        """Everything due in one transaction (group commit); if that fails, each group."""
+        groups: dict[Group, list[Queued]] = defaultdict(list)
+        for queued in due:
+            groups[(queued.held.table, queued.how)].append(queued)
+        isolated(groups, lambda parts: self._commit(
+            [queued for entries in parts.values() for queued in entries]),
+            self._failed, self._done)
+
+    def _commit(self, batch: list[Queued]) -> None:
         grouped: dict[tuple[QueueTable, Settlement, float], dict[int, list[int]]] = defaultdict(
             lambda: defaultdict(list))
-        for how, held, delay in batch:
-            grouped[(held.table, how, delay)][held.attempt].append(held.id)
+        for queued in batch:
+            grouped[(queued.held.table, queued.how, queued.delay)][queued.held.attempt].append(
+                queued.held.id)
         dialect = self.broker.dialect
-
         # a settled FIFO head lets the row behind it go: wake consumers here and elsewhere
         heads = {table for table, _, _ in grouped if table.fifo}
 
@@ -424,40 +504,85 @@ class LeaseKeeper:
                 dialect.wake(conn, table.spec)
             return touched
 
-        try:
-            touched = self.broker.run(work, durable=False)
-        except Exception:
-            with self._lock:
-                self._pending[:0] = batch
-            raise
+        touched = self.broker.run(work, durable=False)
         if touched < len(batch):
             logger.info(
                 "sqlinbox: %d of %d settled rows had already left this process (settled "
                 "by a task's own transaction, or claimed again after their lease lapsed)",
                 len(batch) - touched, len(batch))
-        with self._lock:
-            for _, held, _ in batch:
-                rows = self._held.get(held.table)
-                if rows is not None and rows.get(held.id) == held.attempt:
-                    del rows[held.id]
-            self._idle.notify_all()
         if heads:
             self.broker.wakeup.poke()
-        by_form: dict[ClaimForm, list[Held]] = defaultdict(list)
-        for _, held, _ in batch:
-            by_form[held.table.claims].append(held)
-        for form, rows_settled in by_form.items():
-            form.settled(rows_settled)
 
-    def _extend(self) -> None:
+    def _done(self, group: Group, entries: list[Queued]) -> None:
+        """A group's settlements are written (or dropped): the rows leave this process."""
+        with self._lock:
+            self._failing.pop(group, None)
+            written = {id(queued) for queued in entries}
+            self._writing = [queued for queued in self._writing if id(queued) not in written]
+            for queued in entries:
+                rows = self._held.get(queued.held.table)
+                if rows is not None and rows.get(queued.held.id) == queued.held.attempt:
+                    del rows[queued.held.id]
+            self._written.notify_all()
+        group[0].claims.settled(queued.held for queued in entries)
+
+    def _failed(self, group: Group, entries: list[Queued], exc: Exception) -> None:
+        """Drop the group when its table is gone; else retry it alone, with back-off."""
+        table, how = group
+        if self._gone(table):
+            logger.warning(
+                "sqlinbox: %d %s settlements of queue %r dropped: its table %r no longer "
+                "exists, and their rows went with it", len(entries), how.value, table.queue,
+                table.spec.table)
+            self._done(group, entries)
+            return
+        with self._lock:
+            failing = self._failing.setdefault(group, Failing())
+            failing.failures += 1
+            failing.backoff = next_backoff(failing.backoff)
+            failing.retry_at = time.monotonic() + failing.backoff
+            retried = {id(queued) for queued in entries}
+            self._writing = [queued for queued in self._writing if id(queued) not in retried]
+            self._pending[:0] = entries
+        logger.warning(
+            "sqlinbox lease keeper: %d %s settlements of queue %r failed (%s); retrying in "
+            "%.1fs (failure %d); other queues are not held up", len(entries), how.value,
+            table.queue, exc, failing.backoff, failing.failures)
+
+    def _gone(self, table: QueueTable) -> bool:
+        """Whether the table was dropped; a database that cannot say is taken as there."""
+        try:
+            return not self.broker.known_table(table.queue)
+        except Exception:
+            return False
+
+    # -- extending ----------------------------------------------------------
+    def _extend_loop(self) -> None:
+        backoff = 0.0
+        while not self._stopped:
+            with self._lock:
+                wait = self._next_extension - time.monotonic()
+            if wait > 0:
+                self._extend_wake.wait(wait)
+                self._extend_wake.clear()
+                continue
+            failed = self._extend()
+            backoff = next_backoff(backoff) if failed else 0.0
+            with self._lock:
+                interval = self._interval()
+                self._next_extension = time.monotonic() + (
+                    min(backoff, interval) if failed else interval)
+
+    def _extend(self) -> bool:
+        """Extend every held row's lease; True when some table's extension failed."""
         with self._lock:
             snapshot = {table: dict(rows) for table, rows in self._held.items() if rows}
         if not snapshot:
-            return
+            return False
         dialect = self.broker.dialect
 
-        def work(conn: Connection) -> None:
-            for table, rows in snapshot.items():
+        def work(conn: Connection, tables: dict[QueueTable, dict[int, int]]) -> None:
+            for table, rows in tables.items():
                 tokens: dict[int, list[int]] = defaultdict(list)
                 for row_id, attempt in rows.items():
                     tokens[attempt].append(row_id)
@@ -467,7 +592,55 @@ class LeaseKeeper:
                         "sqlinbox: %d rows of queue %r were no longer this process's when "
                         "their lease was extended", len(rows) - kept, table.queue)
 
-        self.broker.run(work, durable=False)
+        failed = isolated(
+            snapshot,
+            lambda tables: self.broker.run(lambda conn: work(conn, tables), durable=False),
+            self._extension_failed, lambda table, rows: None)
+        return bool(failed)
+
+    def _extension_failed(self, table: QueueTable, rows: dict[int, int],
+                          exc: Exception) -> None:
+        """Forget the rows of a dropped table; anything else is tried again soon."""
+        if self._gone(table):
+            with self._lock:
+                self._held.pop(table, None)
+            logger.warning(
+                "sqlinbox: %d held rows of queue %r forgotten: its table %r no longer exists",
+                len(rows), table.queue, table.spec.table)
+            return
+        logger.warning("sqlinbox lease keeper: extending %d leases of queue %r failed (%s); "
+                       "retrying soon", len(rows), table.queue, exc)
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def isolated(parts: dict[K, V], run: Callable[[dict[K, V]], object],
+             failed: Callable[[K, V, Exception], None],
+             done: Callable[[K, V], None]) -> list[K]:
+    """Run every part in one go; if that fails, each part alone, so that a part that keeps
+    failing holds up no other. Returns the parts that failed."""
+    try:
+        run(parts)
+    except Exception as exc:
+        if len(parts) == 1:
+            ((key, value),) = parts.items()
+            failed(key, value, exc)
+            return [key]
+        broken = []
+        for key, value in parts.items():
+            try:
+                run({key: value})
+            except Exception as alone:
+                broken.append(key)
+                failed(key, value, alone)
+            else:
+                done(key, value)
+        return broken
+    for key, value in parts.items():
+        done(key, value)
+    return []
 
 
 class Wakeup:

@@ -23,7 +23,7 @@ from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
 from . import binding
 from .broker import Broker, QueueTable, broker_for, convert_payload
-from .claims import Held, Settlement
+from .claims import SETTLE_LIMIT, Held, Settlement
 from .dialects import ClaimedRow
 from .errors import ConfigurationError, MessageTooLarge, SchemaMismatch
 from .options import parse_options
@@ -336,7 +336,7 @@ class Channel(virtual.Channel):
         if not self.closed:
             self._release_buffered(list(self._buffers))
         super().close()
-        self.broker.keeper.flush(timeout=10)
+        self.broker.keeper.flush(timeout=SETTLE_LIMIT)
 
     # -- queue management ------------------------------------------------------
     def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,

@@ -12,10 +12,11 @@ WHERE q."id" = c."id"
 RETURNING q."id", q."attempt", q."payload", q."headers", NULL, NULL,
           q."priority", q."available_at";
 
--- extend: the lease keeper, once per attempt value among the rows held
+-- extend: the lease keeper, once per attempt value among the rows held (a row already
+-- given back has no lease, and is not leased again)
 UPDATE "sqlinbox_celery"
 SET "locked_until" = now() + make_interval(secs => :lease)
-WHERE "attempt" = :attempt AND "id" IN :ids;
+WHERE "attempt" = :attempt AND "id" IN :ids AND "locked_until" IS NOT NULL;
 
 -- ack: delete the rows (fenced the same way)
 DELETE FROM "sqlinbox_celery" WHERE "attempt" = :attempt AND "id" IN :ids;

@@ -195,7 +195,10 @@ class Dialect:
         rows have the same shape everywhere, fenced by (attempt, ids)."""
         f = self.fields(spec)
         fence = f"WHERE {f['attempt']} = :attempt AND {f['id']} IN :ids"
-        extend = f"UPDATE {f['table']} SET {f['locked_until']} = {self.later(':lease')} {fence}"
+        # a row given back (released, retried, completed in place) has no lease: an
+        # extension written after its settlement must not lease it again
+        extend = (f"UPDATE {f['table']} SET {f['locked_until']} = {self.later(':lease')} "
+                  f"{fence} AND {f['locked_until']} IS NOT NULL")
         retry = None
         if spec.has(Role.AVAILABLE_AT):
             retry = _expanding(

@@ -50,3 +50,23 @@ def test_held_row_is_not_delivered_twice_while_its_lease_is_extended(
     held.ack()
     settled(holder)
     assert rows(engine, table_of("jobs", table_prefix)) == []
+
+
+def test_a_late_extension_does_not_lease_a_requeued_row_again(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """The keeper extends on one thread and settles on another: an extension of rows read
+    before a requeue was written, landing after it, leaves the requeued row free."""
+    conn = connect()
+    publish(conn, "jobs", {"n": 1})
+    get_within(conn, "jobs").requeue()
+    settled(conn)
+    table = table_of("jobs", table_prefix)
+    (row,) = rows(engine, table)
+    assert row["locked_until"] is None
+    broker = broker_of(conn)
+    spec = broker.table("jobs").spec
+    kept = broker.run(lambda c: broker.dialect.extend(c, spec, {row["attempt"]: [row["id"]]}, 30))
+    assert kept == 0
+    assert rows(engine, table)[0]["locked_until"] is None
+    assert get_within(conn, "jobs").delivery_info["redelivered"] is True

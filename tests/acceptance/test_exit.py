@@ -1,0 +1,47 @@
+"""A process that acks and then ends normally, closing nothing: its acks are written
+before it is gone, so none of its messages is delivered again."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from kombu import Connection
+
+from tests.acceptance.conftest import START_LIMIT, Acceptance, wait_until
+from tests.integration.support import rows_locked, table_of
+
+QUEUE = "acked"
+MESSAGES = 20
+#: how long the test watches the process stay alive while its acks cannot be written
+BLOCKED_FOR = 2.0
+
+
+def marker(base: Path, what: str) -> Path:
+    return base.with_name(f"{base.name}.{what}")
+
+
+def test_acks_made_just_before_a_normal_exit_are_written(acceptance: Acceptance) -> None:
+    with Connection(acceptance.broker_url, transport_options=acceptance.options) as conn:
+        producer = conn.Producer(serializer="json")
+        acceptance.declare(QUEUE)
+        for n in range(MESSAGES):
+            producer.publish({"n": n}, routing_key=QUEUE)
+    base = acceptance.tmp / "acker"
+    acker = acceptance.spawn("acker", [
+        sys.executable, "-m", "tests.acceptance.apps.acker", acceptance.broker_url,
+        json.dumps(acceptance.options), QUEUE, str(MESSAGES), str(base)])
+    wait_until(marker(base, "received").exists, START_LIMIT, "the messages to be received",
+               alive=[acker])
+    # the acks cannot be written while the rows are locked: the process must wait for
+    # them at exit, not end with them unwritten
+    with rows_locked(acceptance.engine, table_of(QUEUE, acceptance.table_prefix)):
+        marker(base, "ack").touch()
+        wait_until(marker(base, "acked").exists, 30, "the messages to be acked", alive=[acker])
+        until = time.monotonic() + BLOCKED_FOR
+        while time.monotonic() < until and acker.popen.poll() is None:
+            time.sleep(0.05)
+    assert acker.wait(30) == 0, acker.tail()
+    assert acceptance.rows(QUEUE) == 0, acker.tail()

@@ -1,0 +1,203 @@
+"""The lease keeper: when a settlement counts as written, and what one that fails holds up."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+from kombu import Connection
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from kombu_sqlinbox.broker import sqlalchemy_url
+
+from .conftest import Connect
+from .support import (
+    Proxy,
+    broker_of,
+    count_rows,
+    get,
+    get_within,
+    publish,
+    quoted,
+    rows,
+    rows_locked,
+    table_of,
+    wait_for,
+)
+
+#: the lease of these tests (seconds), and how many leases the healthy queue is watched for
+LEASE = 1
+LEASES_WATCHED = 3.5
+
+
+def test_flush_returns_only_once_the_acks_are_committed(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    conn = connect()
+    publish(conn, "jobs", {"n": 1})
+    message = get_within(conn, "jobs")
+    table = table_of("jobs", table_prefix)
+    keeper = broker_of(conn).keeper
+    with rows_locked(engine, table):  # the ack's statement waits for this transaction
+        message.ack()
+        assert keeper.flush(timeout=1.5) is False
+        assert count_rows(engine, table) == 1
+    assert keeper.flush(timeout=10)
+    assert count_rows(engine, table) == 0
+
+
+@contextmanager
+def undeletable(engine: Engine, database: str, table: str, row_id: int) -> Iterator[None]:
+    """Make every DELETE of one row fail for real: a foreign key of another table points at
+    it (on SQLite, which enforces foreign keys only when asked, a trigger refuses it)."""
+    pin = quoted(engine, table + "_pin")
+    target = quoted(engine, table)
+    with engine.begin() as conn:
+        if database == "sqlite":
+            conn.execute(text(
+                f"CREATE TRIGGER {pin} BEFORE DELETE ON {target} WHEN OLD.id = {int(row_id)} "
+                "BEGIN SELECT RAISE(ABORT, 'row is pinned'); END"))
+        else:
+            conn.execute(text(f"CREATE TABLE {pin} (id BIGINT REFERENCES {target} (id))"))
+            conn.execute(text(f"INSERT INTO {pin} (id) VALUES (:id)"), {"id": row_id})
+    try:
+        yield
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP {'TRIGGER' if database == 'sqlite' else 'TABLE'} {pin}"))
+
+
+def watch_held(rival_get: Callable[[], object], seconds: float) -> None:
+    """Fail if the rival consumer receives anything within ``seconds``."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        assert rival_get() is None, "a held row was delivered to another consumer"
+        time.sleep(0.1)
+
+
+def failures_logged(caplog: pytest.LogCaptureFixture, queue: str, what: str = "") -> list[str]:
+    """The keeper's warnings that name ``queue`` (and contain ``what``)."""
+    return [record.getMessage() for record in caplog.records
+            if record.name == "kombu_sqlinbox.claims" and record.levelno >= logging.WARNING
+            and repr(queue) in record.getMessage() and what in record.getMessage()]
+
+
+def test_an_ack_that_keeps_failing_holds_up_no_other_ack_or_lease(
+    connect: Connect, engine: Engine, table_prefix: str, database: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One row that cannot be deleted: its ack is retried with back-off until it lands, while
+    the other queue's acks land and its leases are kept past several lease periods."""
+    caplog.set_level(logging.WARNING, "kombu_sqlinbox.claims")
+    holder = connect(visibility_timeout=LEASE)
+    rival = connect(visibility_timeout=LEASE, polling_interval=0.06)  # as another process
+    publish(holder, "stuck", {"n": 0})
+    for n in (1, 2):
+        publish(holder, "jobs", {"n": n})
+    stuck = get_within(holder, "stuck")
+    first, second = get_within(holder, "jobs"), get_within(holder, "jobs")
+    stuck_table, jobs_table = table_of("stuck", table_prefix), table_of("jobs", table_prefix)
+    (pinned,) = rows(engine, stuck_table)
+
+    with undeletable(engine, database, stuck_table, pinned["id"]):
+        stuck.ack()
+        first.ack()
+        wait_for(lambda: count_rows(engine, jobs_table) == 1, "the healthy ack to land", 5)
+        watch_held(lambda: get(rival, "jobs") or get(rival, "stuck"),
+                   LEASE * LEASES_WATCHED)
+        second.ack()
+        wait_for(lambda: count_rows(engine, jobs_table) == 0, "the second healthy ack", 5)
+        assert [row["attempt"] for row in rows(engine, stuck_table)] == [1]
+        retries = failures_logged(caplog, "stuck", "settlements")
+        assert len(retries) >= 2, "the failing ack was not retried"
+        assert not failures_logged(caplog, "jobs")
+    assert broker_of(holder).keeper.flush(timeout=10), "the ack did not land once it could"
+    assert count_rows(engine, stuck_table) == 0
+
+
+def test_an_ack_on_a_dropped_table_is_given_up_and_holds_up_nothing(
+    connect: Connect, engine: Engine, table_prefix: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The table of a held row is dropped: its ack can never land and its row is gone, so
+    it is dropped (logged); the other queue's leases and acks go on."""
+    caplog.set_level(logging.WARNING, "kombu_sqlinbox.claims")
+    holder = connect(visibility_timeout=LEASE)
+    rival = connect(visibility_timeout=LEASE, polling_interval=0.06)
+    publish(holder, "doomed", {"n": 0})
+    publish(holder, "jobs", {"n": 1})
+    doomed = get_within(holder, "doomed")
+    held = get_within(holder, "jobs")
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP TABLE {quoted(engine, table_of('doomed', table_prefix))}"))
+    doomed.ack()
+    assert broker_of(holder).keeper.flush(timeout=5), "an ack that can never land was kept"
+    assert failures_logged(caplog, "doomed")
+
+    watch_held(lambda: get(rival, "jobs"), LEASE * LEASES_WATCHED)
+    jobs_table = table_of("jobs", table_prefix)
+    assert [row["attempt"] for row in rows(engine, jobs_table)] == [1]
+    held.ack()
+    assert broker_of(holder).keeper.flush(timeout=5)
+    assert count_rows(engine, jobs_table) == 0
+    assert not failures_logged(caplog, "jobs")
+
+
+def test_an_ack_that_cannot_reach_the_database_is_retried_until_it_lands(
+    db_url: str, database: str, engine: Engine, table_prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server is out of reach (as in a restart): the ack is not dropped but kept and
+    retried, and lands once the server answers again."""
+    if database == "sqlite":
+        pytest.skip("SQLite has no server connection to lose")
+    caplog.set_level(logging.WARNING, "kombu_sqlinbox.claims")
+    proxy = Proxy(sqlalchemy_url(db_url))
+    conn = Connection("sqlinbox+" + proxy.url.render_as_string(hide_password=False),
+                      transport_options={"table_prefix": table_prefix, "polling_interval": 0.05})
+    try:
+        publish(conn, "jobs", {"n": 1})
+        message = get_within(conn, "jobs")
+        keeper = broker_of(conn).keeper
+        table = table_of("jobs", table_prefix)
+        proxy.cut()
+        message.ack()
+        wait_for(lambda: len(failures_logged(caplog, "jobs", "settlements")) >= 2,
+                 "the ack to fail and be retried")
+        assert keeper.flush(timeout=0.5) is False
+        assert count_rows(engine, table) == 1
+        proxy.restore()
+        assert keeper.flush(timeout=10), "the ack did not land once the server answered"
+        assert count_rows(engine, table) == 0
+    finally:
+        proxy.restore()
+        conn.release()
+        proxy.close()
+
+
+def test_closing_gives_up_on_an_ack_it_cannot_write_in_time_and_the_row_comes_back(
+    connect: Connect, engine: Engine, table_prefix: str, database: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Closing waits a bounded time for an ack that keeps failing, then says so; the row is
+    not lost: once its lease runs out it is delivered again."""
+    caplog.set_level(logging.WARNING, "kombu_sqlinbox.claims")
+    holder = connect(visibility_timeout=LEASE)
+    rival = connect(visibility_timeout=LEASE, polling_interval=0.06)
+    publish(holder, "jobs", {"n": 1})
+    message = get_within(holder, "jobs")
+    table = table_of("jobs", table_prefix)
+    (row,) = rows(engine, table)
+    with undeletable(engine, database, table, row["id"]):
+        message.ack()
+        broker_of(holder).keeper.stop(timeout=1)
+        assert failures_logged(caplog, "jobs", "settlements")
+        assert any("not written within" in record.getMessage() for record in caplog.records)
+        again = get_within(rival, "jobs")
+        assert again.delivery_info["redelivered"] is True
+    again.ack()
+    assert broker_of(rival).keeper.flush(timeout=10)
+    assert count_rows(engine, table) == 0
