@@ -364,7 +364,8 @@ class LeaseKeeper:
         self._extend_wake = threading.Event()
         self._stopped = False
         self._threads: dict[str, threading.Thread] = {}
-        self._next_extension = 0.0
+        #: when the leases held are next extended (never while nothing is held)
+        self._next_extension = math.inf
 
     # -- called from consumer and pool threads ------------------------------
     def hold(self, rows: Iterable[Held]) -> None:
@@ -375,8 +376,8 @@ class LeaseKeeper:
                 due = time.monotonic() + held.table.options.visibility_timeout / 3
                 soonest = due if soonest is None else min(soonest, due)
             self._ensure_threads()
-            # a row with a shorter lease than those held so far must not wait for the
-            # extension their longer interval scheduled
+            # the first extension of these rows is due at a third of their lease: bring
+            # forward one scheduled later (for longer leases, or none while nothing was held)
             early = soonest is not None and soonest < self._next_extension
             if soonest is not None and early:
                 self._next_extension = soonest
@@ -449,7 +450,7 @@ class LeaseKeeper:
         """Extend at a third of the shortest lease held: two tries before any lease lapses
         (call locked)."""
         leases = [t.options.visibility_timeout for t, rows in self._held.items() if rows]
-        return min(leases) / 3 if leases else 1.0
+        return min(leases) / 3 if leases else math.inf
 
     # -- settling -----------------------------------------------------------
     def _settle_loop(self) -> None:
@@ -563,7 +564,7 @@ class LeaseKeeper:
             with self._lock:
                 wait = self._next_extension - time.monotonic()
             if wait > 0:
-                self._extend_wake.wait(wait)
+                self._extend_wake.wait(None if wait == math.inf else wait)
                 self._extend_wake.clear()
                 continue
             failed = self._extend()

@@ -70,3 +70,25 @@ def test_a_late_extension_does_not_lease_a_requeued_row_again(
     assert kept == 0
     assert rows(engine, table)[0]["locked_until"] is None
     assert get_within(conn, "jobs").delivery_info["redelivered"] is True
+
+
+def test_a_short_lease_is_kept_beside_longer_ones(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """A row of a 1 s lease, held after rows of a 30 s lease, is extended at a third of its
+    own lease, not of theirs: another consumer gets nothing over 3.5 of its leases."""
+    queues = {"fast": {"visibility_timeout": 1}}
+    holder = connect(visibility_timeout=30, queues=queues)
+    rival = connect(visibility_timeout=30, queues=queues, polling_interval=0.06)
+    publish(holder, "slow", {"n": 0})
+    publish(holder, "fast", {"n": 1})
+    get_within(holder, "slow")
+    held = get_within(holder, "fast")
+    until = time.monotonic() + 3.5
+    while time.monotonic() < until:
+        assert get(rival, "fast") is None
+        time.sleep(0.1)
+    assert rows(engine, table_of("fast", table_prefix))[0]["attempt"] == 1
+    held.ack()
+    settled(holder)
+    assert rows(engine, table_of("fast", table_prefix)) == []
