@@ -61,6 +61,16 @@ def get_within(conn: Connection, queue: str, timeout: float = 10.0) -> Message:
     return wait_for(lambda: get(conn, queue), f"a message on {queue!r}", timeout)
 
 
+def never_delivered(rival: Connection, queues: list[str], seconds: float) -> None:
+    """Fail if ``rival`` (another consumer, as in another process) receives a message of
+    ``queues`` within ``seconds``: rows held elsewhere must stay there."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        for queue in queues:
+            assert get(rival, queue) is None, f"a held row of {queue!r} was delivered again"
+        time.sleep(0.1)
+
+
 def settled(conn: Connection) -> None:
     """Wait for the lease keeper to write every pending ack/requeue (it batches them)."""
     assert broker_of(conn).keeper.flush(timeout=10), "lease keeper did not settle in 10 s"

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -19,8 +18,8 @@ from .support import (
     Proxy,
     broker_of,
     count_rows,
-    get,
     get_within,
+    never_delivered,
     publish,
     quoted,
     rows,
@@ -71,14 +70,6 @@ def undeletable(engine: Engine, database: str, table: str, row_id: int) -> Itera
             conn.execute(text(f"DROP {'TRIGGER' if database == 'sqlite' else 'TABLE'} {pin}"))
 
 
-def watch_held(rival_get: Callable[[], object], seconds: float) -> None:
-    """Fail if the rival consumer receives anything within ``seconds``."""
-    until = time.monotonic() + seconds
-    while time.monotonic() < until:
-        assert rival_get() is None, "a held row was delivered to another consumer"
-        time.sleep(0.1)
-
-
 def failures_logged(caplog: pytest.LogCaptureFixture, queue: str, what: str = "") -> list[str]:
     """The keeper's warnings that name ``queue`` (and contain ``what``)."""
     return [record.getMessage() for record in caplog.records
@@ -107,8 +98,7 @@ def test_an_ack_that_keeps_failing_holds_up_no_other_ack_or_lease(
         stuck.ack()
         first.ack()
         wait_for(lambda: count_rows(engine, jobs_table) == 1, "the healthy ack to land", 5)
-        watch_held(lambda: get(rival, "jobs") or get(rival, "stuck"),
-                   LEASE * LEASES_WATCHED)
+        never_delivered(rival, ["jobs", "stuck"], LEASE * LEASES_WATCHED)
         second.ack()
         wait_for(lambda: count_rows(engine, jobs_table) == 0, "the second healthy ack", 5)
         assert [row["attempt"] for row in rows(engine, stuck_table)] == [1]
@@ -137,7 +127,7 @@ def test_an_ack_on_a_dropped_table_is_given_up_and_holds_up_nothing(
     assert broker_of(holder).keeper.flush(timeout=5), "an ack that can never land was kept"
     assert failures_logged(caplog, "doomed")
 
-    watch_held(lambda: get(rival, "jobs"), LEASE * LEASES_WATCHED)
+    never_delivered(rival, ["jobs"], LEASE * LEASES_WATCHED)
     jobs_table = table_of("jobs", table_prefix)
     assert [row["attempt"] for row in rows(engine, jobs_table)] == [1]
     held.ack()

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-import time
-
 from sqlalchemy.engine import Engine
 
 from .conftest import Connect
-from .support import broker_of, get, get_within, publish, rows, settled, table_of
+from .support import (
+    broker_of,
+    count_rows,
+    get_within,
+    never_delivered,
+    publish,
+    rows,
+    settled,
+    table_of,
+)
 
 
 def test_stale_holder_cannot_ack_a_reclaimed_row(
@@ -42,10 +49,7 @@ def test_held_row_is_not_delivered_twice_while_its_lease_is_extended(
     other = connect(visibility_timeout=2, polling_interval=0.06)
     publish(holder, "jobs", {"n": 1})
     held = get_within(holder, "jobs")
-    until = time.monotonic() + 7
-    while time.monotonic() < until:
-        assert get(other, "jobs") is None
-        time.sleep(0.2)
+    never_delivered(other, ["jobs"], 7)
     assert rows(engine, table_of("jobs", table_prefix))[0]["attempt"] == 1
     held.ack()
     settled(holder)
@@ -84,11 +88,9 @@ def test_a_short_lease_is_kept_beside_longer_ones(
     publish(holder, "fast", {"n": 1})
     get_within(holder, "slow")
     held = get_within(holder, "fast")
-    until = time.monotonic() + 3.5
-    while time.monotonic() < until:
-        assert get(rival, "fast") is None
-        time.sleep(0.1)
-    assert rows(engine, table_of("fast", table_prefix))[0]["attempt"] == 1
+    never_delivered(rival, ["fast"], 3.5)
+    fast = table_of("fast", table_prefix)
+    assert [row["attempt"] for row in rows(engine, fast)] == [1]
     held.ack()
     settled(holder)
-    assert rows(engine, table_of("fast", table_prefix)) == []
+    assert count_rows(engine, fast) == 0
