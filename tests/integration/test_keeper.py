@@ -112,8 +112,9 @@ def test_an_ack_that_keeps_failing_holds_up_no_other_ack_or_lease(
 def test_an_ack_on_a_dropped_table_is_given_up_and_holds_up_nothing(
     connect: Connect, engine: Engine, table_prefix: str, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The table of a held row is dropped: its ack can never land and its row is gone, so
-    it is dropped (logged); the other queue's leases and acks go on."""
+    """The table of a held row is dropped: its lease can no longer be extended and its ack
+    can never land, and its row is gone, so both are dropped (logged); the other queue's
+    leases and acks go on."""
     caplog.set_level(logging.WARNING, "kombu_sqlinbox.claims")
     holder = connect(visibility_timeout=LEASE)
     rival = connect(visibility_timeout=LEASE, polling_interval=0.06)
@@ -123,11 +124,12 @@ def test_an_ack_on_a_dropped_table_is_given_up_and_holds_up_nothing(
     held = get_within(holder, "jobs")
     with engine.begin() as conn:
         conn.execute(text(f"DROP TABLE {quoted(engine, table_of('doomed', table_prefix))}"))
+    wait_for(lambda: failures_logged(caplog, "doomed", "forgotten"),
+             "the next extension to forget the dropped table's row", 5)
+    never_delivered(rival, ["jobs"], LEASE * LEASES_WATCHED)
     doomed.ack()
     assert broker_of(holder).keeper.flush(timeout=5), "an ack that can never land was kept"
-    assert failures_logged(caplog, "doomed")
-
-    never_delivered(rival, ["jobs"], LEASE * LEASES_WATCHED)
+    assert failures_logged(caplog, "doomed", "dropped")
     jobs_table = table_of("jobs", table_prefix)
     assert [row["attempt"] for row in rows(engine, jobs_table)] == [1]
     held.ack()
@@ -141,13 +143,14 @@ def test_an_ack_that_cannot_reach_the_database_is_retried_until_it_lands(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The server is out of reach (as in a restart): the ack is not dropped but kept and
-    retried, and lands once the server answers again."""
+    retried, extensions are retried too, and the ack lands once the server answers again."""
     if database == "sqlite":
         pytest.skip("SQLite has no server connection to lose")
     caplog.set_level(logging.WARNING, "kombu_sqlinbox.claims")
     proxy = Proxy(sqlalchemy_url(db_url))
     conn = Connection("sqlinbox+" + proxy.url.render_as_string(hide_password=False),
-                      transport_options={"table_prefix": table_prefix, "polling_interval": 0.05})
+                      transport_options={"table_prefix": table_prefix, "polling_interval": 0.05,
+                                         "visibility_timeout": LEASE})
     try:
         publish(conn, "jobs", {"n": 1})
         message = get_within(conn, "jobs")
@@ -157,6 +160,8 @@ def test_an_ack_that_cannot_reach_the_database_is_retried_until_it_lands(
         message.ack()
         wait_for(lambda: len(failures_logged(caplog, "jobs", "settlements")) >= 2,
                  "the ack to fail and be retried")
+        wait_for(lambda: len(failures_logged(caplog, "jobs", "extending")) >= 2,
+                 "the extension to fail and be retried")
         assert keeper.flush(timeout=0.5) is False
         assert count_rows(engine, table) == 1
         proxy.restore()
