@@ -237,7 +237,8 @@ class Broker:
     def dead_letter(
         self, held: Held, row: ClaimedRow, reason: str, undecodable: bool = False,
     ) -> None:
-        """Move a held row to its queue's dead-letter queue (or delete it) in one transaction."""
+        """Move a held row to its queue's dead-letter queue (or delete it) in one transaction,
+        fenced: a row no longer held here is left alone."""
         source = held.table
         target_name = source.options.dead_letter_queue
         target = self.table(target_name) if target_name else None
@@ -257,15 +258,23 @@ class Broker:
         statements = self.dialect.statements(source.spec)
         tokens = {held.attempt: [held.id]}
 
-        def work(conn: Connection) -> None:
+        def work(conn: Connection) -> bool:
+            # moved rows leave the table; dropped ones end as an ack would. The fenced
+            # statement finds nothing when the row was claimed again after its lease
+            # lapsed: it is the new holder's, so no copy is parked
+            if not self.dialect.settle(conn, statements.complete if target is None else
+                                       statements.delete, tokens):
+                return False
             if target is not None:
                 self.dialect.publish(conn, target.spec, [self.dialect.insert_params(
                     payload, headers, 0, None)])
-            # moved rows leave the table; dropped ones end as an ack would
-            self.dialect.settle(conn, statements.complete if target is None else
-                                statements.delete, tokens)
+            return True
 
-        source.claims.run_held(held, work)
+        if not source.claims.run_held(held, work):
+            logger.info("sqlinbox: message %s of queue %r was claimed again elsewhere before "
+                        "it could be parked (%s); left to its new holder",
+                        held.id, source.queue, reason)
+            return
         logger.warning("sqlinbox: message %s of queue %r %s: %s", held.id, source.queue,
                        f"moved to {target_name!r}" if target_name else "dropped", reason)
 

@@ -141,3 +141,26 @@ def test_max_attempts_counts_expired_leases(
     record = json.loads(dead[0]["headers"])["headers"]["x-sqlinbox-death"]
     assert record["attempts"] == 2
     assert "max_attempts" in record["reason"]
+
+
+def test_reject_after_the_lease_lapsed_writes_no_dead_letter(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """A holder whose row was claimed again elsewhere cannot park it: the fenced delete
+    removes nothing, so no dead-letter copy is written and the new holder keeps the row."""
+    queues = {"jobs": {"dead_letter_queue": "jobs.dead", "visibility_timeout": 1}}
+    stalled = connect(queues=queues)
+    publish(stalled, "jobs", {"n": 1})
+    first = get_within(stalled, "jobs")
+    broker_of(stalled).keeper.stop()
+    # a second broker (other options): its own keeper, as in another process
+    other = connect(queues=queues, polling_interval=0.06)
+    second = get_within(other, "jobs", timeout=10)
+    assert second.delivery_info["redelivered"] is True
+    first.reject(requeue=False)
+    table = table_of("jobs", table_prefix)
+    assert [row["attempt"] for row in rows(engine, table)] == [2]
+    assert rows(engine, table_of("jobs.dead", table_prefix)) == []
+    second.ack()
+    settled(other)
+    assert rows(engine, table) == []
