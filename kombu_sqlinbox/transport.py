@@ -11,6 +11,7 @@ import base64
 import binascii
 import json
 from collections import deque
+from collections.abc import Callable
 from datetime import datetime, timezone
 from itertools import count
 from queue import Empty
@@ -321,9 +322,26 @@ class Channel(virtual.Channel):
                 row = buffer.popleft()
                 self.broker.settle(Settlement.RELEASE_UNCOUNTED, table.claims.held_for(table, row))
 
-    def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+    def basic_consume(self, queue: str, no_ack: bool, callback: Callable[[Any], Any],
+                      consumer_tag: str, **kwargs: Any) -> Any:
         self.broker.wakeup.listen(self.broker.table(queue))
-        return super().basic_consume(queue, *args, **kwargs)
+        if no_ack:
+            callback = self._completed_on_delivery(callback)
+        return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+
+    def _completed_on_delivery(self, callback: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """A ``no_ack`` consumer's messages are settled as they are handed over: nothing
+        will ever ack them, and a row left held would be delivered again."""
+        def deliver(message: Any) -> Any:
+            self.qos.ack(message.delivery_tag)
+            return callback(message)
+        return deliver
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        message = super().basic_get(queue, no_ack, **kwargs)
+        if message is not None and no_ack:
+            self.qos.ack(message.delivery_tag)
+        return message
 
     def basic_cancel(self, consumer_tag: str) -> Any:
         queue = self._tag_to_queue.get(consumer_tag)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from kombu import Consumer, Queue
+from kombu.message import Message
 from sqlalchemy.engine import Engine
 
 from .conftest import Connect
@@ -164,3 +166,35 @@ def test_reject_after_the_lease_lapsed_writes_no_dead_letter(
     second.ack()
     settled(other)
     assert rows(engine, table) == []
+
+
+def test_no_ack_consumer_completes_its_rows_on_delivery(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """``no_ack`` (Celery's pidbox and event receivers) means settled when delivered: the
+    rows leave the table and the keeper holds nothing to extend or deliver again."""
+    conn = connect()
+    for n in range(3):
+        publish(conn, "jobs", {"n": n})
+    received: list[Message] = []
+    with Consumer(conn.default_channel, [Queue("jobs")], no_ack=True, accept=["json"],
+                  callbacks=[lambda body, message: received.append(message)]):
+        while len(received) < 3:
+            conn.drain_events(timeout=10)
+    assert [message.decode() for message in received] == [{"n": 0}, {"n": 1}, {"n": 2}]
+    settled(conn)
+    assert rows(engine, table_of("jobs", table_prefix)) == []
+    assert broker_of(conn).keeper.held_count() == 0
+
+
+def test_basic_get_without_ack_completes_its_row_on_delivery(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    conn = connect()
+    publish(conn, "jobs", {"n": 1})
+    message = wait_for(lambda: conn.default_channel.basic_get("jobs", no_ack=True),
+                       "a message on 'jobs'")
+    assert message.decode() == {"n": 1}
+    settled(conn)
+    assert rows(engine, table_of("jobs", table_prefix)) == []
+    assert broker_of(conn).keeper.held_count() == 0
