@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import weakref
 from collections import deque
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -153,6 +154,12 @@ class QoS(virtual.QoS):
     def __init__(self, channel: Channel, prefetch_count: int = 0) -> None:
         super().__init__(channel, prefetch_count)
         self._rows: dict[Any, tuple[Held, ClaimedRow]] = {}
+        self._connection_lost = False
+
+    def connection_lost(self) -> None:
+        """The channel closes because its connection failed, not to shut down: tasks of
+        its deliveries may still be running (see :meth:`restore_unacked`)."""
+        self._connection_lost = True
 
     def track(self, delivery_tag: Any, held: Held, row: ClaimedRow) -> None:
         self._rows[delivery_tag] = (held, row)
@@ -188,14 +195,33 @@ class QoS(virtual.QoS):
             self.channel.key_settled(held.table.queue, row)
 
     def restore_unacked(self) -> list[Any]:
-        """Give unacked rows back in place (their delivery counted) instead of re-publishing."""
+        """Give unacked rows back in place (their delivery counted) instead of re-publishing.
+
+        After a lost connection the consumer goes on with what it started: a running
+        task acks late, here. So a row stays held (the keeper extends it) for as long
+        as its message is referenced; one the consumer dropped unstarted goes back as
+        soon as its message is freed.
+        """
         self._flush()
-        rows, self._rows = self._rows, {}
-        for held, row in rows.values():
+        kept = set()
+        while self._connection_lost and self._delivered:
+            tag, message = self._delivered.popitem(last=False)
+            if tag in self._rows:
+                weakref.finalize(message, self._release, tag)
+                kept.add(tag)
+            del message  # ours must not be the reference that keeps it held
+        self._delivered.clear()
+        for tag in [tag for tag in self._rows if tag not in kept]:
+            self._release(tag)
+        return []
+
+    def _release(self, delivery_tag: Any) -> None:
+        """Requeue in place a row nobody can settle any more (any thread)."""
+        found = self._rows.pop(delivery_tag, None)
+        if found is not None:
+            held, row = found
             self.channel.broker.settle(Settlement.RELEASE, held)
             self.channel.key_settled(held.table.queue, row)
-        self._delivered.clear()
-        return []
 
 
 class Channel(virtual.Channel):
@@ -430,6 +456,13 @@ class Transport(virtual.Transport):
                 "broker='sqlinbox+postgresql://user@host/db' or 'sqlinbox+sqlite:///jobs.db'"
             )
         return str(hostname)
+
+    def _collect(self, connection: Any) -> None:
+        """kombu's clean-up of a connection that failed (Celery's reconnect path): close
+        its channels, keeping the rows of deliveries whose tasks may still run."""
+        for channel in (*self.channels, *self._avail_channels):
+            channel.qos.connection_lost()
+        self.close_connection(connection)
 
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:
         """kombu's virtual loop, with the polling sleep replaced by the broker's wake-up
