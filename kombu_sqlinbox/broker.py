@@ -131,9 +131,15 @@ class Broker:
 
     # -- running work --------------------------------------------------------
     def run(self, work: Callable[[Connection], T], attempts: int = 10,
-            read_only: bool = False, durable: bool = True) -> T:
+            read_only: bool = False, durable: bool = True, repeatable: bool = False) -> T:
         """Run ``work`` in one transaction; retry deadlocks, busy databases and a connection
-        found dead in the pool (after a server restart). Other errors propagate.
+        that broke before the commit (a server restart, a connection found dead in the
+        pool): the transaction then did not happen. Other errors propagate.
+
+        A connection that breaks during the COMMIT leaves it unknown whether the commit
+        landed, so ``work`` runs again only when it is ``repeatable`` (reads, fenced
+        statements on held rows, claims); anything else, a publish above all, raises
+        the connection error for kombu's and Celery's retry policies to handle.
 
         ``read_only`` work begins a deferred transaction on SQLite, so it never waits for
         the write lock (held, say, by the caller's own transaction it publishes into).
@@ -142,13 +148,20 @@ class Broker:
         for the disk where the database allows it."""
         options = {"sqlite_begin": "DEFERRED"} if read_only else {}
         for attempt in range(1, attempts + 1):
+            committing = False
             try:
-                with self.engine.connect() as conn, conn.execution_options(
-                        **options).begin():
+                with self.engine.connect() as conn:
+                    transaction = conn.execution_options(**options).begin()
                     if not durable and self.dialect.relaxed_commit:
                         conn.exec_driver_sql(self.dialect.relaxed_commit)
-                    return work(conn)
+                    result = work(conn)
+                    committing = True
+                    transaction.commit()
+                    return result
             except DBAPIError as exc:
+                unknown = committing and exc.connection_invalidated
+                if unknown and not (repeatable or read_only):
+                    raise
                 retry = exc.connection_invalidated or self.dialect.is_transient(exc)
                 if not retry or attempt == attempts:
                     raise

@@ -116,8 +116,10 @@ class LeaseClaims(ClaimForm):
         """Lease up to ``limit`` rows and register them with the keeper before returning."""
         dialect = self.broker.dialect
         lease = table.options.visibility_timeout
+        # a claim repeated after a lost commit reply takes other rows; the rows of the
+        # first come back after one lease, their attempt counted, as after a crash
         rows = self.broker.run(lambda conn: dialect.claim(conn, table.spec, limit, lease),
-                               durable=False)
+                               durable=False, repeatable=True)
         self.broker.keeper.hold(self.held_for(table, row) for row in rows)
         return rows
 
@@ -125,7 +127,8 @@ class LeaseClaims(ClaimForm):
         self.broker.keeper.settle(how, held, delay)
 
     def run_held(self, held: Held, work: Callable[[Connection], T]) -> T:
-        result = self.broker.run(work)
+        # work on a held row is fenced: run again after its commit landed, it finds nothing
+        result = self.broker.run(work, repeatable=True)
         self.broker.keeper.forget(held)
         return result
 
@@ -268,7 +271,8 @@ class AdvisoryClaims(LeaseClaims):
             wanted = [row_id for row_id, ok in zip(firsts.values(), locked, strict=True) if ok]
             lease = table.options.visibility_timeout
             rows = self.broker.run(lambda conn: dialect.claim(
-                conn, table.spec, len(wanted), lease, ids=wanted), durable=False) if wanted else []
+                conn, table.spec, len(wanted), lease, ids=wanted), durable=False,
+                repeatable=True) if wanted else []
             taken_keys = {self.key_of(table, row) for row in rows}
             unused = [key for key, ok in zip(firsts, locked, strict=True)
                       if ok and key not in taken_keys]
