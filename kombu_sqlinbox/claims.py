@@ -36,6 +36,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError
 
 from .dialects import ClaimedRow
 from .errors import ConfigurationError
@@ -211,7 +212,14 @@ class RowLockClaims(ClaimForm):
 
 
 class AdvisoryClaims(LeaseClaims):
-    """Lease plus an advisory lock on the row's key, held on one connection per process."""
+    """Lease plus an advisory lock on the row's key, held on one connection per process.
+
+    The server drops a session's locks when the session dies (a restart, a KILL). The
+    form notices on its next use of the session, opens another, and takes back the
+    keys of its rows in work; a key another process locked meanwhile is forgotten. Its
+    row stays leased, and the key's later rows wait behind that row in the claim, so
+    none of them runs before it or at the same time.
+    """
 
     name = "advisory"
     #: candidate rows read per wanted row: keys already in work elsewhere are skipped
@@ -219,7 +227,8 @@ class AdvisoryClaims(LeaseClaims):
 
     def __init__(self, broker: Broker) -> None:
         super().__init__(broker)
-        self._keys: dict[int, set[str]] = defaultdict(set)  # space -> keys held here
+        #: space -> key -> the id of the row in work here that holds it
+        self._keys: dict[int, dict[str, int]] = defaultdict(dict)
         self._lock = threading.Lock()
         self._connection: Connection | None = None
 
@@ -238,11 +247,53 @@ class AdvisoryClaims(LeaseClaims):
         return f"id:{row.id}"
 
     def _locks(self) -> Connection:
-        """The session that owns this process's advisory locks (autocommit)."""
+        """The session that owns this process's advisory locks (autocommit; the caller
+        holds ``_lock``). A new one, after one died, takes back the keys of rows in work."""
         if self._connection is None or self._connection.closed:
-            self._connection = self.broker.engine.connect().execution_options(
+            session = self._connection = self.broker.engine.connect().execution_options(
                 isolation_level="AUTOCOMMIT")
+            self._take_back(session)  # failing, it leaves a session the next use drops
         return self._connection
+
+    def _take_back(self, session: Connection) -> None:
+        """Lock again, on a new session, the keys of rows still in work here; forget those
+        another process took meanwhile (their rows stay leased)."""
+        for space, mine in self._keys.items():
+            keys = sorted(mine)
+            if not keys:
+                continue
+            taken = self.broker.dialect.try_key_locks(session, space, keys)
+            lost = [key for key, ok in zip(keys, taken, strict=True) if not ok]
+            for key in lost:
+                del mine[key]
+            logger.warning(
+                "sqlinbox: the advisory-lock session was lost; took back %d key locks of "
+                "rows in work%s", len(keys) - len(lost),
+                f", {len(lost)} were taken elsewhere meanwhile" if lost else "")
+
+    def _drop_session(self) -> None:
+        """The lock session failed: its locks are gone (or go now, with it)."""
+        failed, self._connection = self._connection, None
+        if failed is not None:
+            failed.close()
+
+    def _take(self, space: int, keys: list[str]) -> list[bool]:
+        """Try the locks of ``keys`` without waiting (the caller holds ``_lock``)."""
+        dialect = self.broker.dialect
+        try:
+            return dialect.try_key_locks(self._locks(), space, keys)
+        except DBAPIError:
+            self._drop_session()
+        return dialect.try_key_locks(self._locks(), space, keys)
+
+    def _give_back(self, space: int, keys: list[str]) -> None:
+        """Release the locks of ``keys`` (the caller holds ``_lock``). When the session
+        fails, they went with it; a new one takes back the others."""
+        try:
+            self.broker.dialect.release_key_locks(self._locks(), space, keys)
+        except DBAPIError:
+            self._drop_session()
+            self._locks()
 
     def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
         return Held(table, row.id, row.attempt, self.key_of(table, row))
@@ -251,7 +302,8 @@ class AdvisoryClaims(LeaseClaims):
         """Pick each free key's first unfinished row, lock the keys, lease those rows.
 
         Candidates are read without a lease, so a key locked elsewhere never has its
-        first row leased here (which would let its next row overtake it).
+        first row leased here (which would let its next row overtake it). Keys locked
+        for rows the claim did not get are released, whatever happened.
         """
         dialect = self.broker.dialect
         statements = dialect.statements(table.spec)
@@ -267,18 +319,21 @@ class AdvisoryClaims(LeaseClaims):
                     firsts[key] = row_id
             if not firsts:
                 return []
-            locked = dialect.try_key_locks(self._locks(), space, list(firsts))
-            wanted = [row_id for row_id, ok in zip(firsts.values(), locked, strict=True) if ok]
+            locked = [key for key, ok in zip(firsts, self._take(space, list(firsts)),
+                                             strict=True) if ok]
+            wanted = [firsts[key] for key in locked]
             lease = table.options.visibility_timeout
-            rows = self.broker.run(lambda conn: dialect.claim(
-                conn, table.spec, len(wanted), lease, ids=wanted), durable=False,
-                repeatable=True) if wanted else []
-            taken_keys = {self.key_of(table, row) for row in rows}
-            unused = [key for key, ok in zip(firsts, locked, strict=True)
-                      if ok and key not in taken_keys]
-            if unused:
-                dialect.release_key_locks(self._locks(), space, unused)
-            mine.update(taken_keys)
+            rows: list[ClaimedRow] = []
+            try:
+                if wanted:
+                    rows = self.broker.run(lambda conn: dialect.claim(
+                        conn, table.spec, len(wanted), lease, ids=wanted), durable=False,
+                        repeatable=True)
+            finally:
+                mine.update({self.key_of(table, row): row.id for row in rows})
+                unused = [key for key in locked if key not in mine]
+                if unused:
+                    self._give_back(space, unused)
         self.broker.keeper.hold(self.held_for(table, row) for row in rows)
         return rows
 
@@ -291,16 +346,17 @@ class AdvisoryClaims(LeaseClaims):
         return result
 
     def settled(self, rows: Iterable[Held]) -> None:
-        by_space: dict[int, list[str]] = defaultdict(list)
-        for held in rows:
-            if held.key is not None:
-                by_space[self.space(held.table)].append(held.key)
-        if not by_space:
-            return
+        """Release the keys of settled rows: only those this process still holds for
+        them (a forgotten key may be another process's now)."""
         with self._lock:
+            by_space: dict[int, list[str]] = defaultdict(list)
+            for held in rows:
+                space = self.space(held.table)
+                if held.key is not None and self._keys[space].get(held.key) == held.id:
+                    del self._keys[space][held.key]
+                    by_space[space].append(held.key)
             for space, keys in by_space.items():
-                self.broker.dialect.release_key_locks(self._locks(), space, keys)
-                self._keys[space].difference_update(keys)
+                self._give_back(space, keys)
 
 
 CLAIM_FORMS: dict[str, type[ClaimForm]] = {
