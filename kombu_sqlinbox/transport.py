@@ -191,8 +191,15 @@ class QoS(virtual.QoS):
         self._quick_ack(delivery_tag)
         if found is not None:
             held, row = found
-            self.channel.broker.dead_letter(held, row, "rejected without requeue by the consumer")
-            self.channel.key_settled(held.table.queue, row)
+            try:
+                self.channel.broker.dead_letter(
+                    held, row, "rejected without requeue by the consumer")
+            except Exception:
+                # the move failed (and says so): the row goes back rather than stay held
+                self.channel.broker.settle(Settlement.RELEASE, held)
+                raise
+            finally:
+                self.channel.key_settled(held.table.queue, row)
 
     def restore_unacked(self) -> list[Any]:
         """Give unacked rows back in place (their delivery counted) instead of re-publishing.

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from kombu import Consumer, Queue
 from kombu.message import Message
+from sqlalchemy import text
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 
 from .conftest import Connect
 from .support import (
@@ -16,6 +19,7 @@ from .support import (
     get,
     get_within,
     publish,
+    quoted,
     rows,
     settled,
     table_of,
@@ -198,3 +202,24 @@ def test_basic_get_without_ack_completes_its_row_on_delivery(
     settled(conn)
     assert rows(engine, table_of("jobs", table_prefix)) == []
     assert broker_of(conn).keeper.held_count() == 0
+
+
+def test_reject_whose_dead_letter_move_fails_gives_the_row_back(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """The dead-letter table is gone: the move fails and says so, and the row goes back
+    in place instead of staying held (and extended) for the life of the process."""
+    conn = connect(**DEAD_LETTERS)
+    publish(conn, "jobs", {"n": 1})
+    conn.default_channel.queue_declare("jobs.dead")
+    with engine.begin() as ddl:
+        ddl.execute(text(f"DROP TABLE {quoted(engine, table_of('jobs.dead', table_prefix))}"))
+    with pytest.raises(DBAPIError):
+        get_within(conn, "jobs").reject(requeue=False)
+    settled(conn)
+    assert broker_of(conn).keeper.held_count() == 0
+    assert [(row["attempt"], row["locked_until"]) for row in rows(
+        engine, table_of("jobs", table_prefix))] == [(1, None)]
+    again = get_within(conn, "jobs")
+    assert again.delivery_info["redelivered"] is True
+    again.ack()
