@@ -90,6 +90,19 @@ def sqlalchemy_url(url: str) -> URL:
     )
 
 
+def refuse_memory_database(url: URL) -> None:
+    """An SQLite database in memory is one per connection (a shared-cache one, one per
+    process): the keeper's acks, other pool connections and every other process would each
+    see a queue of their own."""
+    if url.get_backend_name() != "sqlite":
+        return
+    database = url.database or ""
+    if not database or ":memory:" in database or url.query.get("mode") == "memory":
+        raise ConfigurationError(
+            f"broker URL {url.render_as_string()!r} names an SQLite database in memory, which "
+            "no other connection or process can see; use a file: sqlinbox+sqlite:///jobs.db")
+
+
 def engine_for(url: str | URL, sqlite_begin: str = "IMMEDIATE",
                **engine_options: Any) -> tuple[Engine, Dialect]:
     """An engine set up the way every engine of kombu-sqlinbox is (the transport's and the
@@ -115,6 +128,7 @@ class Broker:
     def __init__(self, url: str, options: TransportOptions) -> None:
         self.options = options
         parsed = sqlalchemy_url(url)
+        refuse_memory_database(parsed)
         engine_options: dict[str, Any] = {"pool_size": 5, "max_overflow": 10}
         if parsed.get_backend_name() == "sqlite":
             engine_options.clear()
