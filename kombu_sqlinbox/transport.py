@@ -75,7 +75,11 @@ def encode_message(message: dict[str, Any], table: QueueTable) -> tuple[bytes | 
 
 
 def decode_row(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict[str, Any]:
-    """A claimed row as the raw message dict kombu's virtual Message takes."""
+    """A claimed row as the raw message dict kombu's virtual Message takes.
+
+    Everything kombu and Celery read from the envelope is checked here, so that a row
+    written by other code fails as :class:`Undecodable` (and is parked), never later in
+    the consumer."""
     try:
         if table.spec.has(Role.HEADERS):
             envelope = json.loads(row.headers) if row.headers else {}
@@ -90,12 +94,23 @@ def decode_row(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict[st
         headers = envelope.get("headers") or {}
         if not isinstance(properties, dict) or not isinstance(headers, dict):
             raise Undecodable("properties and headers must be JSON objects")
-        if properties.get("body_encoding") == "base64" and isinstance(body, str):
-            body = base64.b64decode(body.encode("ascii"), validate=True)
-            properties["body_encoding"] = None
-    except (ValueError, UnicodeDecodeError, binascii.Error, AttributeError) as exc:
+        routing = properties.pop("routing", None) or {}
+        if not isinstance(routing, dict) or not all(
+                isinstance(routing.get(k), (str, type(None))) for k in ("exchange", "routing_key")):
+            raise Undecodable("routing must be a JSON object of exchange and routing_key strings")
+        if not all(isinstance(envelope.get(k), (str, type(None)))
+                   for k in ("content-type", "content-encoding")):
+            raise Undecodable("content-type and content-encoding must be strings")
+        if not isinstance(body, (str, bytes, type(None))):
+            raise Undecodable("the stored body is not text")
+        encoding = properties.get("body_encoding")
+        if encoding == "base64":
+            body = base64.b64decode(body or b"", validate=True)
+        elif encoding not in (None, "utf-8"):
+            raise Undecodable(f"unknown body_encoding {encoding!r}")
+        properties["body_encoding"] = None
+    except (ValueError, UnicodeDecodeError, binascii.Error) as exc:
         raise Undecodable(f"cannot decode stored message: {exc}") from exc
-    routing = properties.pop("routing", None) or {}
     headers[ROW_HEADER] = {"queue": table.queue, "id": row.id, "attempt": row.attempt}
     properties["delivery_tag"] = delivery_tag
     properties["delivery_info"] = {
@@ -290,23 +305,25 @@ class Channel(virtual.Channel):
             self.broker.wakeup.poke()
 
     def _deliverable(self, table: QueueTable, row: ClaimedRow) -> dict[str, Any] | None:
-        """The message of a claimed row, or None when the row went to its dead-letter queue."""
+        """The message of a claimed row, or None when the row went to its dead-letter queue
+        (delivered too often, or undecodable)."""
         held = table.claims.held_for(table, row)
-        limit = table.options.max_attempts
-        reason = None
-        if limit is not None and row.attempt > limit:
-            reason = (f"delivered {row.attempt} times, max_attempts is {limit} "
-                      "(earlier deliveries crashed, expired or were requeued)")
         tag = self._next_delivery_tag()
+        message: dict[str, Any] | None = None
         try:
             message = decode_row(row, table, tag)
         except Undecodable as exc:
-            reason = str(exc)
-            undecodable = True
+            reason: str | None = str(exc)
         else:
-            undecodable = False
+            reason = None
+        limit = table.options.max_attempts
+        if limit is not None and row.attempt > limit:
+            # the limit's reason stands whether or not the row decodes; decoding only tells
+            # whether the parked copy needs a fresh envelope
+            reason = (f"delivered {row.attempt} times, max_attempts is {limit} "
+                      "(earlier deliveries crashed, expired or were requeued)")
         if reason is not None:
-            self.broker.dead_letter(held, row, reason, undecodable)
+            self.broker.dead_letter(held, row, reason, undecodable=message is None)
             self.key_settled(table.queue, row)
             return None
         self.qos.track(tag, held, row)

@@ -9,6 +9,7 @@ templates and executes them. A service adds a database by subclassing
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -63,6 +64,12 @@ class Statements:
 def _plain(payload: Any) -> bytes | str:
     """psycopg2 hands BYTEA over as a memoryview, which a prefork pool cannot pickle."""
     return bytes(payload) if isinstance(payload, memoryview) else payload  # type: ignore[no-any-return]
+
+
+def _json_text(headers: Any) -> str | None:
+    """A JSON/JSONB headers column comes back from some drivers (psycopg) already parsed:
+    hand on its text, as from a text column."""
+    return headers if headers is None or isinstance(headers, str) else json.dumps(headers)
 
 
 def _expanding(sql: str) -> TextClause:
@@ -294,7 +301,7 @@ class Dialect:
     def claimed(spec: TableSpec, rows: Iterable[Sequence[Any]]) -> list[ClaimedRow]:
         """Rows in claim order (RETURNING gives none): -priority, ready time, id."""
         result = [
-            ClaimedRow(row[0], row[1], _plain(row[2]), row[3], row[4], row[5],
+            ClaimedRow(row[0], row[1], _plain(row[2]), _json_text(row[3]), row[4], row[5],
                        (*row[6:], row[0]))
             for row in rows
         ]
