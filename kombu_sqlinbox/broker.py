@@ -175,15 +175,20 @@ class Broker:
 
     # -- queues --------------------------------------------------------------
     def table(self, queue: str) -> QueueTable:
-        """The queue's table, created or checked on first use in this process."""
+        """The queue's table, created or checked on first use in this process, together
+        with every table it may move messages to (its dead-letter queue's, and so on): a
+        missing one fails now, not when the first message is parked."""
         found = self._tables.get(queue)
         if found is not None:
             return found
         with self._tables_lock:
-            found = self._tables.get(queue)
-            if found is None:
-                found = self._tables[queue] = self._resolve(queue)
-        return found
+            chain: dict[str, QueueTable] = {}
+            name: str | None = queue
+            while name is not None and name not in self._tables and name not in chain:
+                chain[name] = self._resolve(name)
+                name = chain[name].options.dead_letter_queue
+            self._tables.update(chain)  # none of them unless all of them passed
+            return self._tables[queue]
 
     def _resolve(self, queue: str) -> QueueTable:
         options = self.options.for_queue(queue)
