@@ -15,7 +15,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -250,8 +250,8 @@ class Broker:
                 f"queue {queue!r}: the bound transaction is on {caller.engine.url}, the broker "
                 f"on {self.engine.url}; a transactional enqueue needs both on one database")
 
-    def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
-        return table.claims.claim(table, limit)
+    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
+        return table.claims.claim(table, limit, skip)
 
     def dead_letter(
         self, held: Held, row: ClaimedRow, reason: str, undecodable: bool = False,

@@ -251,12 +251,25 @@ class Channel(virtual.Channel):
 
     # -- consume ---------------------------------------------------------------
     def _claim_size(self) -> int:
-        """Free prefetch slots less rows already buffered; one for a plain basic_get."""
+        """Free prefetch slots less the buffered rows that can go out next; one for a plain
+        basic_get. Rows held back behind their key's row in work take no slot, so other
+        keys get them."""
         free: int | None = self.qos.can_consume_max_estimate()
         if free is None:
             free = self.broker.options.max_batch if self._consumers else 1
-        buffered = sum(len(buffer) for buffer in self._buffers.values())
-        return min(free - buffered, self.broker.options.max_batch)
+        keyless, next_keys = 0, set()
+        for queue, buffer in self._buffers.items():
+            for row in buffer:
+                if row.partition_key is None:
+                    keyless += 1
+                elif (queue, row.partition_key) not in self._busy_keys:
+                    next_keys.add((queue, row.partition_key))  # its first row goes out next
+        return min(free - keyless - len(next_keys), self.broker.options.max_batch)
+
+    def _keys_in_work(self, queue: str) -> list[Any]:
+        """The queue's partition keys with a row in work here: a claim passes over their
+        rows, which would only wait in the buffer (at most one claim's worth waits per key)."""
+        return [key for name, key in self._busy_keys.copy() if name == queue]
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         table = self.broker.table(queue)
@@ -268,7 +281,7 @@ class Channel(virtual.Channel):
                 if limit <= 0:
                     self._starved = True
                     raise Empty()
-                claimed = self.broker.claim(table, limit)
+                claimed = self.broker.claim(table, limit, self._keys_in_work(queue))
                 if not claimed:
                     raise Empty()
                 buffer.extend(claimed)
