@@ -7,10 +7,12 @@ import contextlib
 import time
 from typing import Any
 
+import pytest
 from kombu import Consumer, Message, Queue
 from sqlalchemy import text
 
-from tests.ordering.conftest import Ordering, publish
+from tests.ordering.apps.common import by_group, check_serial_in_order
+from tests.ordering.conftest import Ordering, publish, wait_for_count
 
 PREFETCH = 3
 BACKLOG = 8
@@ -63,3 +65,33 @@ def test_a_backlog_on_one_key_leaves_the_other_keys_running(ordering: Ordering) 
     assert seen("busy") == list(range(BACKLOG))
     assert sorted(body["grp"] for body in received if body["grp"] != "busy") == [
         f"k{n}" for n in range(OTHERS)]
+
+
+#: a celery worker's prefetch: concurrency 2 x Celery's default multiplier 4
+WORKER_PREFETCH = 2 * 4
+LONG_TASK = 3.0
+
+
+@pytest.mark.slow
+def test_a_celery_worker_runs_other_keys_while_one_key_has_a_long_task_and_a_backlog(
+        ordering: Ordering) -> None:
+    """The busy key's backlog is longer than the worker's prefetch; its first task is long.
+    The other keys' tasks all finish while that task still runs."""
+    app = ordering.app("jobs", "keyed")
+    backlog = WORKER_PREFETCH + 4
+    with app.producer_or_acquire() as producer:
+        for seq in range(backlog):
+            app.send_task("ord.run_for", args=("busy", seq, LONG_TASK if seq == 0 else 0.01),
+                          headers={"partition_key": "busy"}, producer=producer)
+        for n in range(OTHERS):
+            app.send_task("ord.run_for", args=(f"k{n}", 0, 0.01),
+                          headers={"partition_key": f"k{n}"}, producer=producer)
+    workers = ordering.workers(["w0"], "jobs", "keyed", pool="threads", concurrency=2)
+    wait_for_count(ordering.log.done, backlog + OTHERS, "rows done", workers, limit=60)
+
+    groups = by_group(ordering.log.entries())
+    long_task = groups["busy"][0]
+    late = [e for grp, entries in groups.items() if grp != "busy" for e in entries
+            if e.ended is None or e.ended > (long_task.ended or 0)]
+    assert not late, f"{len(late)} rows of other keys waited for the busy key's long task"
+    check_serial_in_order(groups["busy"], {"busy": backlog})
