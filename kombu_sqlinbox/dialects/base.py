@@ -315,6 +315,7 @@ class Dialect:
 
     def claim_statements_for(self, spec: TableSpec, ids: Sequence[int] | None,
                              skip: Sequence[Any]) -> tuple[TextClause, ...]:
+        """The claim to run: by ids, passing over keys, or plain (no empty ``NOT IN``)."""
         statements = self.statements(spec)
         if ids is not None:
             return statements.claim_ids
