@@ -15,7 +15,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -90,6 +90,19 @@ def sqlalchemy_url(url: str) -> URL:
     )
 
 
+def refuse_memory_database(url: URL) -> None:
+    """An SQLite database in memory is one per connection (a shared-cache one, one per
+    process): the keeper's acks, other pool connections and every other process would each
+    see a queue of their own."""
+    if url.get_backend_name() != "sqlite":
+        return
+    database = url.database or ""
+    if not database or ":memory:" in database or url.query.get("mode") == "memory":
+        raise ConfigurationError(
+            f"broker URL {url.render_as_string()!r} names an SQLite database in memory, which "
+            "no other connection or process can see; use a file: sqlinbox+sqlite:///jobs.db")
+
+
 def engine_for(url: str | URL, sqlite_begin: str = "IMMEDIATE",
                **engine_options: Any) -> tuple[Engine, Dialect]:
     """An engine set up the way every engine of kombu-sqlinbox is (the transport's and the
@@ -115,6 +128,7 @@ class Broker:
     def __init__(self, url: str, options: TransportOptions) -> None:
         self.options = options
         parsed = sqlalchemy_url(url)
+        refuse_memory_database(parsed)
         engine_options: dict[str, Any] = {"pool_size": 5, "max_overflow": 10}
         if parsed.get_backend_name() == "sqlite":
             engine_options.clear()
@@ -174,15 +188,20 @@ class Broker:
 
     # -- queues --------------------------------------------------------------
     def table(self, queue: str) -> QueueTable:
-        """The queue's table, created or checked on first use in this process."""
+        """The queue's table, created or checked on first use in this process, together
+        with every table it may move messages to (its dead-letter queue's, and so on): a
+        missing one fails now, not when the first message is parked."""
         found = self._tables.get(queue)
         if found is not None:
             return found
         with self._tables_lock:
-            found = self._tables.get(queue)
-            if found is None:
-                found = self._tables[queue] = self._resolve(queue)
-        return found
+            chain: dict[str, QueueTable] = {}
+            name: str | None = queue
+            while name is not None and name not in self._tables and name not in chain:
+                chain[name] = self._resolve(name)
+                name = chain[name].options.dead_letter_queue
+            self._tables.update(chain)  # none of them unless all of them passed
+            return self._tables[queue]
 
     def _resolve(self, queue: str) -> QueueTable:
         options = self.options.for_queue(queue)
@@ -244,8 +263,8 @@ class Broker:
                 f"queue {queue!r}: the bound transaction is on {caller.engine.url}, the broker "
                 f"on {self.engine.url}; a transactional enqueue needs both on one database")
 
-    def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
-        return table.claims.claim(table, limit)
+    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
+        return table.claims.claim(table, limit, skip)
 
     def dead_letter(
         self, held: Held, row: ClaimedRow, reason: str, undecodable: bool = False,

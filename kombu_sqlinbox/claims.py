@@ -30,7 +30,7 @@ import threading
 import time
 import zlib
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -83,7 +83,9 @@ class ClaimForm:
         """How many more rows this form may hold now (None: no limit of its own)."""
         return None
 
-    def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
+    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
+        """Take up to ``limit`` ready rows, passing over rows of the partition keys in
+        ``skip`` (keys the consumer has in work: their rows would only wait in its buffer)."""
         raise NotImplementedError
 
     def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
@@ -113,14 +115,15 @@ class LeaseClaims(ClaimForm):
 
     name = "lease"
 
-    def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
+    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
         """Lease up to ``limit`` rows and register them with the keeper before returning."""
         dialect = self.broker.dialect
         lease = table.options.visibility_timeout
         # a claim repeated after a lost commit reply takes other rows; the rows of the
         # first come back after one lease, their attempt counted, as after a crash
-        rows = self.broker.run(lambda conn: dialect.claim(conn, table.spec, limit, lease),
-                               durable=False, repeatable=True)
+        rows = self.broker.run(
+            lambda conn: dialect.claim(conn, table.spec, limit, lease, skip=skip),
+            durable=False, repeatable=True)
         self.broker.keeper.hold(self.held_for(table, row) for row in rows)
         return rows
 
@@ -162,12 +165,13 @@ class RowLockClaims(ClaimForm):
         with self._lock:
             return max(size - self.reserved_connections - len(self._open), 0)
 
-    def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
+    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
         dialect = self.broker.dialect
         limit = min(limit, self.capacity())
         if limit <= 0:
             return []
-        counted = self.broker.run(lambda conn: dialect.claim(conn, table.spec, limit, 0.0))
+        counted = self.broker.run(
+            lambda conn: dialect.claim(conn, table.spec, limit, 0.0, skip=skip))
         taken = []
         lock_row = dialect.statements(table.spec).lock_row
         for row in counted:
@@ -298,12 +302,13 @@ class AdvisoryClaims(LeaseClaims):
     def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
         return Held(table, row.id, row.attempt, self.key_of(table, row))
 
-    def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
+    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
         """Pick each free key's first unfinished row, lock the keys, lease those rows.
 
         Candidates are read without a lease, so a key locked elsewhere never has its
-        first row leased here (which would let its next row overtake it). Keys locked
-        for rows the claim did not get are released, whatever happened.
+        first row leased here (which would let its next row overtake it). Keys in work
+        here are passed over by their locks, ``skip`` among them. Keys locked for rows
+        the claim did not get are released, whatever happened.
         """
         dialect = self.broker.dialect
         statements = dialect.statements(table.spec)

@@ -77,7 +77,11 @@ def encode_message(message: dict[str, Any], table: QueueTable) -> tuple[bytes | 
 
 
 def decode_row(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict[str, Any]:
-    """A claimed row as the raw message dict kombu's virtual Message takes."""
+    """A claimed row as the raw message dict kombu's virtual Message takes.
+
+    Everything kombu and Celery read from the envelope is checked here, so that a row
+    written by other code fails as :class:`Undecodable` (and is parked), never later in
+    the consumer."""
     try:
         if table.spec.has(Role.HEADERS):
             envelope = json.loads(row.headers) if row.headers else {}
@@ -92,12 +96,23 @@ def decode_row(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict[st
         headers = envelope.get("headers") or {}
         if not isinstance(properties, dict) or not isinstance(headers, dict):
             raise Undecodable("properties and headers must be JSON objects")
-        if properties.get("body_encoding") == "base64" and isinstance(body, str):
-            body = base64.b64decode(body.encode("ascii"), validate=True)
-            properties["body_encoding"] = None
-    except (ValueError, UnicodeDecodeError, binascii.Error, AttributeError) as exc:
+        routing = properties.pop("routing", None) or {}
+        if not isinstance(routing, dict) or not all(
+                isinstance(routing.get(k), (str, type(None))) for k in ("exchange", "routing_key")):
+            raise Undecodable("routing must be a JSON object of exchange and routing_key strings")
+        if not all(isinstance(envelope.get(k), (str, type(None)))
+                   for k in ("content-type", "content-encoding")):
+            raise Undecodable("content-type and content-encoding must be strings")
+        if not isinstance(body, (str, bytes, type(None))):
+            raise Undecodable("the stored body is not text")
+        encoding = properties.get("body_encoding")
+        if encoding == "base64":
+            body = base64.b64decode(body or b"", validate=True)
+        elif encoding not in (None, "utf-8"):
+            raise Undecodable(f"unknown body_encoding {encoding!r}")
+        properties["body_encoding"] = None
+    except (ValueError, UnicodeDecodeError, binascii.Error) as exc:
         raise Undecodable(f"cannot decode stored message: {exc}") from exc
-    routing = properties.pop("routing", None) or {}
     headers[ROW_HEADER] = {"queue": table.queue, "id": row.id, "attempt": row.attempt}
     properties["delivery_tag"] = delivery_tag
     properties["delivery_info"] = {
@@ -270,12 +285,25 @@ class Channel(virtual.Channel):
 
     # -- consume ---------------------------------------------------------------
     def _claim_size(self) -> int:
-        """Free prefetch slots less rows already buffered; one for a plain basic_get."""
+        """Free prefetch slots less the buffered rows that can go out next; one for a plain
+        basic_get. Rows held back behind their key's row in work take no slot, so other
+        keys get them."""
         free: int | None = self.qos.can_consume_max_estimate()
         if free is None:
             free = self.broker.options.max_batch if self._consumers else 1
-        buffered = sum(len(buffer) for buffer in self._buffers.values())
-        return min(free - buffered, self.broker.options.max_batch)
+        keyless, next_keys = 0, set()
+        for queue, buffer in self._buffers.items():
+            for row in buffer:
+                if row.partition_key is None:
+                    keyless += 1
+                elif (queue, row.partition_key) not in self._busy_keys:
+                    next_keys.add((queue, row.partition_key))  # its first row goes out next
+        return min(free - keyless - len(next_keys), self.broker.options.max_batch)
+
+    def _keys_in_work(self, queue: str) -> list[Any]:
+        """The queue's partition keys with a row in work here: a claim passes over their
+        rows, which would only wait in the buffer (at most one claim's worth waits per key)."""
+        return [key for name, key in self._busy_keys.copy() if name == queue]
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         table = self.broker.table(queue)
@@ -287,7 +315,7 @@ class Channel(virtual.Channel):
                 if limit <= 0:
                     self._starved = True
                     raise Empty()
-                claimed = self.broker.claim(table, limit)
+                claimed = self.broker.claim(table, limit, self._keys_in_work(queue))
                 if not claimed:
                     raise Empty()
                 buffer.extend(claimed)
@@ -324,23 +352,25 @@ class Channel(virtual.Channel):
             self.broker.wakeup.poke()
 
     def _deliverable(self, table: QueueTable, row: ClaimedRow) -> dict[str, Any] | None:
-        """The message of a claimed row, or None when the row went to its dead-letter queue."""
+        """The message of a claimed row, or None when the row went to its dead-letter queue
+        (delivered too often, or undecodable)."""
         held = table.claims.held_for(table, row)
-        limit = table.options.max_attempts
-        reason = None
-        if limit is not None and row.attempt > limit:
-            reason = (f"delivered {row.attempt} times, max_attempts is {limit} "
-                      "(earlier deliveries crashed, expired or were requeued)")
         tag = self._next_delivery_tag()
+        message: dict[str, Any] | None = None
         try:
             message = decode_row(row, table, tag)
         except Undecodable as exc:
-            reason = str(exc)
-            undecodable = True
+            reason: str | None = str(exc)
         else:
-            undecodable = False
+            reason = None
+        limit = table.options.max_attempts
+        if limit is not None and row.attempt > limit:
+            # the limit's reason stands whether or not the row decodes; decoding only tells
+            # whether the parked copy needs a fresh envelope
+            reason = (f"delivered {row.attempt} times, max_attempts is {limit} "
+                      "(earlier deliveries crashed, expired or were requeued)")
         if reason is not None:
-            self.broker.dead_letter(held, row, reason, undecodable)
+            self.broker.dead_letter(held, row, reason, undecodable=message is None)
             self.key_settled(table.queue, row)
             return None
         self.qos.track(tag, held, row)

@@ -61,16 +61,16 @@ class MySQLDialect(Dialect):
             f"UPDATE {f['table']} SET {f['locked_until']} = {self.later(':lease')}, "
             f"{f['attempt']} = {f['attempt']} + 1 WHERE {f['id']} IN :ids"
         )
-        return (_expanding(select) if ":ids" in selection else text(select), _expanding(lease))
+        return (_expanding(select), _expanding(lease))
 
     def claim(
         self, conn: Connection, spec: TableSpec, limit: int, lease: float,
-        ids: Sequence[int] | None = None,
+        ids: Sequence[int] | None = None, skip: Sequence[Any] = (),
     ) -> list[ClaimedRow]:
         """No UPDATE ... RETURNING here: lock the rows, then lease them, same transaction."""
-        statements = self.statements(spec)
-        select, lease_rows = statements.claim if ids is None else statements.claim_ids
-        rows = conn.execute(select, {"limit": limit, "ids": list(ids or ())}).all()
+        select, lease_rows = self.claim_statements_for(spec, ids, skip)
+        rows = conn.execute(select, {"limit": limit, "ids": list(ids or ()),
+                                     "skip": list(skip)}).all()
         if not rows:
             return []
         conn.execute(lease_rows, {"ids": [row[0] for row in rows], "lease": lease})

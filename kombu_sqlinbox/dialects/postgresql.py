@@ -49,7 +49,7 @@ class PostgreSQLDialect(Dialect):
             f"WHERE q.{f['id']} = c.{f['id']} "
             f"RETURNING {self.returned_columns(spec, 'q')}"
         )
-        return (_expanding(claim) if ":ids" in selection else text(claim),)
+        return (_expanding(claim),)
 
     def insert_statement(self, spec: TableSpec) -> TextClause:
         """The insert and its NOTIFY in one statement: one round trip per publish."""

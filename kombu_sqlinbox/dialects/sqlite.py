@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import TextClause, event, text
+from sqlalchemy import TextClause, event
 from sqlalchemy import types as sqltypes
 from sqlalchemy.engine import Engine
 
@@ -45,7 +45,7 @@ class SQLiteDialect(Dialect):
             f"WHERE {f['id']} IN (SELECT r.{f['id']} FROM {f['table']} AS r {selection}) "
             f"RETURNING {self.returned_columns(spec)}"
         )
-        return (_expanding(claim) if ":ids" in selection else text(claim),)
+        return (_expanding(claim),)
 
     def later(self, seconds: str) -> str:
         return f"{NOW} + {seconds}"
