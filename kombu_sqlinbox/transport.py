@@ -233,8 +233,9 @@ class QoS(virtual.QoS):
                 kept.add(tag)
             del message  # ours must not be the reference that keeps it held
         self._delivered.clear()
-        for tag in [tag for tag in self._rows if tag not in kept]:
-            self._release(tag)
+        for tag in list(self._rows):  # a copy: acks pop rows from other threads
+            if tag not in kept:
+                self._release(tag)
         return []
 
     def _release(self, delivery_tag: Any) -> None:
