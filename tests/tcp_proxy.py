@@ -107,7 +107,7 @@ class Proxy:
                             return
                     else:
                         client.sendall(data)
-        except OSError:
+        except (OSError, ValueError):  # cut: the sockets were closed under us
             return
         finally:
             with self._lock:
