@@ -27,8 +27,10 @@ with the worker's main process, whose later ack finds the row already gone.
 On an exception the writes roll back before Celery settles the row; a crash
 of the pool process commits nothing and the row comes back. A delivery whose
 row is no longer there (already done, or claimed again elsewhere) skips the
-body; a body that violates a unique key of its own (the same work published
-twice) is dropped with nothing changed.
+body. A body that violates a unique key of its own (the same work published
+twice) is dropped with nothing changed; any other constraint error is an
+ordinary failure. A connection lost on the way, like a deadlock, puts the row
+back in place to run again.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from celery import Task
 from celery.exceptions import Ignore, Reject
 from celery.worker.request import Request
 from sqlalchemy import Connection
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from kombu_sqlinbox import binding
@@ -220,12 +222,14 @@ class InboxTask(Task):  # type: ignore[misc]
                     complete_row(self.app, conn, table, row)
                 return result
         except DBAPIError as exc:
-            if broker_of(self.app).dialect.is_transient(exc):
-                # a deadlock, serialization failure or busy SQLite: nothing committed;
-                # the row goes back in place and runs again
-                raise Reject(f"transient database error, requeued: {exc.orig}",
-                             requeue=True) from exc
-            if not (self.drop_duplicates and isinstance(exc, IntegrityError)):
+            dialect = broker_of(self.app).dialect
+            if exc.connection_invalidated or dialect.is_transient(exc):
+                # a lost connection, a deadlock, a serialization failure or busy SQLite:
+                # the row goes back in place and runs again (had the commit landed before
+                # the connection was lost, the row went with it: nothing comes back)
+                what = "connection lost" if exc.connection_invalidated else "transient error"
+                raise Reject(f"database {what}, requeued: {exc.orig}", requeue=True) from exc
+            if not (self.drop_duplicates and dialect.is_unique_violation(exc)):
                 raise
             logger.warning("sqlinbox: task %s[%s] violated a unique key (%s): the same work "
                            "was done before; dropped with nothing changed",
