@@ -156,8 +156,8 @@ def row_gone(row: dict[str, Any], what: str) -> Ignore:
 def mark_outbox_record(task: Task, conn: Connection) -> None:
     """With an outbox on the same database, mark the message's record processed in the
     task's transaction: a duplicate delivery racing this one finds it marked and rolls
-    back (effect once)."""
-    from .outbox import HEADER, OutboxError, duplicate, outbox_of
+    back (effect once). A record the outbox does not hold is no duplicate."""
+    from .outbox import HEADER, OutboxError, outbox_of
 
     record_id = task.request.get(HEADER)
     if record_id is None:
@@ -168,8 +168,7 @@ def mark_outbox_record(task: Task, conn: Connection) -> None:
         return
     if not same_database(outbox.engine, conn.engine):
         return
-    if not outbox.mark_processed(conn, record_id):
-        raise duplicate(task, record_id)
+    outbox.mark_for_task(conn, task, record_id)
     task.request.outbox_marked = True
 
 

@@ -6,6 +6,7 @@ only the tests need, without touching the example's tasks:
 * probe queues with their own transport options (isolation level, SQLite begin mode,
   ``claim='row_lock'``, a table without ``available_at``) and probe tasks that note what
   they saw, or write an effect row to ``probe_effects`` (breaking a constraint on request);
+* an outbox on the service's database that tracks no task (:data:`OUTBOX`);
 * marker files from Celery signals: ``<uuid>.prerun`` (task, args and the pool
   process's pid, to ``kill -9`` it) and ``<task id>.failure`` (the exception type).
 
@@ -40,6 +41,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
+import celery_ext
 from celery_ext.tasks import InboxTask
 from kombu_sqlinbox.tables import TableBuilder, table_name_for_queue
 from kombu_sqlinbox.transport import ROW_HEADER
@@ -82,6 +84,9 @@ PROBE_QUEUES: dict[str, dict[str, dict[str, Any]]] = {
 app: Celery = refunds_app.app
 #: the example's own transport options, before :func:`configure` adds to them
 EXAMPLE_OPTIONS: dict[str, Any] = dict(app.conf.broker_transport_options)
+#: an outbox on the service's database that records nothing itself: tests write records
+#: and send deliveries naming them (or naming none it holds) in the ``outbox_id`` header
+OUTBOX = celery_ext.install(app, tasks=(), republish_on_start=False)
 
 
 def kind_of(db_url: str) -> str:
@@ -113,6 +118,7 @@ def configure(db_url: str) -> None:
         # a killed pool process's task counts as lost after 1 s instead of 10
         worker_lost_wait=1.0,
     )
+    OUTBOX.bind_engine(db_url)
 
 
 # -- probes -----------------------------------------------------------------------------
