@@ -423,6 +423,17 @@ class Outbox:
         statement = self.prepared(conn.engine).statements["mark"]
         return bool(conn.execute(statement, {"id": record_id}).rowcount)
 
+    def mark_for_task(self, conn: Connection, task: Task, record_id: Any) -> None:
+        """Mark ``task``'s record processed in ``conn``'s transaction; raise Ignore when it
+        was processed already. A record this outbox does not hold (another service's, or
+        pruned) is no duplicate: the task runs, untracked."""
+        if self.mark_processed(conn, record_id):
+            return
+        processed = conn.execute(self.prepared(conn.engine).statements["processed"],
+                                 {"id": record_id}).scalar()
+        if processed:
+            raise duplicate(task, record_id)
+
     def is_processed(self, record_id: Any) -> bool:
         engine = self.engine
         with engine.connect() as conn:
@@ -439,11 +450,8 @@ class Outbox:
         task = self.app.current_worker_task
         record_id = getattr(task.request, HEADER, None) if task is not None else None
         with self.engine.begin() as conn:
-            if record_id is not None and not self.mark_processed(conn, record_id):
-                processed = conn.execute(self.prepared(conn.engine).statements["processed"],
-                                         {"id": record_id}).scalar()
-                if processed:
-                    raise duplicate(task, record_id)
+            if record_id is not None:
+                self.mark_for_task(conn, task, record_id)
             with binding.bind(conn):
                 yield conn
         if record_id is not None:  # committed: the worker need not mark it again

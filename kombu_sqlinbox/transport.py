@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -157,6 +158,7 @@ def _driver_connection_errors() -> tuple[type[BaseException], ...]:
 
 
 DRIVER_CONNECTION_ERRORS = _driver_connection_errors()
+logger = logging.getLogger(__name__)
 
 
 def _key(value: Any) -> str | None:
@@ -192,10 +194,17 @@ class QoS(virtual.QoS):
         self._settle(delivery_tag, Settlement.COMPLETE)
 
     def retry_after(self, delivery_tag: Any, seconds: float) -> None:
-        """Requeue in place (same row, attempt counted), hidden for ``seconds``."""
+        """Requeue in place (same row, attempt counted), hidden for ``seconds``.
+
+        A table without an available_at column cannot hide a row: it is requeued at once,
+        as :class:`celery_ext.tasks.RetryAfter` (a ``Reject(requeue=True)``) is elsewhere.
+        """
         found = self._rows.get(delivery_tag)
-        if found is not None:
-            found[0].table.spec.require(Role.AVAILABLE_AT, "retry_after", found[0].table.queue)
+        if found is not None and not found[0].table.spec.has(Role.AVAILABLE_AT):
+            logger.warning("sqlinbox: queue %r has no available_at column: retry_after "
+                           "requeues at once instead of in %gs", found[0].table.queue, seconds)
+            self._settle(delivery_tag, Settlement.RELEASE)
+            return
         self._settle(delivery_tag, Settlement.RETRY, max(0.0, float(seconds)))
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:

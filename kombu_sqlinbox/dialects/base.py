@@ -496,6 +496,11 @@ class Dialect:
         """A deadlock, serialization failure or busy database: retry the same work."""
         return False
 
+    def is_unique_violation(self, exc: BaseException) -> bool:
+        """A unique (or primary) key refused a row: the same work was done before. Other
+        constraints (NOT NULL, foreign key, CHECK) are ordinary errors, not duplicates."""
+        return False
+
     def check_message_size(self, queue: str, size: int) -> None:
         limit = self.max_statement_bytes
         if limit is not None and size > limit - 1024:

@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import Connection, TextClause, text
 from sqlalchemy import types as sqltypes
+from sqlalchemy.exc import DBAPIError
 
 from ..tables import ColumnSpec, Role, TableSpec
 from .base import ClaimedRow, Dialect, _expanding
@@ -98,8 +99,17 @@ class MySQLDialect(Dialect):
     def alter_type_ddl(self, spec: TableSpec, column: ColumnSpec) -> str:
         return f"ALTER TABLE {self.table_ref(spec)} MODIFY COLUMN {self.column_ddl(column)}"
 
+    def driver_error_code(self, exc: BaseException) -> Any:
+        """The server's error number: PyMySQL also carries the SQLSTATE, which many
+        errors share (23000 for every integrity error), so it cannot tell them apart."""
+        orig = exc.orig if isinstance(exc, DBAPIError) else None
+        return orig.args[0] if orig is not None and orig.args else None
+
     def is_transient(self, exc: BaseException) -> bool:
         return self.driver_error_code(exc) in self.transient_codes
+
+    def is_unique_violation(self, exc: BaseException) -> bool:
+        return bool(self.driver_error_code(exc) == 1062)  # ER_DUP_ENTRY
 
     def lock_names(self, space: int, keys: Sequence[str]) -> dict[str, str]:
         """GET_LOCK names (at most 64 characters): the table's space and a digest of the key."""

@@ -98,6 +98,9 @@ class PostgreSQLDialect(Dialect):
     def is_transient(self, exc: BaseException) -> bool:
         return self.driver_error_code(exc) in self.transient_codes
 
+    def is_unique_violation(self, exc: BaseException) -> bool:
+        return bool(self.driver_error_code(exc) == "23505")  # unique_violation
+
     # -- outbox (celery_ext.outbox) ------------------------------------------------
     outbox_column_types = {
         "id": "VARCHAR(64) NOT NULL",

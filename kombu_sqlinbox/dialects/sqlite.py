@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy import TextClause, event
 from sqlalchemy import types as sqltypes
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 
 from ..tables import ColumnSpec, Role, TableSpec
 from .base import Dialect, _expanding
@@ -61,6 +62,10 @@ class SQLiteDialect(Dialect):
 
     def is_transient(self, exc: BaseException) -> bool:
         return "database is locked" in str(exc) or "database is busy" in str(exc)
+
+    def is_unique_violation(self, exc: BaseException) -> bool:
+        orig = exc.orig if isinstance(exc, DBAPIError) else None
+        return str(orig).startswith("UNIQUE constraint failed")
 
     def prepare_engine(self, engine: Engine, sqlite_begin: str = "IMMEDIATE") -> None:
         """pysqlite's own BEGIN is off (:meth:`on_connect`); ours takes the write lock up
