@@ -19,10 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, create_engine
+from sqlalchemy import Connection, create_engine, inspect
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 
+from . import binding
 from .claims import CLAIM_FORMS, ClaimForm, Held, LeaseKeeper, Settlement, Wakeup
 from .dialects import ClaimedRow, Dialect, dialect_class, dialect_for
 from .errors import ConfigurationError
@@ -156,22 +157,46 @@ class Broker:
                 time.sleep(random.uniform(0.005, 0.02) * attempt)
         raise AssertionError("unreachable")
 
+    def bound_caller(self) -> Connection | None:
+        """The bound caller's transaction (:mod:`.binding`) when it is on this database."""
+        caller = binding.current()
+        return caller if caller is not None and same_database(caller.engine, self.engine) \
+            else None
+
+    def read(self, table: QueueTable, work: Callable[[Connection], T]) -> T:
+        """Run read-only ``work`` on ``table`` in a deferred transaction of our own; in the
+        bound caller's when the table was created in that transaction (not yet remembered
+        by :meth:`table`), the one place it exists until the caller commits."""
+        caller = self.bound_caller()
+        if caller is not None and self._tables.get(table.queue) is not table:
+            return work(caller)
+        return self.run(work, read_only=True)
+
     def ping(self) -> None:
         self.run(lambda conn: conn.exec_driver_sql("SELECT 1"), attempts=1, read_only=True)
 
     # -- queues --------------------------------------------------------------
     def table(self, queue: str) -> QueueTable:
-        """The queue's table, created or checked on first use in this process."""
+        """The queue's table, created or checked on first use in this process.
+
+        A missing table, while a caller's transaction on this database is bound (a bound
+        publish or queue declaration, a transactional task), is created in that
+        transaction where the database's DDL joins one: a second connection could wait on
+        the caller's own locks (SQLite has one writer). It is remembered once it is seen
+        committed (the caller may roll back).
+        """
         found = self._tables.get(queue)
         if found is not None:
             return found
         with self._tables_lock:
             found = self._tables.get(queue)
             if found is None:
-                found = self._tables[queue] = self._resolve(queue)
+                found, lasting = self._resolve(queue, self.bound_caller())
+                if lasting:
+                    self._tables[queue] = found
         return found
 
-    def _resolve(self, queue: str) -> QueueTable:
+    def _resolve(self, queue: str, caller: Connection | None) -> tuple[QueueTable, bool]:
         options = self.options.for_queue(queue)
         spec = self.spec_for(queue)
         created = options.table is None
@@ -189,13 +214,19 @@ class Broker:
         def ensure(conn: Connection) -> bool:
             return self.dialect.ensure_table(conn, spec, self.options.create_tables)
 
+        def committed(conn: Connection) -> bool:
+            return inspect(conn).has_table(spec.table, schema=spec.schema)
+
+        if (caller is not None and self.dialect.transactional_ddl
+                and not self.run(committed, read_only=True)):
+            return QueueTable(queue, spec, options, ensure(caller), created, form), False
         try:
             payload_is_text = self.run(ensure, read_only=True)
         except DBAPIError:
             # another process created the table at the same moment (PostgreSQL reports
             # a duplicate type); the second look finds and checks it
             payload_is_text = self.run(ensure, read_only=True)
-        return QueueTable(queue, spec, options, payload_is_text, created, form)
+        return QueueTable(queue, spec, options, payload_is_text, created, form), True
 
     def forget_table(self, queue: str) -> None:
         with self._tables_lock:
@@ -207,8 +238,6 @@ class Broker:
             table_name_for_queue(queue, self.options.table_prefix))
 
     def known_table(self, queue: str) -> bool:
-        from sqlalchemy import inspect
-
         spec = self.spec_for(queue)
         return self.run(lambda conn: inspect(conn).has_table(spec.table, schema=spec.schema),
                         read_only=True)
