@@ -40,8 +40,12 @@ AMQP_URL = os.environ.get("SQLINBOX_TEST_AMQP", "amqp://guest:guest@127.0.0.1:56
 REDIS_URL = os.environ.get("SQLINBOX_TEST_REDIS", "redis://127.0.0.1:6379/7")
 #: a port nothing listens on: a broker that is down
 DOWN_AMQP_URL = "amqp://guest:guest@127.0.0.1:5673//"
-#: a port nothing listens on: an outbox database that is down
-DOWN_DB_URL = "postgresql://postgres@127.0.0.1:5439/test"
+#: outbox databases that are down: ports nothing listens on, a file that cannot be opened
+DOWN_DB_URLS = {
+    "postgresql": "postgresql://postgres@127.0.0.1:5439/test",
+    "mysql": "mysql+pymysql://root@127.0.0.1:3309/test",
+    "sqlite": "sqlite:////nonexistent-directory/outbox.db",
+}
 
 
 def database_url(name: str, tmp: Path) -> str:

@@ -6,14 +6,14 @@ from celery import Celery
 
 from celery_ext import mark_processed
 from tests.acceptance.conftest import wait_until
-from tests.outbox.conftest import DOWN_DB_URL, OutboxEnv
+from tests.outbox.conftest import DOWN_DB_URLS, OutboxEnv
 
 
-def test_an_id_of_the_wrong_type_runs_the_task_untracked(rabbit_pg: OutboxEnv) -> None:
+def test_an_id_of_the_wrong_type_runs_the_task_untracked(any_db: OutboxEnv) -> None:
     """Another service's header names a record of another kind (a text id against this
     outbox's integer ids): the task runs, once, and the log says why it is untracked; a
     transactional consumer (``outbox.transaction()``) commits its effect untracked."""
-    env = rabbit_pg
+    env = any_db
     app, _ = env.sender()
     worker = env.worker()
     plain = Celery("elsewhere", broker=app.conf.broker_url, set_as_current=False)
@@ -33,14 +33,15 @@ def test_an_id_of_the_wrong_type_runs_the_task_untracked(rabbit_pg: OutboxEnv) -
     assert "could not mark" not in worker.output() and env.records() == []
 
 
-def test_the_outbox_database_down_requeues_the_delivery(rabbit_pg: OutboxEnv) -> None:
+def test_the_outbox_database_down_requeues_the_delivery(any_db: OutboxEnv,
+                                                        database: str) -> None:
     """The check cannot read the record: the message goes back to the broker, the body does
     not run; once a worker reaches the database the task runs once and is marked."""
-    env = rabbit_pg
+    env = any_db
     app, _ = env.sender()
     app.tasks["ob.note"].delay("kept")
     (record,) = env.records()
-    cut_off = env.worker("w1", db=DOWN_DB_URL)
+    cut_off = env.worker("w1", db=DOWN_DB_URLS[database])
     wait_until(lambda: cut_off.output().count("requeued") >= 2, 30,
                "the delivery to be requeued", alive=[cut_off])
     assert cut_off.stop() == 0
