@@ -450,6 +450,8 @@ class Outbox:
         engine = self.engine
         statements = self.prepared(engine).statements
         grace = self.grace if older_than is None else older_than
+        # the run moves on by id: what it claimed may be due again at once (older_than=0)
+        after: Any = -1 if self.spec.generated_id else ""
         sent = 0
         failed: list[Any] = []
         with self.app.producer_or_acquire() as producer:
@@ -460,10 +462,11 @@ class Outbox:
                 # IMMEDIATE on SQLite: two republishers take turns instead of both reading
                 with engine.connect() as conn, conn.execution_options(
                         sqlite_begin="IMMEDIATE").begin():
-                    rows = conn.execute(statements["due"],
-                                        {"older_than": grace, "limit": size}).all()
+                    rows = conn.execute(statements["due"], {
+                        "older_than": grace, "after": after, "limit": size}).all()
                     if rows:
                         conn.execute(statements["claim"], {"ids": [row[0] for row in rows]})
+                        after = rows[-1][0]
                 for done, row in enumerate(rows):
                     try:
                         self.send(producer, Message.from_row(row), row[0])

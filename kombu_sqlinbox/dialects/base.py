@@ -551,12 +551,13 @@ class Dialect:
                 f"SELECT CASE WHEN {unprocessed} THEN 0 ELSE 1 END FROM {f['table']} "
                 f"WHERE {f['id']} = :id"),
             # republish: the records due (unprocessed, last sent longer than :older_than
-            # ago), locked so that a republisher running at the same moment skips them ...
+            # ago) after the run's last id, locked so that a republisher running at the
+            # same moment skips them ...
             "due": text(
                 f"SELECT r.{f['id']}, r.{f['exchange']}, r.{f['routing_key']}, "
                 f"r.{f['headers']}, r.{f['properties']}, r.{f['body']} FROM {f['table']} AS r "
                 f"WHERE r.{unprocessed} AND COALESCE(r.{f['republished_at']}, "
-                f"r.{f['created_at']}) <= {self.outbox_ago()} "
+                f"r.{f['created_at']}) <= {self.outbox_ago()} AND r.{f['id']} > :after "
                 f"ORDER BY r.{f['id']} LIMIT :limit {self.lock_clause}"),
             # ... and claimed in the same transaction, before they are sent
             "claim": _expanding(

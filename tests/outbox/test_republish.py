@@ -78,6 +78,15 @@ def test_a_record_is_sent_again_once_per_grace_period(any_db: OutboxEnv) -> None
     assert drain(env, app, 1) == {ids[0]: 1}
 
 
+def test_one_run_sends_each_record_once_whatever_the_age(any_db: OutboxEnv) -> None:
+    """``older_than=0``: records this run claimed are due again at once, yet the run
+    sends each once, batch after batch, and ends."""
+    env = any_db
+    app, outbox, ids = lost_records(env, 5, batch=2)
+    assert outbox.republish(older_than=0, limit=20).sent == 5
+    assert drain(env, app, 5) == dict.fromkeys(ids, 1)
+
+
 def test_racing_republishers_send_each_record_once(any_db: OutboxEnv) -> None:
     """Two instances of the service, each its own engine, republish at the same moment in
     small batches: every record goes out once in the round."""
