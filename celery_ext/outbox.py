@@ -32,12 +32,14 @@ import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 from weakref import WeakKeyDictionary
 
 from celery import Celery, Task, signals
 from celery.exceptions import Ignore, Reject
 from celery.states import FAILURE, REJECTED
+from celery.utils.time import maybe_make_aware
 from kombu import Exchange, Queue
 from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.serialization import dumps
@@ -101,11 +103,12 @@ class OutboxStatus:
 
 @dataclass(frozen=True)
 class Republished:
-    """What one republish run did: how many records it sent again, and the ids of those
-    it could not send (logged with the reason)."""
+    """What one republish run did: how many records it sent again, the ids of those it
+    could not send (logged with the reason), and how many it held back for their eta."""
 
     sent: int
     failed: tuple[Any, ...] = ()
+    held: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,14 @@ class Message:
         _, exchange, routing_key, headers, properties, body = row
         return cls(bytes(body), exchange, routing_key, json.loads(headers),
                    json.loads(properties))
+
+    def eta_ahead(self) -> bool:
+        """Whether the task's eta is still ahead: its first message then waits for it on a
+        worker, and a copy sent now would run beside it at the eta."""
+        eta = self.headers.get("eta")
+        if not eta:
+            return False
+        return bool(maybe_make_aware(datetime.fromisoformat(eta)) > datetime.now(timezone.utc))
 
 
 @dataclass(frozen=True)
@@ -444,21 +455,22 @@ class Outbox:
         rows, skipping those another republisher holds), then sent: two republishers never
         send one record, and a record goes out at most once per grace period. A record
         that cannot be sent (say, its stored headers are not JSON) is logged and skipped
-        until its next period; the others go on. A broker error ends the run, and the
-        records it kept from being sent are due again at once.
+        until its next period; the others go on. A task whose eta is still ahead is held
+        back (claimed, not sent) until a period after it. A broker error ends the run,
+        and the records it kept from being sent are due again at once.
         """
         engine = self.engine
         statements = self.prepared(engine).statements
         grace = self.grace if older_than is None else older_than
         # the run moves on by id: what it claimed may be due again at once (older_than=0)
         after: Any = -1 if self.spec.generated_id else ""
-        sent = 0
+        sent = held = 0
         failed: list[Any] = []
         with self.app.producer_or_acquire() as producer:
             broker_errors = (KombuOperationalError, *producer.connection.connection_errors)
-            while limit is None or sent + len(failed) < limit:
+            while limit is None or sent + held + len(failed) < limit:
                 size = self.batch if limit is None else min(
-                    self.batch, limit - sent - len(failed))
+                    self.batch, limit - sent - held - len(failed))
                 # IMMEDIATE on SQLite: two republishers take turns instead of both reading
                 with engine.connect() as conn, conn.execution_options(
                         sqlite_begin="IMMEDIATE").begin():
@@ -469,7 +481,12 @@ class Outbox:
                         after = rows[-1][0]
                 for done, row in enumerate(rows):
                     try:
-                        self.send(producer, Message.from_row(row), row[0])
+                        message = Message.from_row(row)
+                        if message.eta_ahead():
+                            held += 1
+                        else:
+                            self.send(producer, message, row[0])
+                            sent += 1
                     except broker_errors:
                         with engine.begin() as conn:
                             conn.execute(statements["unclaim"],
@@ -480,14 +497,12 @@ class Outbox:
                                      "republish tries it again after the grace period",
                                      row[0], type(exc).__name__, exc)
                         failed.append(row[0])
-                    else:
-                        sent += 1
                 if len(rows) < size:
                     break
-        if sent or failed:
-            logger.info("outbox: republished %d record(s) of %s, %d failed", sent,
-                        self.spec.table, len(failed))
-        return Republished(sent, tuple(failed))
+        if sent or failed or held:
+            logger.info("outbox: republished %d record(s) of %s, %d failed, %d held back "
+                        "for their eta", sent, self.spec.table, len(failed), held)
+        return Republished(sent, tuple(failed), held)
 
     # -- the consumer side ------------------------------------------------------------
     def mark_processed(self, conn: Connection, record_id: Any) -> bool:
@@ -690,7 +705,7 @@ class Outbox:
 
         def republish_outbox() -> dict[str, Any]:
             done = self.republish()
-            return {"sent": done.sent, "failed": list(done.failed)}
+            return {"sent": done.sent, "failed": list(done.failed), "held": done.held}
 
         app.task(name=PRUNE_TASK, shared=False, ignore_result=True)(prune_outbox)
         app.task(name=REPUBLISH_TASK, shared=False, ignore_result=True)(republish_outbox)

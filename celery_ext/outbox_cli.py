@@ -48,7 +48,8 @@ def status(ctx: click.Context) -> None:
 def republish(ctx: click.Context, older_than: float | None, limit: int | None) -> None:
     done = _outbox(ctx).republish(older_than, limit)
     failed = ", ".join(map(str, done.failed)) or "none"
-    click.echo(f"republished: {done.sent}\nfailed (see the log): {failed}")
+    click.echo(f"republished: {done.sent}\nfailed (see the log): {failed}\n"
+               f"held back for their eta: {done.held}")
 
 
 @outbox.command(help="Delete the records processed longer ago than the retention period.")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import Counter
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -12,7 +14,7 @@ from kombu import Queue
 from kombu.exceptions import OperationalError
 from sqlalchemy import text
 
-from celery_ext import Outbox
+from celery_ext import Outbox, Republished
 from celery_ext.declaration import default_outbox_table
 from kombu_sqlinbox.dialects import dialect_for
 from kombu_sqlinbox.errors import SchemaMismatch
@@ -76,6 +78,31 @@ def test_a_record_is_sent_again_once_per_grace_period(any_db: OutboxEnv) -> None
     age(env, "republished_at", ids[:1], 2 * GRACE)  # one grace period later, still lost
     assert outbox.republish().sent == 1
     assert drain(env, app, 1) == {ids[0]: 1}
+
+
+def test_a_task_whose_eta_is_ahead_is_not_sent_again_before_it(any_db: OutboxEnv) -> None:
+    """Its first message waits for the eta on a worker; copies sent meanwhile would all run
+    at the eta, side by side. Republish holds it back (looking again a grace period later)
+    and sends it once the eta has passed."""
+    env = any_db
+    app, outbox = env.sender(start_grace=str(GRACE))
+    app.tasks["ob.note"].apply_async(("later",), countdown=3600)
+    env.purge(app)
+    (record_id,) = [r["id"] for r in env.records()]
+    age(env, "created_at", [record_id], 2 * GRACE)
+    assert outbox.republish() == Republished(sent=0, held=1)
+    assert outbox.republish() == Republished(sent=0)  # looked at once per grace period
+
+    passed = (datetime.now(timezone.utc) - timedelta(seconds=1)).isoformat()
+    with env.engine.begin() as conn:  # the eta has passed and the task still did not run
+        headers = json.loads(conn.execute(text(
+            f"SELECT headers FROM {env.quote(env.table)} WHERE id = :id"),
+            {"id": record_id}).scalar_one())
+        conn.execute(text(f"UPDATE {env.quote(env.table)} SET headers = :h WHERE id = :id"),
+                     {"h": json.dumps({**headers, "eta": passed}), "id": record_id})
+    age(env, "republished_at", [record_id], 2 * GRACE)
+    assert outbox.republish() == Republished(sent=1)
+    assert drain(env, app, 1) == {record_id: 1}
 
 
 def test_one_run_sends_each_record_once_whatever_the_age(any_db: OutboxEnv) -> None:

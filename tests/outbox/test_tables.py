@@ -124,7 +124,7 @@ def test_prune_removes_only_processed_records_older_than_retention(any_db: Outbo
     # the ready periodic tasks, as beat would run them
     assert app.tasks[PRUNE_TASK].apply().get() == 0
     # pending_old is past the grace
-    assert app.tasks[REPUBLISH_TASK].apply().get() == {"sent": 1, "failed": []}
+    assert app.tasks[REPUBLISH_TASK].apply().get() == {"sent": 1, "failed": [], "held": 0}
     assert {e["task"] for e in outbox.beat_schedule(republish_every=60).values()} == {
         PRUNE_TASK, REPUBLISH_TASK}
 
