@@ -206,6 +206,13 @@ def any_db(request: pytest.FixtureRequest, tmp_path: Path, database: str
     yield from make_env(request, tmp_path, "rabbitmq", database)
 
 
+@pytest.fixture
+def inbox_any(request: pytest.FixtureRequest, tmp_path: Path, database: str
+              ) -> Iterator[OutboxEnv]:
+    """The sqlinbox broker and the outbox in one database, each database in turn."""
+    yield from make_env(request, tmp_path, "sqlinbox", database)
+
+
 def age(env: OutboxEnv, column: str, ids: list[Any], seconds: float) -> None:
     """Move ``column`` of the records ``ids`` to ``seconds`` ago (the dialect's own clock)."""
     ago = dialect_for(env.engine).outbox_ago()
