@@ -166,8 +166,8 @@ def mark_outbox_record(task: Task, conn: Connection) -> None:
         outbox = outbox_of(task.app)
     except OutboxError:
         return
-    if not same_database(outbox.engine, conn.engine):
-        return
+    if not outbox.tracked_id(record_id) or not same_database(outbox.engine, conn.engine):
+        return  # another kind of id (not this outbox's) or another database: untracked
     outbox.mark_for_task(conn, task, record_id)
     task.request.outbox_marked = True
 

@@ -19,10 +19,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, create_engine
+from sqlalchemy import Connection, create_engine, inspect
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 
+from . import binding
 from .claims import CLAIM_FORMS, ClaimForm, Held, LeaseKeeper, Settlement, Wakeup
 from .dialects import ClaimedRow, Dialect, dialect_class, dialect_for
 from .errors import ConfigurationError
@@ -183,6 +184,21 @@ class Broker:
                 time.sleep(random.uniform(0.005, 0.02) * attempt)
         raise AssertionError("unreachable")
 
+    def bound_caller(self) -> Connection | None:
+        """The bound caller's transaction (:mod:`.binding`) when it is on this database."""
+        caller = binding.current()
+        return caller if caller is not None and same_database(caller.engine, self.engine) \
+            else None
+
+    def read(self, table: QueueTable, work: Callable[[Connection], T]) -> T:
+        """Run read-only ``work`` on ``table`` in a deferred transaction of our own; in the
+        bound caller's when the table was created in that transaction (not yet remembered
+        by :meth:`table`), the one place it exists until the caller commits."""
+        caller = self.bound_caller()
+        if caller is not None and self._tables.get(table.queue) is not table:
+            return work(caller)
+        return self.run(work, read_only=True)
+
     def ping(self) -> None:
         self.run(lambda conn: conn.exec_driver_sql("SELECT 1"), attempts=1, read_only=True)
 
@@ -190,20 +206,30 @@ class Broker:
     def table(self, queue: str) -> QueueTable:
         """The queue's table, created or checked on first use in this process, together
         with every table it may move messages to (its dead-letter queue's, and so on): a
-        missing one fails now, not when the first message is parked."""
+        missing one fails now, not when the first message is parked.
+
+        A missing table, while a caller's transaction on this database is bound (a bound
+        publish or queue declaration, a transactional task), is created in that
+        transaction where the database's DDL joins one: a second connection could wait on
+        the caller's own locks (SQLite has one writer). It is remembered once it is seen
+        committed (the caller may roll back).
+        """
         found = self._tables.get(queue)
         if found is not None:
             return found
+        caller = self.bound_caller()
         with self._tables_lock:
-            chain: dict[str, QueueTable] = {}
+            chain: dict[str, tuple[QueueTable, bool]] = {}
             name: str | None = queue
             while name is not None and name not in self._tables and name not in chain:
-                chain[name] = self._resolve(name)
-                name = chain[name].options.dead_letter_queue
-            self._tables.update(chain)  # none of them unless all of them passed
-            return self._tables[queue]
+                chain[name] = self._resolve(name, caller)
+                name = chain[name][0].options.dead_letter_queue
+            # none of them unless all of them passed
+            self._tables.update({name: table for name, (table, lasting) in chain.items()
+                                 if lasting})
+            return self._tables.get(queue) or chain[queue][0]
 
-    def _resolve(self, queue: str) -> QueueTable:
+    def _resolve(self, queue: str, caller: Connection | None) -> tuple[QueueTable, bool]:
         options = self.options.for_queue(queue)
         spec = self.spec_for(queue)
         created = options.table is None
@@ -221,13 +247,19 @@ class Broker:
         def ensure(conn: Connection) -> bool:
             return self.dialect.ensure_table(conn, spec, self.options.create_tables)
 
+        def committed(conn: Connection) -> bool:
+            return inspect(conn).has_table(spec.table, schema=spec.schema)
+
+        if (caller is not None and self.dialect.transactional_ddl
+                and not self.run(committed, read_only=True)):
+            return QueueTable(queue, spec, options, ensure(caller), created, form), False
         try:
             payload_is_text = self.run(ensure, read_only=True)
         except DBAPIError:
             # another process created the table at the same moment (PostgreSQL reports
             # a duplicate type); the second look finds and checks it
             payload_is_text = self.run(ensure, read_only=True)
-        return QueueTable(queue, spec, options, payload_is_text, created, form)
+        return QueueTable(queue, spec, options, payload_is_text, created, form), True
 
     def forget_table(self, queue: str) -> None:
         with self._tables_lock:
@@ -239,8 +271,6 @@ class Broker:
             table_name_for_queue(queue, self.options.table_prefix))
 
     def known_table(self, queue: str) -> bool:
-        from sqlalchemy import inspect
-
         spec = self.spec_for(queue)
         return self.run(lambda conn: inspect(conn).has_table(spec.table, schema=spec.schema),
                         read_only=True)

@@ -448,8 +448,7 @@ class Channel(virtual.Channel):
     def _size(self, queue: str) -> int:
         table = self.broker.table(queue)
         statement = self.broker.dialect.statements(table.spec).size
-        return int(self.broker.run(lambda conn: conn.execute(statement).scalar_one(),
-                                   read_only=True))
+        return int(self.broker.read(table, lambda conn: conn.execute(statement).scalar_one()))
 
     def _purge(self, queue: str) -> int:
         table = self.broker.table(queue)

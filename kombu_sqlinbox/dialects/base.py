@@ -459,6 +459,11 @@ class Dialect:
         cast = f"{name}::text::{bare}" if bare == "BYTEA" else f"{name}::{bare}"
         return f"ALTER TABLE {self.table_ref(spec)} ALTER COLUMN {name} TYPE {bare} USING {cast}"
 
+    #: whether DDL runs inside a transaction (and rolls back with it) rather than
+    #: committing it: tables are then created in a caller's transaction, never on a second
+    #: connection that could wait on that transaction's locks
+    transactional_ddl: ClassVar[bool] = True
+
     # -- engines ---------------------------------------------------------------
     def prepare_engine(self, engine: Engine, sqlite_begin: str = "IMMEDIATE") -> None:
         """Set up an engine of ours (the transport's, the outbox's): per-connection settings
@@ -558,8 +563,8 @@ class Dialect:
     def outbox_statements(
         self, table: str, schema: str | None, columns: dict[str, str], generated_id: bool,
     ) -> dict[str, TextClause]:
-        """Every outbox statement for one table: insert, mark, processed, pending, prune,
-        status, drop."""
+        """Every outbox statement for one table: insert, mark, processed, due, claim, unclaim,
+        prune, status, drop."""
         f = self.outbox_fields(table, schema, columns)
         values = [role for role in ("id", "task_id", "task_name", "exchange", "routing_key",
                                     "headers", "properties", "body") if role in columns]
@@ -581,11 +586,22 @@ class Dialect:
             "processed": text(
                 f"SELECT CASE WHEN {unprocessed} THEN 0 ELSE 1 END FROM {f['table']} "
                 f"WHERE {f['id']} = :id"),
-            "pending": text(
-                f"SELECT {f['id']}, {f['exchange']}, {f['routing_key']}, {f['headers']}, "
-                f"{f['properties']}, {f['body']} FROM {f['table']} WHERE {unprocessed} "
-                f"AND {f['created_at']} <= {self.outbox_ago()} AND {f['id']} > :after "
-                f"ORDER BY {f['id']} LIMIT :limit"),
+            # republish: the records due (unprocessed, last sent longer than :older_than
+            # ago) after the run's last id, locked so that a republisher running at the
+            # same moment skips them ...
+            "due": text(
+                f"SELECT r.{f['id']}, r.{f['exchange']}, r.{f['routing_key']}, "
+                f"r.{f['headers']}, r.{f['properties']}, r.{f['body']} FROM {f['table']} AS r "
+                f"WHERE r.{unprocessed} AND COALESCE(r.{f['republished_at']}, "
+                f"r.{f['created_at']}) <= {self.outbox_ago()} AND r.{f['id']} > :after "
+                f"ORDER BY r.{f['id']} LIMIT :limit {self.lock_clause}"),
+            # ... and claimed in the same transaction, before they are sent
+            "claim": _expanding(
+                f"UPDATE {f['table']} SET {f['republished_at']} = {self.now} "
+                f"WHERE {f['id']} IN :ids"),
+            # claimed records a broker error kept from being sent: due again at once
+            "unclaim": _expanding(
+                f"UPDATE {f['table']} SET {f['republished_at']} = NULL WHERE {f['id']} IN :ids"),
             "prune": text(self.outbox_prune_sql(f)),
             "status": text(
                 f"SELECT COALESCE(SUM(CASE WHEN {unprocessed} THEN 1 ELSE 0 END), 0), "

@@ -135,6 +135,9 @@ class MySQLDialect(Dialect):
         (self.max_statement_bytes,) = cursor.fetchone()
         cursor.close()
 
+    #: MySQL commits the open transaction before any DDL
+    transactional_ddl = False
+
     # -- outbox (celery_ext.outbox) ------------------------------------------------
     outbox_column_types = {
         "id": "VARCHAR(64) NOT NULL",
@@ -147,6 +150,7 @@ class MySQLDialect(Dialect):
         "body": "LONGBLOB NOT NULL",
         "created_at": "DATETIME(6) NOT NULL",
         "processed_at": "DATETIME(6) NULL",
+        "republished_at": "DATETIME(6) NULL",
     }
 
     def outbox_ago(self) -> str:

@@ -113,6 +113,7 @@ class PostgreSQLDialect(Dialect):
         "body": "BYTEA NOT NULL",
         "created_at": "TIMESTAMPTZ NOT NULL DEFAULT now()",
         "processed_at": "TIMESTAMPTZ",
+        "republished_at": "TIMESTAMPTZ",
     }
 
     outbox_autocommit = True

@@ -100,6 +100,7 @@ class SQLiteDialect(Dialect):
         "body": "BLOB NOT NULL",
         "created_at": "REAL NOT NULL",
         "processed_at": "REAL",
+        "republished_at": "REAL",
     }
 
     def outbox_ago(self) -> str:

@@ -8,7 +8,7 @@ from celery import Celery
 import celery_ext
 from celery_ext import OutboxNotReady, RecordFailed, mark_processed
 from celery_ext.outbox import DISABLED_ENV
-from tests.outbox.conftest import AMQP_URL, OutboxEnv
+from tests.outbox.conftest import AMQP_URL, DOWN_DB_URLS, OutboxEnv
 
 
 def sent_tasks(env: OutboxEnv) -> list[str]:
@@ -66,7 +66,7 @@ def test_only_the_named_tasks_or_queues_are_tracked(rabbit_pg: OutboxEnv) -> Non
 
 def test_a_database_down_stops_the_send(rabbit_pg: OutboxEnv) -> None:
     env = rabbit_pg
-    app, _ = env.sender(db="postgresql://postgres@127.0.0.1:5439/test", create=False)
+    app, _ = env.sender(db=DOWN_DB_URLS["postgresql"], create=False)
     env.purge(app)
     with pytest.raises(RecordFailed, match=r"could not record task ob\.check\[.*not sent"):
         app.tasks["ob.check"].delay("lost?")

@@ -32,9 +32,6 @@ def outbox_record(service: Service, processed: bool) -> str | int:
     return record_id
 
 
-# not SQLite yet: there the outbox's first mark inside a task checks its table on a
-# second connection, which waits for the write lock the task itself holds
-@pytest.mark.databases("postgresql", "mysql")
 @pytest.mark.pools("prefork")
 @pytest.mark.parametrize(("record", "effects"),
                          [("missing", 1), ("unprocessed", 1), ("processed", 0)])
