@@ -23,11 +23,10 @@ LIMITED = ["limited0", "limited1"]
 
 
 @pytest.mark.slow
+@pytest.mark.databases("postgresql", "mysql")  # a database file has no connection to break
 def test_connection_loss_keeps_running_tasks_and_frees_reserved_ones(
-    acceptance: Acceptance, database: str, db_url: str,
+    acceptance: Acceptance, db_url: str,
 ) -> None:
-    if database == "sqlite":
-        pytest.skip("a database file has no connection to break")
     target = make_url(db_url)
     proxy = Proxy(str(target.host), int(target.port or 0))
     try:

@@ -20,15 +20,11 @@ from .support import broker_of, get_within, publish, quoted, settled, table_of, 
 ADVISORY = {"claim": "advisory"}
 
 
-@pytest.fixture
-def lock_server(database: str) -> str:
-    if database == "sqlite":
-        pytest.skip("SQLite has no advisory locks")
-    return database
+pytestmark = pytest.mark.databases("postgresql", "mysql")  # SQLite has no advisory locks
 
 
 @pytest.fixture
-def other_session(engine: Engine, lock_server: str) -> Iterator[Connection]:
+def other_session(engine: Engine) -> Iterator[Connection]:
     """A session of another process, to look at and take key locks."""
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         yield conn

@@ -20,11 +20,11 @@ from tests.tcp_proxy import Proxy
 from .conftest import Connect
 from .support import DEAD_LETTERS, broker_of, count_rows, get_within, publish, settled, table_of
 
+pytestmark = pytest.mark.databases("postgresql", "mysql")  # a file has no connection
+
 
 @pytest.fixture
-def proxy(database: str, db_url: str) -> Iterator[Proxy]:
-    if database == "sqlite":
-        pytest.skip("a database file has no connection to break")
+def proxy(db_url: str) -> Iterator[Proxy]:
     target = make_url(db_url)
     made = Proxy(str(target.host), int(target.port or 0))
     yield made

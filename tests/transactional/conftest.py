@@ -55,8 +55,6 @@ RECEIPT = "refunds.send_receipt"
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "pools(*names): run a service test only on these worker pools")
-    config.addinivalue_line(
-        "markers", "databases(*names): run a service test only on these databases")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
