@@ -93,15 +93,15 @@ def sqlalchemy_url(url: str) -> URL:
 
 def refuse_memory_database(url: URL) -> None:
     """An SQLite database in memory is one per connection (a shared-cache one, one per
-    process): the keeper's acks, other pool connections and every other process would each
-    see a queue of their own."""
+    process): the keeper's acks, other pool connections and every other process (workers,
+    the outbox's republisher) would each see tables of their own."""
     if url.get_backend_name() != "sqlite":
         return
     database = url.database or ""
     if not database or ":memory:" in database or url.query.get("mode") == "memory":
         raise ConfigurationError(
-            f"broker URL {url.render_as_string()!r} names an SQLite database in memory, which "
-            "no other connection or process can see; use a file: sqlinbox+sqlite:///jobs.db")
+            f"URL {url.render_as_string()!r} names an SQLite database in memory, which no "
+            "other connection or process can see; use a file: sqlinbox+sqlite:///jobs.db")
 
 
 def engine_for(url: str | URL, sqlite_begin: str = "IMMEDIATE",
@@ -109,6 +109,7 @@ def engine_for(url: str | URL, sqlite_begin: str = "IMMEDIATE",
     """An engine set up the way every engine of kombu-sqlinbox is (the transport's and the
     outbox's), with the dialect that serves it."""
     parsed = sqlalchemy_url(url) if isinstance(url, str) else url
+    refuse_memory_database(parsed)
     engine_options = {**dialect_class(parsed.get_backend_name()).engine_defaults,
                       **engine_options}
     engine = create_engine(parsed, **engine_options)
@@ -129,7 +130,6 @@ class Broker:
     def __init__(self, url: str, options: TransportOptions) -> None:
         self.options = options
         parsed = sqlalchemy_url(url)
-        refuse_memory_database(parsed)
         engine_options: dict[str, Any] = {"pool_size": 5, "max_overflow": 10}
         if parsed.get_backend_name() == "sqlite":
             engine_options.clear()

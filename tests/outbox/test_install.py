@@ -8,6 +8,7 @@ from celery import Celery
 import celery_ext
 from celery_ext import OutboxNotReady, RecordFailed, mark_processed
 from celery_ext.outbox import DISABLED_ENV
+from kombu_sqlinbox.errors import ConfigurationError
 from tests.outbox.conftest import AMQP_URL, DOWN_DB_URLS, OutboxEnv
 
 
@@ -85,3 +86,11 @@ def test_mark_processed_in_the_callers_transaction(rabbit_pg: OutboxEnv) -> None
     with env.engine.begin() as conn:
         assert mark_processed(conn, record["id"], app=app)
     assert env.records()[0]["processed"]
+
+
+def test_an_outbox_in_an_sqlite_memory_database_is_refused() -> None:
+    """Each connection would see its own empty outbox: records written on one would never
+    be found by the republisher or marked by the worker."""
+    app = Celery("in-memory", broker=AMQP_URL, set_as_current=False)
+    with pytest.raises(ConfigurationError, match=r"in memory.*use a file"):
+        celery_ext.install(app, "sqlite://")
