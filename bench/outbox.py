@@ -96,7 +96,7 @@ def measure(ctx: Context, tasks: int, rounds: int) -> list[Row]:
         rows = [cell.row(NAME, "postgresql", mode, "per_task_ms") for mode, cell in cells.items()]
         pending = outbox.status().unprocessed
         began = time.perf_counter()
-        sent = outbox.republish(older_than=0)
+        sent = outbox.republish(older_than=0).sent
         republished = Cell.rate(sent, time.perf_counter() - began, unprocessed_before=pending)
         rows.append(republished.row(NAME, "postgresql", "republish (RabbitMQ)", "records_per_s"))
         return rows

@@ -23,6 +23,7 @@ from .outbox import (
     OutboxNotReady,
     OutboxStatus,
     RecordFailed,
+    Republished,
     WriteLockHeld,
     install,
     mark_processed,
@@ -32,6 +33,6 @@ from .outbox import (
 __all__ = [
     "HEADER", "NotBound", "Outbox", "OutboxColumn", "OutboxError", "OutboxNotReady",
     "OutboxRole", "OutboxSpec", "OutboxStatus", "OutboxTable", "OutboxTableBuilder",
-    "RecordFailed", "WriteLockHeld", "after_commit", "bind", "current", "default_outbox_table",
-    "install", "mark_processed", "outbox_of",
+    "RecordFailed", "Republished", "WriteLockHeld", "after_commit", "bind", "current",
+    "default_outbox_table", "install", "mark_processed", "outbox_of",
 ]

@@ -38,6 +38,9 @@ class OutboxRole(str, Enum):
     BODY = "body"
     CREATED_AT = "created_at"
     PROCESSED_AT = "processed_at"
+    #: when republish last sent the record again (NULL: never); it resends a record at
+    #: most once per grace period
+    REPUBLISHED_AT = "republished_at"
 
 
 #: task id and name are for people reading the table; the rest is needed to send again
@@ -183,6 +186,9 @@ class OutboxTableBuilder:
     def processed_at(self, name: str = "processed_at") -> OutboxTableBuilder:
         return self._add(name, OutboxRole.PROCESSED_AT)
 
+    def republished_at(self, name: str = "republished_at") -> OutboxTableBuilder:
+        return self._add(name, OutboxRole.REPUBLISHED_AT)
+
     def build(self) -> OutboxSpec:
         return OutboxSpec(self._table, tuple(self._columns), self._schema)
 
@@ -191,7 +197,8 @@ def default_outbox_table(table: str = DEFAULT_TABLE, schema: str | None = None) 
     """The layout the outbox creates when its table is missing."""
     return (
         OutboxTableBuilder(table, schema=schema).id().task_id().task_name().exchange()
-        .routing_key().headers().properties().body().created_at().processed_at().build()
+        .routing_key().headers().properties().body().created_at().processed_at()
+        .republished_at().build()
     )
 
 

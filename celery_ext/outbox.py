@@ -32,17 +32,20 @@ import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 from weakref import WeakKeyDictionary
 
 from celery import Celery, Task, signals
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject
 from celery.states import FAILURE, REJECTED
+from celery.utils.time import maybe_make_aware
 from kombu import Exchange, Queue
+from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.serialization import dumps
 from sqlalchemy import Connection, TextClause, inspect
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from kombu_sqlinbox.broker import engine_for, same_database
 from kombu_sqlinbox.dialects import Dialect, dialect_for
@@ -54,7 +57,7 @@ from .declaration import DEFAULT_TABLE, Declaration, OutboxSpec, as_outbox_spec
 
 __all__ = [
     "HEADER", "Outbox", "OutboxError", "OutboxNotReady", "OutboxStatus", "RecordFailed",
-    "WriteLockHeld", "install", "mark_processed", "outbox_of",
+    "Republished", "WriteLockHeld", "install", "mark_processed", "outbox_of",
 ]
 
 logger = logging.getLogger(__name__)
@@ -99,6 +102,16 @@ class OutboxStatus:
 
 
 @dataclass(frozen=True)
+class Republished:
+    """What one republish run did: how many records it sent again, the ids of those it
+    could not send (logged with the reason), and how many it held back for their eta."""
+
+    sent: int
+    failed: tuple[Any, ...] = ()
+    held: int = 0
+
+
+@dataclass(frozen=True)
 class Message:
     """A message as recorded: what ``Producer.publish`` needs to send it again unchanged."""
 
@@ -113,6 +126,14 @@ class Message:
         _, exchange, routing_key, headers, properties, body = row
         return cls(bytes(body), exchange, routing_key, json.loads(headers),
                    json.loads(properties))
+
+    def eta_ahead(self) -> bool:
+        """Whether the task's eta is still ahead: its first message then waits for it on a
+        worker, and a copy sent now would run beside it at the eta."""
+        eta = self.headers.get("eta")
+        if not eta:
+            return False
+        return bool(maybe_make_aware(datetime.fromisoformat(eta)) > datetime.now(timezone.utc))
 
 
 @dataclass(frozen=True)
@@ -177,6 +198,8 @@ class Outbox:
         self._prepared: WeakKeyDictionary[Engine, Prepared] = WeakKeyDictionary()
         self._lock = threading.Lock()
         self._columns = self.spec.column_names()
+        #: the app's task registry class before install hooked it (see _guard_registered)
+        self._registry_class: type | None = None
         if engine_or_url is not None:
             self.bind_engine(engine_or_url)
 
@@ -206,32 +229,58 @@ class Outbox:
         assert self._engine is not None
         return self._engine
 
-    def prepared(self, engine: Engine) -> Prepared:
-        """The statements for ``engine``'s database; the table is created or checked once."""
+    def prepared(self, engine: Engine, conn: Connection | None = None) -> Prepared:
+        """The statements for ``engine``; the table is created or checked once per database.
+
+        ``conn`` is a transaction of the caller's on that database (a bound send, a
+        transactional task's mark): a missing table is then created in it, never on a
+        second connection, which could wait on the caller's own locks (SQLite has one
+        writer).
+        """
         found = self._prepared.get(engine)
         if found is None:
             with self._lock:
                 found = self._prepared.get(engine)
                 if found is None:
-                    found = self._prepared[engine] = self._prepare(engine)
+                    checked = any(same_database(engine, seen) for seen in self._prepared)
+                    found = self._statements(engine)
+                    if checked or self._check_table(engine, conn):
+                        self._prepared[engine] = found
         return found
 
-    def _prepare(self, engine: Engine) -> Prepared:
+    def _check_table(self, engine: Engine, conn: Connection | None) -> bool:
+        """Create the table if missing (when allowed) and check its columns; False when it
+        was created in the caller's transaction ``conn``, which may still roll it back:
+        it is remembered once seen committed. The look runs on a connection of the
+        outbox's own, in a deferred transaction (on SQLite it takes no lock). MySQL's DDL
+        commits the transaction it runs in, so there the table is always created on that
+        connection of the outbox's own.
+        """
         dialect = dialect_for(engine)
         spec = self.spec
+        with engine.connect() as own, own.execution_options(sqlite_begin="DEFERRED").begin():
+            if (conn is None or not dialect.transactional_ddl
+                    or inspect(own).has_table(spec.table, schema=spec.schema)):
+                self._ensure_table(own, dialect)
+                return True
+        self._ensure_table(conn, dialect)
+        return False
+
+    def _ensure_table(self, conn: Connection, dialect: Dialect) -> None:
+        """Create (when allowed) and check the table in ``conn``."""
+        spec = self.spec
         args = (spec.table, spec.schema, self._columns)
-        with engine.begin() as conn:
+        inspector = inspect(conn)
+        if not inspector.has_table(spec.table, schema=spec.schema):
+            ddl = dialect.outbox_create_ddl(*args, spec.generated_id)
+            if not self.create_table:
+                raise SchemaMismatch(
+                    f"outbox table {spec.table!r} does not exist (create_table is off); "
+                    "create it with:\n" + ";\n".join(ddl) + ";")
+            for statement in ddl:
+                conn.exec_driver_sql(statement)
             inspector = inspect(conn)
-            if not inspector.has_table(spec.table, schema=spec.schema):
-                ddl = dialect.outbox_create_ddl(*args, spec.generated_id)
-                if not self.create_table:
-                    raise SchemaMismatch(
-                        f"outbox table {spec.table!r} does not exist (create_table is off); "
-                        "create it with:\n" + ";\n".join(ddl) + ";")
-                for statement in ddl:
-                    conn.exec_driver_sql(statement)
-                inspector = inspect(conn)
-            found = {c["name"].lower() for c in inspector.get_columns(spec.table, spec.schema)}
+        found = {c["name"].lower() for c in inspector.get_columns(spec.table, spec.schema)}
         missing = [(role, name) for role, name in self._columns.items()
                    if name.lower() not in found]
         if missing:
@@ -241,7 +290,12 @@ class Outbox:
                 f"it with:\nALTER TABLE {ref} ADD COLUMN "
                 f"{dialect.outbox_column_ddl(role, name, spec.generated_id)};"
                 for role, name in missing))
-        statements = dialect.outbox_statements(*args, spec.generated_id)
+
+    def _statements(self, engine: Engine) -> Prepared:
+        dialect = dialect_for(engine)
+        spec = self.spec
+        statements = dialect.outbox_statements(
+            spec.table, spec.schema, self._columns, spec.generated_id)
         lone_insert = (statements["insert"].compile(dialect=engine.dialect).string
                        if dialect.outbox_autocommit else None)
         return Prepared(dialect, statements, lone_insert)
@@ -255,7 +309,7 @@ class Outbox:
         engine = self.engine
         with engine.begin() as conn:
             conn.execute(self.prepared(engine).statements["drop"])
-        self._prepared.pop(engine, None)
+        self._prepared.clear()
 
     # -- what is tracked ------------------------------------------------------------
     def tracks_task(self, name: str) -> bool:
@@ -299,7 +353,7 @@ class Outbox:
             if not self.spec.generated_id:
                 params["id"] = uuid.uuid4().hex
             if bound is not None:
-                return self._insert(bound, self.prepared(bound.engine), params)
+                return self._insert(bound, self.prepared(bound.engine, bound), params)
             engine = self.engine
             prepared = self.prepared(engine)
             if prepared.lone_insert is not None:
@@ -392,36 +446,81 @@ class Outbox:
             logger.exception("outbox: record %s is committed but its message could not be "
                              "sent now; republish will send it", record_id)
 
-    def republish(self, older_than: float | None = None, limit: int | None = None) -> int:
-        """Send again every record unprocessed for ``older_than`` seconds (default: the grace
-        period), oldest id first, with its task id and record id; returns how many."""
+    def republish(self, older_than: float | None = None, limit: int | None = None
+                  ) -> Republished:
+        """Send again the records unprocessed, and not sent, for ``older_than`` seconds
+        (default: the grace period), oldest id first, with their task id and record id.
+
+        Each batch is claimed first (its resend time set, in a transaction that locks the
+        rows, skipping those another republisher holds), then sent: two republishers never
+        send one record, and a record goes out at most once per grace period. A record
+        that cannot be sent (say, its stored headers are not JSON) is logged and skipped
+        until its next period; the others go on. A task whose eta is still ahead is held
+        back (claimed, not sent) until a period after it. A broker error ends the run,
+        and the records it kept from being sent are due again at once.
+        """
         engine = self.engine
-        statement = self.prepared(engine).statements["pending"]
+        statements = self.prepared(engine).statements
         grace = self.grace if older_than is None else older_than
+        # the run moves on by id: what it claimed may be due again at once (older_than=0)
         after: Any = -1 if self.spec.generated_id else ""
-        sent = 0
+        sent = held = 0
+        failed: list[Any] = []
         with self.app.producer_or_acquire() as producer:
-            while limit is None or sent < limit:
-                size = self.batch if limit is None else min(self.batch, limit - sent)
-                with engine.connect() as conn:
-                    rows = conn.execute(
-                        statement, {"older_than": grace, "after": after, "limit": size}).all()
-                for row in rows:
-                    self.send(producer, Message.from_row(row), row[0])
-                    after = row[0]
-                sent += len(rows)
+            broker_errors = (KombuOperationalError, *producer.connection.connection_errors)
+            while limit is None or sent + held + len(failed) < limit:
+                size = self.batch if limit is None else min(
+                    self.batch, limit - sent - held - len(failed))
+                # IMMEDIATE on SQLite: two republishers take turns instead of both reading
+                with engine.connect() as conn, conn.execution_options(
+                        sqlite_begin="IMMEDIATE").begin():
+                    rows = conn.execute(statements["due"], {
+                        "older_than": grace, "after": after, "limit": size}).all()
+                    if rows:
+                        conn.execute(statements["claim"], {"ids": [row[0] for row in rows]})
+                        after = rows[-1][0]
+                for done, row in enumerate(rows):
+                    try:
+                        message = Message.from_row(row)
+                        if message.eta_ahead():
+                            held += 1
+                        else:
+                            self.send(producer, message, row[0])
+                            sent += 1
+                    except broker_errors:
+                        with engine.begin() as conn:
+                            conn.execute(statements["unclaim"],
+                                         {"ids": [later[0] for later in rows[done:]]})
+                        raise
+                    except Exception as exc:
+                        logger.error("outbox: record %s could not be sent again (%s: %s); "
+                                     "republish tries it again after the grace period",
+                                     row[0], type(exc).__name__, exc)
+                        failed.append(row[0])
                 if len(rows) < size:
                     break
-        if sent:
-            logger.info("outbox: republished %d record(s) of %s", sent, self.spec.table)
-        return sent
+        if sent or failed or held:
+            logger.info("outbox: republished %d record(s) of %s, %d failed, %d held back "
+                        "for their eta", sent, self.spec.table, len(failed), held)
+        return Republished(sent, tuple(failed), held)
 
     # -- the consumer side ------------------------------------------------------------
     def mark_processed(self, conn: Connection, record_id: Any) -> bool:
         """Mark a record processed in ``conn``'s transaction (e.g. a transactional task's);
         True when this call marked it, False when it was already processed or is gone."""
-        statement = self.prepared(conn.engine).statements["mark"]
+        statement = self.prepared(conn.engine, conn).statements["mark"]
         return bool(conn.execute(statement, {"id": record_id}).rowcount)
+
+    def mark_for_task(self, conn: Connection, task: Task, record_id: Any) -> None:
+        """Mark ``task``'s record processed in ``conn``'s transaction; raise Ignore when it
+        was processed already. A record this outbox does not hold (another service's, or
+        pruned) is no duplicate: the task runs, untracked."""
+        if self.mark_processed(conn, record_id):
+            return
+        processed = conn.execute(self.prepared(conn.engine, conn).statements["processed"],
+                                 {"id": record_id}).scalar()
+        if processed:
+            raise duplicate(task, record_id)
 
     def is_processed(self, record_id: Any) -> bool:
         engine = self.engine
@@ -438,19 +537,31 @@ class Outbox:
         sent inside are recorded in this transaction and sent after it commits."""
         task = self.app.current_worker_task
         record_id = getattr(task.request, HEADER, None) if task is not None else None
+        if not self.tracked_id(record_id):  # none, or not ours: the task runs untracked
+            record_id = None
         with self.engine.begin() as conn:
-            if record_id is not None and not self.mark_processed(conn, record_id):
-                processed = conn.execute(self.prepared(conn.engine).statements["processed"],
-                                         {"id": record_id}).scalar()
-                if processed:
-                    raise duplicate(task, record_id)
+            if record_id is not None:
+                self.mark_for_task(conn, task, record_id)
             with binding.bind(conn):
                 yield conn
         if record_id is not None:  # committed: the worker need not mark it again
             task.request.outbox_marked = True
 
+    def tracked_id(self, record_id: Any) -> bool:
+        """Whether ``record_id`` can name a record of this outbox: an integer where the
+        database generates the ids, else a string (a UUID). A header of another kind (from
+        another service, or hand-made) cannot, and is never looked up."""
+        if self.spec.generated_id:
+            return isinstance(record_id, int) and not isinstance(record_id, bool)
+        return isinstance(record_id, str)
+
     def guard(self, task: Task) -> None:
-        """Skip a delivery of ``task`` whose record is already processed (see module doc)."""
+        """Skip a delivery of ``task`` whose record is already processed (see module doc).
+
+        A record id this outbox cannot have written runs the task untracked (logged). A
+        lookup that fails on the connection (the database down, a deadlock) requeues the
+        delivery: the record stays unprocessed, nothing is lost and the body has not run.
+        """
         if getattr(task, "_outbox_guarded", False):
             return
         run = task.run
@@ -459,16 +570,51 @@ class Outbox:
         def guarded(*args: Any, **kwargs: Any) -> Any:
             request = task.request
             record_id = getattr(request, HEADER, None)
-            if (record_id is not None and not request.called_directly
-                    and not request.is_eager and self.is_processed(record_id)):
+            if record_id is None or request.called_directly or request.is_eager:
+                return run(*args, **kwargs)
+            if not self.tracked_id(record_id):
+                logger.warning("outbox: task %s[%s] runs untracked: its %s %r cannot name a "
+                               "record of %s", task.name, request.id, HEADER, record_id,
+                               self.spec.table)
+            elif self._processed_or_requeue(task, record_id):
                 raise duplicate(task, record_id)
             return run(*args, **kwargs)
 
         task.run = guarded
         task._outbox_guarded = True
 
-    def _guard_all(self, **_: Any) -> None:
-        for task in list(self.app.tasks.values()):
+    def _processed_or_requeue(self, task: Task, record_id: Any) -> bool:
+        """Whether the record is processed; a lookup that failed on the connection raises
+        the Reject that requeues the delivery."""
+        try:
+            return self.is_processed(record_id)
+        except DBAPIError as exc:
+            if not (exc.connection_invalidated
+                    or isinstance(exc, (OperationalError, InterfaceError))):
+                raise
+            logger.warning("outbox: could not look up record %s of %s[%s], delivery "
+                           "requeued: %s", record_id, task.name, task.request.id, exc.orig)
+            raise Reject(f"outbox record {record_id} could not be looked up: {exc.orig}",
+                         requeue=True) from exc
+
+    def _guard_registered(self) -> None:
+        """Guard every task of the app, now and whenever one is registered later.
+
+        Celery has no signal for a task registered after the app is finalized (a late
+        import), so the registry becomes a subclass of its own class that guards each
+        task put into it.
+        """
+        registry = self.app._tasks
+        outbox = self
+
+        class GuardingRegistry(type(registry)):  # type: ignore[misc]
+            def __setitem__(self, name: str, task: Task) -> None:
+                super().__setitem__(name, task)
+                outbox.guard(task)
+
+        self._registry_class = type(registry)
+        registry.__class__ = GuardingRegistry
+        for task in list(registry.values()):
             self.guard(task)
 
     def _on_postrun(self, sender: Task | None = None, state: str | None = None,
@@ -479,7 +625,8 @@ class Outbox:
         request = sender.request
         record_id = getattr(request, HEADER, None)
         if (record_id is None or request.called_directly or request.is_eager
-                or getattr(request, "outbox_marked", False) or state == REJECTED):
+                or getattr(request, "outbox_marked", False) or state == REJECTED
+                or not self.tracked_id(record_id)):
             return
         acks_late = getattr(request, "acks_late", None) or sender.acks_late
         if state == FAILURE and acks_late and not (
@@ -564,15 +711,13 @@ class Outbox:
         def prune_outbox() -> int:
             return self.prune()
 
-        def republish_outbox() -> int:
-            return self.republish()
+        def republish_outbox() -> dict[str, Any]:
+            done = self.republish()
+            return {"sent": done.sent, "failed": list(done.failed), "held": done.held}
 
         app.task(name=PRUNE_TASK, shared=False, ignore_result=True)(prune_outbox)
         app.task(name=REPUBLISH_TASK, shared=False, ignore_result=True)(republish_outbox)
-        if app.finalized:
-            self._guard_all()
-        else:
-            app.on_after_finalize.connect(self._guard_all, weak=False)
+        self._guard_registered()
         signals.task_postrun.connect(self._on_postrun, weak=False)
         signals.worker_init.connect(self._on_worker_init, weak=False)
         signals.worker_ready.connect(self._on_worker_ready, weak=False)
@@ -583,6 +728,8 @@ class Outbox:
         """Undo :meth:`install` for publishing and signals (tests)."""
         _INSTALLED.pop(self.app, None)
         self.enabled = False
+        if self._registry_class is not None:
+            self.app._tasks.__class__ = self._registry_class
         signals.task_postrun.disconnect(self._on_postrun)
         signals.worker_init.disconnect(self._on_worker_init)
         signals.worker_ready.disconnect(self._on_worker_ready)

@@ -46,7 +46,10 @@ def status(ctx: click.Context) -> None:
 @click.option("--limit", type=int, default=None, help="at most this many records")
 @click.pass_context
 def republish(ctx: click.Context, older_than: float | None, limit: int | None) -> None:
-    click.echo(f"republished: {_outbox(ctx).republish(older_than, limit)}")
+    done = _outbox(ctx).republish(older_than, limit)
+    failed = ", ".join(map(str, done.failed)) or "none"
+    click.echo(f"republished: {done.sent}\nfailed (see the log): {failed}\n"
+               f"held back for their eta: {done.held}")
 
 
 @outbox.command(help="Delete the records processed longer ago than the retention period.")

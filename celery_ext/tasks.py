@@ -27,8 +27,10 @@ with the worker's main process, whose later ack finds the row already gone.
 On an exception the writes roll back before Celery settles the row; a crash
 of the pool process commits nothing and the row comes back. A delivery whose
 row is no longer there (already done, or claimed again elsewhere) skips the
-body; a body that violates a unique key of its own (the same work published
-twice) is dropped with nothing changed.
+body. A body that violates a unique key of its own (the same work published
+twice) is dropped with nothing changed; any other constraint error is an
+ordinary failure. A connection lost on the way, like a deadlock, puts the row
+back in place to run again.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from celery import Task
 from celery.exceptions import Ignore, Reject
 from celery.worker.request import Request
 from sqlalchemy import Connection
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from kombu_sqlinbox import binding
@@ -154,8 +156,8 @@ def row_gone(row: dict[str, Any], what: str) -> Ignore:
 def mark_outbox_record(task: Task, conn: Connection) -> None:
     """With an outbox on the same database, mark the message's record processed in the
     task's transaction: a duplicate delivery racing this one finds it marked and rolls
-    back (effect once)."""
-    from .outbox import HEADER, OutboxError, duplicate, outbox_of
+    back (effect once). A record the outbox does not hold is no duplicate."""
+    from .outbox import HEADER, OutboxError, outbox_of
 
     record_id = task.request.get(HEADER)
     if record_id is None:
@@ -164,10 +166,9 @@ def mark_outbox_record(task: Task, conn: Connection) -> None:
         outbox = outbox_of(task.app)
     except OutboxError:
         return
-    if not same_database(outbox.engine, conn.engine):
-        return
-    if not outbox.mark_processed(conn, record_id):
-        raise duplicate(task, record_id)
+    if not outbox.tracked_id(record_id) or not same_database(outbox.engine, conn.engine):
+        return  # another kind of id (not this outbox's) or another database: untracked
+    outbox.mark_for_task(conn, task, record_id)
     task.request.outbox_marked = True
 
 
@@ -220,12 +221,14 @@ class InboxTask(Task):  # type: ignore[misc]
                     complete_row(self.app, conn, table, row)
                 return result
         except DBAPIError as exc:
-            if broker_of(self.app).dialect.is_transient(exc):
-                # a deadlock, serialization failure or busy SQLite: nothing committed;
-                # the row goes back in place and runs again
-                raise Reject(f"transient database error, requeued: {exc.orig}",
-                             requeue=True) from exc
-            if not (self.drop_duplicates and isinstance(exc, IntegrityError)):
+            dialect = broker_of(self.app).dialect
+            if exc.connection_invalidated or dialect.is_transient(exc):
+                # a lost connection, a deadlock, a serialization failure or busy SQLite:
+                # the row goes back in place and runs again (had the commit landed before
+                # the connection was lost, the row went with it: nothing comes back)
+                what = "connection lost" if exc.connection_invalidated else "transient error"
+                raise Reject(f"database {what}, requeued: {exc.orig}", requeue=True) from exc
+            if not (self.drop_duplicates and dialect.is_unique_violation(exc)):
                 raise
             logger.warning("sqlinbox: task %s[%s] violated a unique key (%s): the same work "
                            "was done before; dropped with nothing changed",

@@ -16,14 +16,15 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, create_engine
+from sqlalchemy import Connection, create_engine, inspect
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 
+from . import binding
 from .claims import CLAIM_FORMS, ClaimForm, Held, LeaseKeeper, Settlement, Wakeup
 from .dialects import ClaimedRow, Dialect, dialect_class, dialect_for
 from .errors import ConfigurationError
@@ -91,11 +92,25 @@ def sqlalchemy_url(url: str) -> URL:
     )
 
 
+def refuse_memory_database(url: URL) -> None:
+    """An SQLite database in memory is one per connection (a shared-cache one, one per
+    process): the keeper's acks, other pool connections and every other process (workers,
+    the outbox's republisher) would each see tables of their own."""
+    if url.get_backend_name() != "sqlite":
+        return
+    database = url.database or ""
+    if not database or ":memory:" in database or url.query.get("mode") == "memory":
+        raise ConfigurationError(
+            f"URL {url.render_as_string()!r} names an SQLite database in memory, which no "
+            "other connection or process can see; use a file: sqlinbox+sqlite:///jobs.db")
+
+
 def engine_for(url: str | URL, sqlite_begin: str = "IMMEDIATE",
                **engine_options: Any) -> tuple[Engine, Dialect]:
     """An engine set up the way every engine of kombu-sqlinbox is (the transport's and the
     outbox's), with the dialect that serves it."""
     parsed = sqlalchemy_url(url) if isinstance(url, str) else url
+    refuse_memory_database(parsed)
     engine_options = {**dialect_class(parsed.get_backend_name()).engine_defaults,
                       **engine_options}
     engine = create_engine(parsed, **engine_options)
@@ -132,9 +147,15 @@ class Broker:
 
     # -- running work --------------------------------------------------------
     def run(self, work: Callable[[Connection], T], attempts: int = 10,
-            read_only: bool = False, durable: bool = True) -> T:
+            read_only: bool = False, durable: bool = True, repeatable: bool = False) -> T:
         """Run ``work`` in one transaction; retry deadlocks, busy databases and a connection
-        found dead in the pool (after a server restart). Other errors propagate.
+        that broke before the commit (a server restart, a connection found dead in the
+        pool): the transaction then did not happen. Other errors propagate.
+
+        A connection that breaks during the COMMIT leaves it unknown whether the commit
+        landed, so ``work`` runs again only when it is ``repeatable`` (reads, fenced
+        statements on held rows, claims); anything else, a publish above all, raises
+        the connection error for kombu's and Celery's retry policies to handle.
 
         ``read_only`` work begins a deferred transaction on SQLite, so it never waits for
         the write lock (held, say, by the caller's own transaction it publishes into).
@@ -143,13 +164,20 @@ class Broker:
         for the disk where the database allows it."""
         options = {"sqlite_begin": "DEFERRED"} if read_only else {}
         for attempt in range(1, attempts + 1):
+            committing = False
             try:
-                with self.engine.connect() as conn, conn.execution_options(
-                        **options).begin():
+                with self.engine.connect() as conn:
+                    transaction = conn.execution_options(**options).begin()
                     if not durable and self.dialect.relaxed_commit:
                         conn.exec_driver_sql(self.dialect.relaxed_commit)
-                    return work(conn)
+                    result = work(conn)
+                    committing = True
+                    transaction.commit()
+                    return result
             except DBAPIError as exc:
+                unknown = committing and exc.connection_invalidated
+                if unknown and not (repeatable or read_only):
+                    raise
                 retry = exc.connection_invalidated or self.dialect.is_transient(exc)
                 if not retry or attempt == attempts:
                     raise
@@ -157,22 +185,52 @@ class Broker:
                 time.sleep(random.uniform(0.005, 0.02) * attempt)
         raise AssertionError("unreachable")
 
+    def bound_caller(self) -> Connection | None:
+        """The bound caller's transaction (:mod:`.binding`) when it is on this database."""
+        caller = binding.current()
+        return caller if caller is not None and same_database(caller.engine, self.engine) \
+            else None
+
+    def read(self, table: QueueTable, work: Callable[[Connection], T]) -> T:
+        """Run read-only ``work`` on ``table`` in a deferred transaction of our own; in the
+        bound caller's when the table was created in that transaction (not yet remembered
+        by :meth:`table`), the one place it exists until the caller commits."""
+        caller = self.bound_caller()
+        if caller is not None and self._tables.get(table.queue) is not table:
+            return work(caller)
+        return self.run(work, read_only=True)
+
     def ping(self) -> None:
         self.run(lambda conn: conn.exec_driver_sql("SELECT 1"), attempts=1, read_only=True)
 
     # -- queues --------------------------------------------------------------
     def table(self, queue: str) -> QueueTable:
-        """The queue's table, created or checked on first use in this process."""
+        """The queue's table, created or checked on first use in this process, together
+        with every table it may move messages to (its dead-letter queue's, and so on): a
+        missing one fails now, not when the first message is parked.
+
+        A missing table, while a caller's transaction on this database is bound (a bound
+        publish or queue declaration, a transactional task), is created in that
+        transaction where the database's DDL joins one: a second connection could wait on
+        the caller's own locks (SQLite has one writer). It is remembered once it is seen
+        committed (the caller may roll back).
+        """
         found = self._tables.get(queue)
         if found is not None:
             return found
+        caller = self.bound_caller()
         with self._tables_lock:
-            found = self._tables.get(queue)
-            if found is None:
-                found = self._tables[queue] = self._resolve(queue)
-        return found
+            chain: dict[str, tuple[QueueTable, bool]] = {}
+            name: str | None = queue
+            while name is not None and name not in self._tables and name not in chain:
+                chain[name] = self._resolve(name, caller)
+                name = chain[name][0].options.dead_letter_queue
+            # none of them unless all of them passed
+            self._tables.update({name: table for name, (table, lasting) in chain.items()
+                                 if lasting})
+            return self._tables.get(queue) or chain[queue][0]
 
-    def _resolve(self, queue: str) -> QueueTable:
+    def _resolve(self, queue: str, caller: Connection | None) -> tuple[QueueTable, bool]:
         options = self.options.for_queue(queue)
         spec = self.spec_for(queue)
         created = options.table is None
@@ -190,13 +248,19 @@ class Broker:
         def ensure(conn: Connection) -> bool:
             return self.dialect.ensure_table(conn, spec, self.options.create_tables)
 
+        def committed(conn: Connection) -> bool:
+            return inspect(conn).has_table(spec.table, schema=spec.schema)
+
+        if (caller is not None and self.dialect.transactional_ddl
+                and not self.run(committed, read_only=True)):
+            return QueueTable(queue, spec, options, ensure(caller), created, form), False
         try:
             payload_is_text = self.run(ensure, read_only=True)
         except DBAPIError:
             # another process created the table at the same moment (PostgreSQL reports
             # a duplicate type); the second look finds and checks it
             payload_is_text = self.run(ensure, read_only=True)
-        return QueueTable(queue, spec, options, payload_is_text, created, form)
+        return QueueTable(queue, spec, options, payload_is_text, created, form), True
 
     def forget_table(self, queue: str) -> None:
         with self._tables_lock:
@@ -208,8 +272,6 @@ class Broker:
             table_name_for_queue(queue, self.options.table_prefix))
 
     def known_table(self, queue: str) -> bool:
-        from sqlalchemy import inspect
-
         spec = self.spec_for(queue)
         return self.run(lambda conn: inspect(conn).has_table(spec.table, schema=spec.schema),
                         read_only=True)
@@ -232,13 +294,14 @@ class Broker:
                 f"queue {queue!r}: the bound transaction is on {caller.engine.url}, the broker "
                 f"on {self.engine.url}; a transactional enqueue needs both on one database")
 
-    def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
-        return table.claims.claim(table, limit)
+    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
+        return table.claims.claim(table, limit, skip)
 
     def dead_letter(
         self, held: Held, row: ClaimedRow, reason: str, undecodable: bool = False,
     ) -> None:
-        """Move a held row to its queue's dead-letter queue (or delete it) in one transaction."""
+        """Move a held row to its queue's dead-letter queue (or delete it) in one transaction,
+        fenced: a row no longer held here is left alone."""
         source = held.table
         target_name = source.options.dead_letter_queue
         target = self.table(target_name) if target_name else None
@@ -258,15 +321,23 @@ class Broker:
         statements = self.dialect.statements(source.spec)
         tokens = {held.attempt: [held.id]}
 
-        def work(conn: Connection) -> None:
+        def work(conn: Connection) -> bool:
+            # moved rows leave the table; dropped ones end as an ack would. The fenced
+            # statement finds nothing when the row was claimed again after its lease
+            # lapsed: it is the new holder's, so no copy is parked
+            if not self.dialect.settle(conn, statements.complete if target is None else
+                                       statements.delete, tokens):
+                return False
             if target is not None:
                 self.dialect.publish(conn, target.spec, [self.dialect.insert_params(
                     payload, headers, 0, None)])
-            # moved rows leave the table; dropped ones end as an ack would
-            self.dialect.settle(conn, statements.complete if target is None else
-                                statements.delete, tokens)
+            return True
 
-        source.claims.run_held(held, work)
+        if not source.claims.run_held(held, work):
+            logger.info("sqlinbox: message %s of queue %r was claimed again elsewhere before "
+                        "it could be parked (%s); left to its new holder",
+                        held.id, source.queue, reason)
+            return
         logger.warning("sqlinbox: message %s of queue %r %s: %s", held.id, source.queue,
                        f"moved to {target_name!r}" if target_name else "dropped", reason)
 

@@ -32,12 +32,13 @@ import threading
 import time
 import zlib
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError
 
 from .dialects import ClaimedRow
 from .errors import ConfigurationError
@@ -84,7 +85,9 @@ class ClaimForm:
         """How many more rows this form may hold now (None: no limit of its own)."""
         return None
 
-    def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
+    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
+        """Take up to ``limit`` ready rows, passing over rows of the partition keys in
+        ``skip`` (keys the consumer has in work: their rows would only wait in its buffer)."""
         raise NotImplementedError
 
     def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
@@ -114,12 +117,15 @@ class LeaseClaims(ClaimForm):
 
     name = "lease"
 
-    def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
+    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
         """Lease up to ``limit`` rows and register them with the keeper before returning."""
         dialect = self.broker.dialect
         lease = table.options.visibility_timeout
-        rows = self.broker.run(lambda conn: dialect.claim(conn, table.spec, limit, lease),
-                               durable=False)
+        # a claim repeated after a lost commit reply takes other rows; the rows of the
+        # first come back after one lease, their attempt counted, as after a crash
+        rows = self.broker.run(
+            lambda conn: dialect.claim(conn, table.spec, limit, lease, skip=skip),
+            durable=False, repeatable=True)
         self.broker.keeper.hold(self.held_for(table, row) for row in rows)
         return rows
 
@@ -127,7 +133,8 @@ class LeaseClaims(ClaimForm):
         self.broker.keeper.settle(how, held, delay)
 
     def run_held(self, held: Held, work: Callable[[Connection], T]) -> T:
-        result = self.broker.run(work)
+        # work on a held row is fenced: run again after its commit landed, it finds nothing
+        result = self.broker.run(work, repeatable=True)
         self.broker.keeper.forget(held)
         return result
 
@@ -160,12 +167,13 @@ class RowLockClaims(ClaimForm):
         with self._lock:
             return max(size - self.reserved_connections - len(self._open), 0)
 
-    def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
+    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
         dialect = self.broker.dialect
         limit = min(limit, self.capacity())
         if limit <= 0:
             return []
-        counted = self.broker.run(lambda conn: dialect.claim(conn, table.spec, limit, 0.0))
+        counted = self.broker.run(
+            lambda conn: dialect.claim(conn, table.spec, limit, 0.0, skip=skip))
         taken = []
         lock_row = dialect.statements(table.spec).lock_row
         for row in counted:
@@ -210,7 +218,14 @@ class RowLockClaims(ClaimForm):
 
 
 class AdvisoryClaims(LeaseClaims):
-    """Lease plus an advisory lock on the row's key, held on one connection per process."""
+    """Lease plus an advisory lock on the row's key, held on one connection per process.
+
+    The server drops a session's locks when the session dies (a restart, a KILL). The
+    form notices on its next use of the session, opens another, and takes back the
+    keys of its rows in work; a key another process locked meanwhile is forgotten. Its
+    row stays leased, and the key's later rows wait behind that row in the claim, so
+    none of them runs before it or at the same time.
+    """
 
     name = "advisory"
     #: candidate rows read per wanted row: keys already in work elsewhere are skipped
@@ -218,7 +233,8 @@ class AdvisoryClaims(LeaseClaims):
 
     def __init__(self, broker: Broker) -> None:
         super().__init__(broker)
-        self._keys: dict[int, set[str]] = defaultdict(set)  # space -> keys held here
+        #: space -> key -> the id of the row in work here that holds it
+        self._keys: dict[int, dict[str, int]] = defaultdict(dict)
         self._lock = threading.Lock()
         self._connection: Connection | None = None
 
@@ -237,20 +253,64 @@ class AdvisoryClaims(LeaseClaims):
         return f"id:{row.id}"
 
     def _locks(self) -> Connection:
-        """The session that owns this process's advisory locks (autocommit)."""
+        """The session that owns this process's advisory locks (autocommit; the caller
+        holds ``_lock``). A new one, after one died, takes back the keys of rows in work."""
         if self._connection is None or self._connection.closed:
-            self._connection = self.broker.engine.connect().execution_options(
+            session = self._connection = self.broker.engine.connect().execution_options(
                 isolation_level="AUTOCOMMIT")
+            self._take_back(session)  # failing, it leaves a session the next use drops
         return self._connection
+
+    def _take_back(self, session: Connection) -> None:
+        """Lock again, on a new session, the keys of rows still in work here; forget those
+        another process took meanwhile (their rows stay leased)."""
+        for space, mine in self._keys.items():
+            keys = sorted(mine)
+            if not keys:
+                continue
+            taken = self.broker.dialect.try_key_locks(session, space, keys)
+            lost = [key for key, ok in zip(keys, taken, strict=True) if not ok]
+            for key in lost:
+                del mine[key]
+            logger.warning(
+                "sqlinbox: the advisory-lock session was lost; took back %d key locks of "
+                "rows in work%s", len(keys) - len(lost),
+                f", {len(lost)} were taken elsewhere meanwhile" if lost else "")
+
+    def _drop_session(self) -> None:
+        """The lock session failed: its locks are gone (or go now, with it)."""
+        failed, self._connection = self._connection, None
+        if failed is not None:
+            failed.close()
+
+    def _take(self, space: int, keys: list[str]) -> list[bool]:
+        """Try the locks of ``keys`` without waiting (the caller holds ``_lock``)."""
+        dialect = self.broker.dialect
+        try:
+            return dialect.try_key_locks(self._locks(), space, keys)
+        except DBAPIError:
+            self._drop_session()
+        return dialect.try_key_locks(self._locks(), space, keys)
+
+    def _give_back(self, space: int, keys: list[str]) -> None:
+        """Release the locks of ``keys`` (the caller holds ``_lock``). When the session
+        fails, they went with it; a new one takes back the others."""
+        try:
+            self.broker.dialect.release_key_locks(self._locks(), space, keys)
+        except DBAPIError:
+            self._drop_session()
+            self._locks()
 
     def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
         return Held(table, row.id, row.attempt, self.key_of(table, row))
 
-    def claim(self, table: QueueTable, limit: int) -> list[ClaimedRow]:
+    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
         """Pick each free key's first unfinished row, lock the keys, lease those rows.
 
         Candidates are read without a lease, so a key locked elsewhere never has its
-        first row leased here (which would let its next row overtake it).
+        first row leased here (which would let its next row overtake it). Keys in work
+        here are passed over by their locks, ``skip`` among them. Keys locked for rows
+        the claim did not get are released, whatever happened.
         """
         dialect = self.broker.dialect
         statements = dialect.statements(table.spec)
@@ -266,17 +326,21 @@ class AdvisoryClaims(LeaseClaims):
                     firsts[key] = row_id
             if not firsts:
                 return []
-            locked = dialect.try_key_locks(self._locks(), space, list(firsts))
-            wanted = [row_id for row_id, ok in zip(firsts.values(), locked, strict=True) if ok]
+            locked = [key for key, ok in zip(firsts, self._take(space, list(firsts)),
+                                             strict=True) if ok]
+            wanted = [firsts[key] for key in locked]
             lease = table.options.visibility_timeout
-            rows = self.broker.run(lambda conn: dialect.claim(
-                conn, table.spec, len(wanted), lease, ids=wanted), durable=False) if wanted else []
-            taken_keys = {self.key_of(table, row) for row in rows}
-            unused = [key for key, ok in zip(firsts, locked, strict=True)
-                      if ok and key not in taken_keys]
-            if unused:
-                dialect.release_key_locks(self._locks(), space, unused)
-            mine.update(taken_keys)
+            rows: list[ClaimedRow] = []
+            try:
+                if wanted:
+                    rows = self.broker.run(lambda conn: dialect.claim(
+                        conn, table.spec, len(wanted), lease, ids=wanted), durable=False,
+                        repeatable=True)
+            finally:
+                mine.update({self.key_of(table, row): row.id for row in rows})
+                unused = [key for key in locked if key not in mine]
+                if unused:
+                    self._give_back(space, unused)
         self.broker.keeper.hold(self.held_for(table, row) for row in rows)
         return rows
 
@@ -289,16 +353,17 @@ class AdvisoryClaims(LeaseClaims):
         return result
 
     def settled(self, rows: Iterable[Held]) -> None:
-        by_space: dict[int, list[str]] = defaultdict(list)
-        for held in rows:
-            if held.key is not None:
-                by_space[self.space(held.table)].append(held.key)
-        if not by_space:
-            return
+        """Release the keys of settled rows: only those this process still holds for
+        them (a forgotten key may be another process's now)."""
         with self._lock:
+            by_space: dict[int, list[str]] = defaultdict(list)
+            for held in rows:
+                space = self.space(held.table)
+                if held.key is not None and self._keys[space].get(held.key) == held.id:
+                    del self._keys[space][held.key]
+                    by_space[space].append(held.key)
             for space, keys in by_space.items():
-                self.broker.dialect.release_key_locks(self._locks(), space, keys)
-                self._keys[space].difference_update(keys)
+                self._give_back(space, keys)
 
 
 CLAIM_FORMS: dict[str, type[ClaimForm]] = {
@@ -505,7 +570,8 @@ class LeaseKeeper:
                 dialect.wake(conn, table.spec)
             return touched
 
-        touched = self.broker.run(work, durable=False)
+        # fenced: run again after a commit whose reply was lost, it finds nothing to do
+        touched = self.broker.run(work, durable=False, repeatable=True)
         if touched < len(batch):
             logger.info(
                 "sqlinbox: %d of %d settled rows had already left this process (settled "
@@ -595,7 +661,8 @@ class LeaseKeeper:
 
         failed = isolated(
             snapshot,
-            lambda tables: self.broker.run(lambda conn: work(conn, tables), durable=False),
+            lambda tables: self.broker.run(lambda conn: work(conn, tables), durable=False,
+                                           repeatable=True),
             self._extension_failed, lambda table, rows: None)
         return bool(failed)
 

@@ -53,12 +53,16 @@ class TransportOptions:
         return self.queues.get(queue, self.defaults)
 
 
-def _number(key: str, value: Any, minimum: float, integer: bool = False) -> Any:
+def _number(key: str, value: Any, minimum: float, integer: bool = False,
+            above: bool = False) -> Any:
+    """``value`` checked: a number (an integer) >= ``minimum``, or > it when ``above``."""
     kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or value < minimum:
+    low = isinstance(value, (int, float)) and (value <= minimum if above else value < minimum)
+    if isinstance(value, bool) or not isinstance(value, kind) or low:
         wanted = "an integer" if integer else "a number"
         raise ConfigurationError(
-            f"transport option {key}={value!r}: expected {wanted} >= {minimum}")
+            f"transport option {key}={value!r}: expected {wanted} {'>' if above else '>='} "
+            f"{minimum}")
     return value
 
 
@@ -83,6 +87,10 @@ def _declaration(key: str, value: Any) -> TableSpec:
 def _queue_options(prefix: str, raw: Mapping[str, Any], base: QueueOptions) -> QueueOptions:
     known = {"table", "max_attempts", "dead_letter_queue", "claim", "visibility_timeout",
              "isolation_level", "sqlite_begin"}
+    if not isinstance(raw, Mapping):
+        raise ConfigurationError(
+            f"transport option {prefix.rstrip('.')}: expected a dict of queue options, "
+            f"got {raw!r}")
     changes: dict[str, Any] = {}
     for key, value in raw.items():
         name = f"{prefix}{key}"
@@ -133,7 +141,8 @@ def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
         if key in KOMBU_KEYS:
             continue
         if key == "polling_interval":
-            result[key] = float(_number(key, value, 0))
+            # zero would claim in a busy loop whenever the queues are empty
+            result[key] = float(_number(key, value, 0, above=True))
         elif key in ("create_tables", "notify"):
             if not isinstance(value, bool):
                 raise ConfigurationError(f"transport option {key}={value!r}: expected True/False")

@@ -34,12 +34,13 @@ class Role(str, Enum):
 
 
 REQUIRED_ROLES = (Role.ID, Role.PAYLOAD)
-IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 
 
 def check_identifier(name: str, what: str) -> str:
-    """Refuse any identifier that would need more than plain quoting to be safe."""
-    if not isinstance(name, str) or not IDENTIFIER.match(name):
+    """Refuse any identifier that would need more than plain quoting to be safe (the whole
+    name must match: ``$`` would let a trailing newline through)."""
+    if not isinstance(name, str) or not IDENTIFIER.fullmatch(name):
         raise ConfigurationError(
             f"{what} {name!r} is not a valid identifier: use letters, digits and '_' "
             "(not starting with a digit), at most 63 characters"

@@ -10,7 +10,10 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
+import weakref
 from collections import deque
+from collections.abc import Callable
 from datetime import datetime, timezone
 from itertools import count
 from queue import Empty
@@ -75,7 +78,11 @@ def encode_message(message: dict[str, Any], table: QueueTable) -> tuple[bytes | 
 
 
 def decode_row(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict[str, Any]:
-    """A claimed row as the raw message dict kombu's virtual Message takes."""
+    """A claimed row as the raw message dict kombu's virtual Message takes.
+
+    Everything kombu and Celery read from the envelope is checked here, so that a row
+    written by other code fails as :class:`Undecodable` (and is parked), never later in
+    the consumer."""
     try:
         if table.spec.has(Role.HEADERS):
             envelope = json.loads(row.headers) if row.headers else {}
@@ -90,12 +97,23 @@ def decode_row(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict[st
         headers = envelope.get("headers") or {}
         if not isinstance(properties, dict) or not isinstance(headers, dict):
             raise Undecodable("properties and headers must be JSON objects")
-        if properties.get("body_encoding") == "base64" and isinstance(body, str):
-            body = base64.b64decode(body.encode("ascii"), validate=True)
-            properties["body_encoding"] = None
-    except (ValueError, UnicodeDecodeError, binascii.Error, AttributeError) as exc:
+        routing = properties.pop("routing", None) or {}
+        if not isinstance(routing, dict) or not all(
+                isinstance(routing.get(k), (str, type(None))) for k in ("exchange", "routing_key")):
+            raise Undecodable("routing must be a JSON object of exchange and routing_key strings")
+        if not all(isinstance(envelope.get(k), (str, type(None)))
+                   for k in ("content-type", "content-encoding")):
+            raise Undecodable("content-type and content-encoding must be strings")
+        if not isinstance(body, (str, bytes, type(None))):
+            raise Undecodable("the stored body is not text")
+        encoding = properties.get("body_encoding")
+        if encoding == "base64":
+            body = base64.b64decode(body or b"", validate=True)
+        elif encoding not in (None, "utf-8"):
+            raise Undecodable(f"unknown body_encoding {encoding!r}")
+        properties["body_encoding"] = None
+    except (ValueError, UnicodeDecodeError, binascii.Error) as exc:
         raise Undecodable(f"cannot decode stored message: {exc}") from exc
-    routing = properties.pop("routing", None) or {}
     headers[ROW_HEADER] = {"queue": table.queue, "id": row.id, "attempt": row.attempt}
     properties["delivery_tag"] = delivery_tag
     properties["delivery_info"] = {
@@ -140,6 +158,7 @@ def _driver_connection_errors() -> tuple[type[BaseException], ...]:
 
 
 DRIVER_CONNECTION_ERRORS = _driver_connection_errors()
+logger = logging.getLogger(__name__)
 
 
 def _key(value: Any) -> str | None:
@@ -152,6 +171,12 @@ class QoS(virtual.QoS):
     def __init__(self, channel: Channel, prefetch_count: int = 0) -> None:
         super().__init__(channel, prefetch_count)
         self._rows: dict[Any, tuple[Held, ClaimedRow]] = {}
+        self._connection_lost = False
+
+    def connection_lost(self) -> None:
+        """The channel closes because its connection failed, not to shut down: tasks of
+        its deliveries may still be running (see :meth:`restore_unacked`)."""
+        self._connection_lost = True
 
     def track(self, delivery_tag: Any, held: Held, row: ClaimedRow) -> None:
         self._rows[delivery_tag] = (held, row)
@@ -169,10 +194,17 @@ class QoS(virtual.QoS):
         self._settle(delivery_tag, Settlement.COMPLETE)
 
     def retry_after(self, delivery_tag: Any, seconds: float) -> None:
-        """Requeue in place (same row, attempt counted), hidden for ``seconds``."""
+        """Requeue in place (same row, attempt counted), hidden for ``seconds``.
+
+        A table without an available_at column cannot hide a row: it is requeued at once,
+        as :class:`celery_ext.tasks.RetryAfter` (a ``Reject(requeue=True)``) is elsewhere.
+        """
         found = self._rows.get(delivery_tag)
-        if found is not None:
-            found[0].table.spec.require(Role.AVAILABLE_AT, "retry_after", found[0].table.queue)
+        if found is not None and not found[0].table.spec.has(Role.AVAILABLE_AT):
+            logger.warning("sqlinbox: queue %r has no available_at column: retry_after "
+                           "requeues at once instead of in %gs", found[0].table.queue, seconds)
+            self._settle(delivery_tag, Settlement.RELEASE)
+            return
         self._settle(delivery_tag, Settlement.RETRY, max(0.0, float(seconds)))
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
@@ -183,18 +215,45 @@ class QoS(virtual.QoS):
         self._quick_ack(delivery_tag)
         if found is not None:
             held, row = found
-            self.channel.broker.dead_letter(held, row, "rejected without requeue by the consumer")
-            self.channel.key_settled(held.table.queue, row)
+            try:
+                self.channel.broker.dead_letter(
+                    held, row, "rejected without requeue by the consumer")
+            except Exception:
+                # the move failed (and says so): the row goes back rather than stay held
+                self.channel.broker.settle(Settlement.RELEASE, held)
+                raise
+            finally:
+                self.channel.key_settled(held.table.queue, row)
 
     def restore_unacked(self) -> list[Any]:
-        """Give unacked rows back in place (their delivery counted) instead of re-publishing."""
+        """Give unacked rows back in place (their delivery counted) instead of re-publishing.
+
+        After a lost connection the consumer goes on with what it started: a running
+        task acks late, here. So a row stays held (the keeper extends it) for as long
+        as its message is referenced; one the consumer dropped unstarted goes back as
+        soon as its message is freed.
+        """
         self._flush()
-        rows, self._rows = self._rows, {}
-        for held, row in rows.values():
+        kept = set()
+        while self._connection_lost and self._delivered:
+            tag, message = self._delivered.popitem(last=False)
+            if tag in self._rows:
+                weakref.finalize(message, self._release, tag)
+                kept.add(tag)
+            del message  # ours must not be the reference that keeps it held
+        self._delivered.clear()
+        for tag in list(self._rows):  # a copy: acks pop rows from other threads
+            if tag not in kept:
+                self._release(tag)
+        return []
+
+    def _release(self, delivery_tag: Any) -> None:
+        """Requeue in place a row nobody can settle any more (any thread)."""
+        found = self._rows.pop(delivery_tag, None)
+        if found is not None:
+            held, row = found
             self.channel.broker.settle(Settlement.RELEASE, held)
             self.channel.key_settled(held.table.queue, row)
-        self._delivered.clear()
-        return []
 
 
 class Channel(virtual.Channel):
@@ -236,12 +295,25 @@ class Channel(virtual.Channel):
 
     # -- consume ---------------------------------------------------------------
     def _claim_size(self) -> int:
-        """Free prefetch slots less rows already buffered; one for a plain basic_get."""
+        """Free prefetch slots less the buffered rows that can go out next; one for a plain
+        basic_get. Rows held back behind their key's row in work take no slot, so other
+        keys get them."""
         free: int | None = self.qos.can_consume_max_estimate()
         if free is None:
             free = self.broker.options.max_batch if self._consumers else 1
-        buffered = sum(len(buffer) for buffer in self._buffers.values())
-        return min(free - buffered, self.broker.options.max_batch)
+        keyless, next_keys = 0, set()
+        for queue, buffer in self._buffers.items():
+            for row in buffer:
+                if row.partition_key is None:
+                    keyless += 1
+                elif (queue, row.partition_key) not in self._busy_keys:
+                    next_keys.add((queue, row.partition_key))  # its first row goes out next
+        return min(free - keyless - len(next_keys), self.broker.options.max_batch)
+
+    def _keys_in_work(self, queue: str) -> list[Any]:
+        """The queue's partition keys with a row in work here: a claim passes over their
+        rows, which would only wait in the buffer (at most one claim's worth waits per key)."""
+        return [key for name, key in self._busy_keys.copy() if name == queue]
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         table = self.broker.table(queue)
@@ -253,7 +325,7 @@ class Channel(virtual.Channel):
                 if limit <= 0:
                     self._starved = True
                     raise Empty()
-                claimed = self.broker.claim(table, limit)
+                claimed = self.broker.claim(table, limit, self._keys_in_work(queue))
                 if not claimed:
                     raise Empty()
                 buffer.extend(claimed)
@@ -290,23 +362,25 @@ class Channel(virtual.Channel):
             self.broker.wakeup.poke()
 
     def _deliverable(self, table: QueueTable, row: ClaimedRow) -> dict[str, Any] | None:
-        """The message of a claimed row, or None when the row went to its dead-letter queue."""
+        """The message of a claimed row, or None when the row went to its dead-letter queue
+        (delivered too often, or undecodable)."""
         held = table.claims.held_for(table, row)
-        limit = table.options.max_attempts
-        reason = None
-        if limit is not None and row.attempt > limit:
-            reason = (f"delivered {row.attempt} times, max_attempts is {limit} "
-                      "(earlier deliveries crashed, expired or were requeued)")
         tag = self._next_delivery_tag()
+        message: dict[str, Any] | None = None
         try:
             message = decode_row(row, table, tag)
         except Undecodable as exc:
-            reason = str(exc)
-            undecodable = True
+            reason: str | None = str(exc)
         else:
-            undecodable = False
+            reason = None
+        limit = table.options.max_attempts
+        if limit is not None and row.attempt > limit:
+            # the limit's reason stands whether or not the row decodes; decoding only tells
+            # whether the parked copy needs a fresh envelope
+            reason = (f"delivered {row.attempt} times, max_attempts is {limit} "
+                      "(earlier deliveries crashed, expired or were requeued)")
         if reason is not None:
-            self.broker.dead_letter(held, row, reason, undecodable)
+            self.broker.dead_letter(held, row, reason, undecodable=message is None)
             self.key_settled(table.queue, row)
             return None
         self.qos.track(tag, held, row)
@@ -321,9 +395,26 @@ class Channel(virtual.Channel):
                 row = buffer.popleft()
                 self.broker.settle(Settlement.RELEASE_UNCOUNTED, table.claims.held_for(table, row))
 
-    def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+    def basic_consume(self, queue: str, no_ack: bool, callback: Callable[[Any], Any],
+                      consumer_tag: str, **kwargs: Any) -> Any:
         self.broker.wakeup.listen(self.broker.table(queue))
-        return super().basic_consume(queue, *args, **kwargs)
+        if no_ack:
+            callback = self._completed_on_delivery(callback)
+        return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+
+    def _completed_on_delivery(self, callback: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """A ``no_ack`` consumer's messages are settled as they are handed over: nothing
+        will ever ack them, and a row left held would be delivered again."""
+        def deliver(message: Any) -> Any:
+            self.qos.ack(message.delivery_tag)
+            return callback(message)
+        return deliver
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        message = super().basic_get(queue, no_ack, **kwargs)
+        if message is not None and no_ack:
+            self.qos.ack(message.delivery_tag)
+        return message
 
     def basic_cancel(self, consumer_tag: str) -> Any:
         queue = self._tag_to_queue.get(consumer_tag)
@@ -357,8 +448,7 @@ class Channel(virtual.Channel):
     def _size(self, queue: str) -> int:
         table = self.broker.table(queue)
         statement = self.broker.dialect.statements(table.spec).size
-        return int(self.broker.run(lambda conn: conn.execute(statement).scalar_one(),
-                                   read_only=True))
+        return int(self.broker.read(table, lambda conn: conn.execute(statement).scalar_one()))
 
     def _purge(self, queue: str) -> int:
         table = self.broker.table(queue)
@@ -412,6 +502,13 @@ class Transport(virtual.Transport):
                 "broker='sqlinbox+postgresql://user@host/db' or 'sqlinbox+sqlite:///jobs.db'"
             )
         return str(hostname)
+
+    def _collect(self, connection: Any) -> None:
+        """kombu's clean-up of a connection that failed (Celery's reconnect path): close
+        its channels, keeping the rows of deliveries whose tasks may still run."""
+        for channel in (*self.channels, *self._avail_channels):
+            channel.qos.connection_lost()
+        self.close_connection(connection)
 
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:
         """kombu's virtual loop, with the polling sleep replaced by the broker's wake-up

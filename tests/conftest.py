@@ -117,14 +117,34 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="comma-separated databases the behaviour suite runs on (tox runs one per env)")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "databases(*names): run a test only on these databases (the others lack "
+        "what it needs: a connection to break, advisory locks)")
+
+
+def item_database(item: pytest.Item) -> str | None:
+    """The database a collected test runs on: its ``database`` parameter, or the first
+    half of a transactional ``service`` (database, pool) parameter."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return None
+    service = callspec.params.get("service")
+    return callspec.params.get("database") or (service[0] if service else None)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep the tests parametrised over the chosen databases (and every other test)."""
+    """Keep the tests parametrised over the chosen databases (and every other test), less
+    those whose ``databases`` marker leaves their database out (deselected, not skipped:
+    the test has no meaning there)."""
     chosen = set(str(config.getoption("--databases")).split(","))
     kept, dropped = [], []
     for item in items:
-        callspec = getattr(item, "callspec", None)
-        database = callspec.params.get("database") if callspec is not None else None
-        (dropped if database is not None and database not in chosen else kept).append(item)
+        database = item_database(item)
+        marker = item.get_closest_marker("databases")
+        wanted = database is None or (
+            database in chosen and (marker is None or database in marker.args))
+        (kept if wanted else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept

@@ -9,6 +9,7 @@ templates and executes them. A service adds a database by subclassing
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,9 @@ class Statements:
     insert: TextClause
     claim: tuple[TextClause, ...]
     claim_ids: tuple[TextClause, ...]
+    #: the claim passing over rows of the partition keys in ``:skip`` (the plain claim on
+    #: a table without partition keys)
+    claim_skipping: tuple[TextClause, ...]
     candidates: TextClause
     extend: TextClause
     complete: TextClause
@@ -65,8 +69,16 @@ def _plain(payload: Any) -> bytes | str:
     return bytes(payload) if isinstance(payload, memoryview) else payload  # type: ignore[no-any-return]
 
 
+def _json_text(headers: Any) -> str | None:
+    """A JSON/JSONB headers column comes back from some drivers (psycopg) already parsed:
+    hand on its text, as from a text column."""
+    return headers if headers is None or isinstance(headers, str) else json.dumps(headers)
+
+
 def _expanding(sql: str) -> TextClause:
-    return text(sql).bindparams(bindparam("ids", expanding=True))
+    """The statement with its list parameters (``:ids``, ``:skip``) bound as expanding."""
+    return text(sql).bindparams(*(bindparam(name, expanding=True) for name in ("ids", "skip")
+                                  if f":{name}" in sql))
 
 
 class Dialect:
@@ -137,13 +149,19 @@ class Dialect:
                 f"WHERE ahead.{f[role.value]} = {col}{f[role.value]} "
                 f"AND ahead.{f['id']} < {col}{f['id']}{unfinished})")
 
-    def selection(self, spec: TableSpec, by_ids: bool) -> str:
+    def selection(self, spec: TableSpec, by_ids: bool, skipping: bool = False) -> str:
         """Which rows a claim takes: the first ``:limit`` ready ones in claim order, or the
-        ready ones among ``:ids`` (rows whose keys an advisory claim has locked)."""
+        ready ones among ``:ids`` (rows whose keys an advisory claim has locked).
+        ``skipping`` passes over rows of the partition keys in ``:skip`` (keys in work in
+        the claiming consumer, whose rows it would only hold back)."""
         if by_ids:
             return f"WHERE r.{self.quote(spec.name_of(Role.ID))} IN :ids AND " + (
                 self.ready_filter(spec))
-        return (f"WHERE {self.ready_filter(spec)} ORDER BY {self.claim_order(spec, 'r')} "
+        skip = ""
+        if skipping:
+            key = f"r.{self.quote(spec.name_of(Role.PARTITION_KEY))}"
+            skip = f" AND ({key} IS NULL OR {key} NOT IN :skip)"
+        return (f"WHERE {self.ready_filter(spec)}{skip} ORDER BY {self.claim_order(spec, 'r')} "
                 "LIMIT :limit")
 
     def claim_order(self, spec: TableSpec, alias: str = "") -> str:
@@ -177,8 +195,12 @@ class Dialect:
         return cached
 
     def build_statements(self, spec: TableSpec) -> Statements:
-        return self.assemble(spec, self.claim_statements(spec, self.selection(spec, False)),
-                             self.claim_statements(spec, self.selection(spec, True)))
+        claim = self.claim_statements(spec, self.selection(spec, False))
+        skipping = claim
+        if spec.has(Role.PARTITION_KEY):
+            skipping = self.claim_statements(spec, self.selection(spec, False, skipping=True))
+        return self.assemble(spec, claim, self.claim_statements(spec, self.selection(spec, True)),
+                             skipping)
 
     def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
         """The claim of the rows ``selection`` picks: lease them, bump the attempt, return
@@ -190,7 +212,8 @@ class Dialect:
         raise NotImplementedError
 
     def assemble(self, spec: TableSpec, claim: tuple[TextClause, ...],
-                 claim_ids: tuple[TextClause, ...]) -> Statements:
+                 claim_ids: tuple[TextClause, ...],
+                 claim_skipping: tuple[TextClause, ...]) -> Statements:
         """A table's statements around its dialect-written claim. Statements on held
         rows have the same shape everywhere, fenced by (attempt, ids)."""
         f = self.fields(spec)
@@ -231,6 +254,7 @@ class Dialect:
             insert=self.insert_statement(spec),
             claim=claim,
             claim_ids=claim_ids,
+            claim_skipping=claim_skipping,
             candidates=text(candidates),
             extend=_expanding(extend),
             retry=retry,
@@ -284,20 +308,27 @@ class Dialect:
 
     def claim(
         self, conn: Connection, spec: TableSpec, limit: int, lease: float,
-        ids: Sequence[int] | None = None,
+        ids: Sequence[int] | None = None, skip: Sequence[Any] = (),
     ) -> list[ClaimedRow]:
-        """Lease up to ``limit`` ready rows (or the ready ones of ``ids``) in the caller's
-        transaction."""
-        statements = self.statements(spec)
-        (statement,) = statements.claim if ids is None else statements.claim_ids
-        params = {"limit": limit, "lease": lease, "ids": list(ids or ())}
+        """Lease up to ``limit`` ready rows (or the ready ones of ``ids``; none of the
+        partition keys in ``skip``) in the caller's transaction."""
+        (statement,) = self.claim_statements_for(spec, ids, skip)
+        params = {"limit": limit, "lease": lease, "ids": list(ids or ()), "skip": list(skip)}
         return self.claimed(spec, conn.execute(statement, params).all())
+
+    def claim_statements_for(self, spec: TableSpec, ids: Sequence[int] | None,
+                             skip: Sequence[Any]) -> tuple[TextClause, ...]:
+        """The claim to run: by ids, passing over keys, or plain (no empty ``NOT IN``)."""
+        statements = self.statements(spec)
+        if ids is not None:
+            return statements.claim_ids
+        return statements.claim_skipping if skip else statements.claim
 
     @staticmethod
     def claimed(spec: TableSpec, rows: Iterable[Sequence[Any]]) -> list[ClaimedRow]:
         """Rows in claim order (RETURNING gives none): -priority, ready time, id."""
         result = [
-            ClaimedRow(row[0], row[1], _plain(row[2]), row[3], row[4], row[5],
+            ClaimedRow(row[0], row[1], _plain(row[2]), _json_text(row[3]), row[4], row[5],
                        (*row[6:], row[0]))
             for row in rows
         ]
@@ -431,6 +462,11 @@ class Dialect:
         cast = f"{name}::text::{bare}" if bare == "BYTEA" else f"{name}::{bare}"
         return f"ALTER TABLE {self.table_ref(spec)} ALTER COLUMN {name} TYPE {bare} USING {cast}"
 
+    #: whether DDL runs inside a transaction (and rolls back with it) rather than
+    #: committing it: tables are then created in a caller's transaction, never on a second
+    #: connection that could wait on that transaction's locks
+    transactional_ddl: ClassVar[bool] = True
+
     # -- engines ---------------------------------------------------------------
     def prepare_engine(self, engine: Engine, sqlite_begin: str = "IMMEDIATE") -> None:
         """Set up an engine of ours (the transport's, the outbox's): per-connection settings
@@ -466,6 +502,11 @@ class Dialect:
     # -- errors ------------------------------------------------------------
     def is_transient(self, exc: BaseException) -> bool:
         """A deadlock, serialization failure or busy database: retry the same work."""
+        return False
+
+    def is_unique_violation(self, exc: BaseException) -> bool:
+        """A unique (or primary) key refused a row: the same work was done before. Other
+        constraints (NOT NULL, foreign key, CHECK) are ordinary errors, not duplicates."""
         return False
 
     def check_message_size(self, queue: str, size: int) -> None:
@@ -525,8 +566,8 @@ class Dialect:
     def outbox_statements(
         self, table: str, schema: str | None, columns: dict[str, str], generated_id: bool,
     ) -> dict[str, TextClause]:
-        """Every outbox statement for one table: insert, mark, processed, pending, prune,
-        status, drop."""
+        """Every outbox statement for one table: insert, mark, processed, due, claim, unclaim,
+        prune, status, drop."""
         f = self.outbox_fields(table, schema, columns)
         values = [role for role in ("id", "task_id", "task_name", "exchange", "routing_key",
                                     "headers", "properties", "body") if role in columns]
@@ -548,11 +589,22 @@ class Dialect:
             "processed": text(
                 f"SELECT CASE WHEN {unprocessed} THEN 0 ELSE 1 END FROM {f['table']} "
                 f"WHERE {f['id']} = :id"),
-            "pending": text(
-                f"SELECT {f['id']}, {f['exchange']}, {f['routing_key']}, {f['headers']}, "
-                f"{f['properties']}, {f['body']} FROM {f['table']} WHERE {unprocessed} "
-                f"AND {f['created_at']} <= {self.outbox_ago()} AND {f['id']} > :after "
-                f"ORDER BY {f['id']} LIMIT :limit"),
+            # republish: the records due (unprocessed, last sent longer than :older_than
+            # ago) after the run's last id, locked so that a republisher running at the
+            # same moment skips them ...
+            "due": text(
+                f"SELECT r.{f['id']}, r.{f['exchange']}, r.{f['routing_key']}, "
+                f"r.{f['headers']}, r.{f['properties']}, r.{f['body']} FROM {f['table']} AS r "
+                f"WHERE r.{unprocessed} AND COALESCE(r.{f['republished_at']}, "
+                f"r.{f['created_at']}) <= {self.outbox_ago()} AND r.{f['id']} > :after "
+                f"ORDER BY r.{f['id']} LIMIT :limit {self.lock_clause}"),
+            # ... and claimed in the same transaction, before they are sent
+            "claim": _expanding(
+                f"UPDATE {f['table']} SET {f['republished_at']} = {self.now} "
+                f"WHERE {f['id']} IN :ids"),
+            # claimed records a broker error kept from being sent: due again at once
+            "unclaim": _expanding(
+                f"UPDATE {f['table']} SET {f['republished_at']} = NULL WHERE {f['id']} IN :ids"),
             "prune": text(self.outbox_prune_sql(f)),
             "status": text(
                 f"SELECT COALESCE(SUM(CASE WHEN {unprocessed} THEN 1 ELSE 0 END), 0), "

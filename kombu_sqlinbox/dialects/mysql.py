@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import Connection, TextClause, text
 from sqlalchemy import types as sqltypes
+from sqlalchemy.exc import DBAPIError
 
 from ..tables import ColumnSpec, Role, TableSpec
 from .base import ClaimedRow, Dialect, _expanding
@@ -61,16 +62,16 @@ class MySQLDialect(Dialect):
             f"UPDATE {f['table']} SET {f['locked_until']} = {self.later(':lease')}, "
             f"{f['attempt']} = {f['attempt']} + 1 WHERE {f['id']} IN :ids"
         )
-        return (_expanding(select) if ":ids" in selection else text(select), _expanding(lease))
+        return (_expanding(select), _expanding(lease))
 
     def claim(
         self, conn: Connection, spec: TableSpec, limit: int, lease: float,
-        ids: Sequence[int] | None = None,
+        ids: Sequence[int] | None = None, skip: Sequence[Any] = (),
     ) -> list[ClaimedRow]:
         """No UPDATE ... RETURNING here: lock the rows, then lease them, same transaction."""
-        statements = self.statements(spec)
-        select, lease_rows = statements.claim if ids is None else statements.claim_ids
-        rows = conn.execute(select, {"limit": limit, "ids": list(ids or ())}).all()
+        select, lease_rows = self.claim_statements_for(spec, ids, skip)
+        rows = conn.execute(select, {"limit": limit, "ids": list(ids or ()),
+                                     "skip": list(skip)}).all()
         if not rows:
             return []
         conn.execute(lease_rows, {"ids": [row[0] for row in rows], "lease": lease})
@@ -98,8 +99,17 @@ class MySQLDialect(Dialect):
     def alter_type_ddl(self, spec: TableSpec, column: ColumnSpec) -> str:
         return f"ALTER TABLE {self.table_ref(spec)} MODIFY COLUMN {self.column_ddl(column)}"
 
+    def driver_error_code(self, exc: BaseException) -> Any:
+        """The server's error number: PyMySQL also carries the SQLSTATE, which many
+        errors share (23000 for every integrity error), so it cannot tell them apart."""
+        orig = exc.orig if isinstance(exc, DBAPIError) else None
+        return orig.args[0] if orig is not None and orig.args else None
+
     def is_transient(self, exc: BaseException) -> bool:
         return self.driver_error_code(exc) in self.transient_codes
+
+    def is_unique_violation(self, exc: BaseException) -> bool:
+        return bool(self.driver_error_code(exc) == 1062)  # ER_DUP_ENTRY
 
     def lock_names(self, space: int, keys: Sequence[str]) -> dict[str, str]:
         """GET_LOCK names (at most 64 characters): the table's space and a digest of the key."""
@@ -125,6 +135,9 @@ class MySQLDialect(Dialect):
         (self.max_statement_bytes,) = cursor.fetchone()
         cursor.close()
 
+    #: MySQL commits the open transaction before any DDL
+    transactional_ddl = False
+
     # -- outbox (celery_ext.outbox) ------------------------------------------------
     outbox_column_types = {
         "id": "VARCHAR(64) NOT NULL",
@@ -137,6 +150,7 @@ class MySQLDialect(Dialect):
         "body": "LONGBLOB NOT NULL",
         "created_at": "DATETIME(6) NOT NULL",
         "processed_at": "DATETIME(6) NULL",
+        "republished_at": "DATETIME(6) NULL",
     }
 
     def outbox_ago(self) -> str:

@@ -49,7 +49,7 @@ class PostgreSQLDialect(Dialect):
             f"WHERE q.{f['id']} = c.{f['id']} "
             f"RETURNING {self.returned_columns(spec, 'q')}"
         )
-        return (_expanding(claim) if ":ids" in selection else text(claim),)
+        return (_expanding(claim),)
 
     def insert_statement(self, spec: TableSpec) -> TextClause:
         """The insert and its NOTIFY in one statement: one round trip per publish."""
@@ -98,6 +98,9 @@ class PostgreSQLDialect(Dialect):
     def is_transient(self, exc: BaseException) -> bool:
         return self.driver_error_code(exc) in self.transient_codes
 
+    def is_unique_violation(self, exc: BaseException) -> bool:
+        return bool(self.driver_error_code(exc) == "23505")  # unique_violation
+
     # -- outbox (celery_ext.outbox) ------------------------------------------------
     outbox_column_types = {
         "id": "VARCHAR(64) NOT NULL",
@@ -110,6 +113,7 @@ class PostgreSQLDialect(Dialect):
         "body": "BYTEA NOT NULL",
         "created_at": "TIMESTAMPTZ NOT NULL DEFAULT now()",
         "processed_at": "TIMESTAMPTZ",
+        "republished_at": "TIMESTAMPTZ",
     }
 
     outbox_autocommit = True

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import TextClause, event, text
+from sqlalchemy import TextClause, event
 from sqlalchemy import types as sqltypes
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 
 from ..tables import ColumnSpec, Role, TableSpec
 from .base import Dialect, _expanding
@@ -45,7 +46,7 @@ class SQLiteDialect(Dialect):
             f"WHERE {f['id']} IN (SELECT r.{f['id']} FROM {f['table']} AS r {selection}) "
             f"RETURNING {self.returned_columns(spec)}"
         )
-        return (_expanding(claim) if ":ids" in selection else text(claim),)
+        return (_expanding(claim),)
 
     def later(self, seconds: str) -> str:
         return f"{NOW} + {seconds}"
@@ -61,6 +62,10 @@ class SQLiteDialect(Dialect):
 
     def is_transient(self, exc: BaseException) -> bool:
         return "database is locked" in str(exc) or "database is busy" in str(exc)
+
+    def is_unique_violation(self, exc: BaseException) -> bool:
+        orig = exc.orig if isinstance(exc, DBAPIError) else None
+        return str(orig).startswith("UNIQUE constraint failed")
 
     def prepare_engine(self, engine: Engine, sqlite_begin: str = "IMMEDIATE") -> None:
         """pysqlite's own BEGIN is off (:meth:`on_connect`); ours takes the write lock up
@@ -95,6 +100,7 @@ class SQLiteDialect(Dialect):
         "body": "BLOB NOT NULL",
         "created_at": "REAL NOT NULL",
         "processed_at": "REAL",
+        "republished_at": "REAL",
     }
 
     def outbox_ago(self) -> str:

@@ -176,19 +176,21 @@ class Acceptance:
         return proc
 
     def worker(self, pool: str = "prefork", concurrency: int = 2, name: str = "w1",
-               **conf: Any) -> Proc:
+               broker_url: str | None = None, **conf: Any) -> Proc:
         """A real ``celery worker`` on this database, returned once it is ready."""
-        return self.workers([name], pool, concurrency, **conf)[0]
+        return self.workers([name], pool, concurrency, broker_url, **conf)[0]
 
     def workers(self, names: Sequence[str], pool: str = "prefork", concurrency: int = 2,
-                **conf: Any) -> list[Proc]:
-        """Several workers started together (``conf``: Celery settings), once all are ready."""
+                broker_url: str | None = None, **conf: Any) -> list[Proc]:
+        """Several workers started together (``conf``: Celery settings), once all are ready;
+        ``broker_url`` reaches the same database another way (through a proxy)."""
         argv = [sys.executable, "-m", "celery", "-A", APP, "worker", "-P", pool,
                 "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"]
         if pool != "solo":
             argv += ["-c", str(concurrency)]
-        env = {tasks.BROKER_ENV: self.broker_url, tasks.OPTIONS_ENV: json.dumps(self.options),
-               tasks.CONF_ENV: json.dumps(conf), tasks.RUNS_ENV: str(self.runs.path)}
+        env = {tasks.BROKER_ENV: broker_url or self.broker_url,
+               tasks.OPTIONS_ENV: json.dumps(self.options), tasks.CONF_ENV: json.dumps(conf),
+               tasks.RUNS_ENV: str(self.runs.path)}
         if len(names) > 1:
             # the queue's table exists before they start: first use of a new table from
             # several processes at once is racy on PostgreSQL (see /tmp/sqlinbox-bugs.md)

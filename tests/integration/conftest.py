@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 from kombu import Connection
+from sqlalchemy.engine import make_url
 
 import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox alias)
+from tests.tcp_proxy import Proxy
 
 Connect = Callable[..., Connection]
 
@@ -31,3 +33,12 @@ def connect(broker_url: str, table_prefix: str) -> Iterator[Connect]:
     yield open_connection
     for conn in reversed(opened):
         conn.release()
+
+
+@pytest.fixture
+def proxy(db_url: str) -> Iterator[Proxy]:
+    """A TCP proxy in front of the server under test, to break connections on purpose."""
+    target = make_url(db_url)
+    made = Proxy(str(target.host), int(target.port or 0))
+    yield made
+    made.close()

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,7 +10,7 @@ from typing import Any, TypeVar
 from kombu import Connection
 from kombu.message import Message
 from sqlalchemy import text
-from sqlalchemy.engine import URL, Engine
+from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox.broker import DEATH_HEADER, Broker
 from kombu_sqlinbox.tables import table_name_for_queue
@@ -116,59 +113,3 @@ def death(message: Message) -> dict[str, Any]:
     record: dict[str, Any] = message.headers[DEATH_HEADER]
     return record
 
-
-class Proxy:
-    """A TCP relay in front of a database server that a test can cut and restore: what a
-    server restart looks like to this process, without touching the server others use."""
-
-    def __init__(self, url: URL) -> None:
-        self.target = (url.host or "127.0.0.1", url.port or 0)
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = url.set(host="127.0.0.1", port=self.listener.getsockname()[1])
-        self._up = True
-        self._sockets: list[socket.socket] = []
-        self._lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:  # closed
-                return
-            if not self._up:
-                client.close()
-                continue
-            upstream = socket.create_connection(self.target)
-            with self._lock:
-                self._sockets += [client, upstream]
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
-
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:  # the other side was cut
-            pass
-        finally:
-            source.close()
-            sink.close()
-
-    def cut(self) -> None:
-        """Drop every relayed connection and refuse new ones."""
-        self._up = False
-        with self._lock:
-            cut, self._sockets = self._sockets, []
-        for sock in cut:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-
-    def restore(self) -> None:
-        self._up = True
-
-    def close(self) -> None:
-        self.listener.close()
-        self.cut()

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from kombu import Consumer, Queue
+from kombu.message import Message
 from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
 
-from kombu_sqlinbox import ConfigurationError, TableBuilder
+from kombu_sqlinbox import ConfigurationError, Role, TableBuilder, TableSpec
+from kombu_sqlinbox.dialects import dialect_for
 
 from .conftest import Connect
 from .support import DEAD_LETTERS, count_rows, death, get_within, publish, quoted, table_of
@@ -16,16 +21,24 @@ BAD_ENVELOPES = {
     "not-json": ("not json {", "cannot decode"),
     "json-array": ("[1, 2]", "not a JSON object"),
     "properties-not-object": ('{"properties": "x", "headers": {}}', "JSON objects"),
+    "routing-not-object": ('{"properties": {"routing": "x"}, "headers": {}}', "routing"),
+    "routing-key-not-text": ('{"properties": {"routing": {"routing_key": 5}}, "headers": {}}',
+                             "routing"),
+    "unknown-body-encoding": ('{"properties": {"body_encoding": "rot13"}, "headers": {}}',
+                              "body_encoding"),
+    "content-type-not-text": ('{"content-type": 5, "properties": {}, "headers": {}}',
+                              "content-type"),
 }
 
 
-def insert_raw(engine: Engine, table: str, payload: bytes, headers: str | None = None) -> None:
+def insert_raw(engine: Engine, table: str, payload: bytes, headers: str | None = None,
+               attempt: int = 0) -> None:
     """Write a row the way non-Celery code would: plain SQL, no envelope checks."""
-    columns = "payload" if headers is None else "payload, headers"
-    values = ":payload" if headers is None else ":payload, :headers"
+    columns = "payload, attempt" if headers is None else "payload, attempt, headers"
+    values = ":payload, :attempt" if headers is None else ":payload, :attempt, :headers"
     with engine.begin() as conn:
         conn.execute(text(f"INSERT INTO {quoted(engine, table)} ({columns}) VALUES ({values})"),
-                     {"payload": payload, "headers": headers})
+                     {"payload": payload, "headers": headers, "attempt": attempt})
 
 
 @pytest.mark.parametrize("case", list(BAD_ENVELOPES))
@@ -45,6 +58,84 @@ def test_row_with_undecodable_headers_is_dead_lettered_and_the_next_delivered(
     assert record["queue"] == "jobs"
     assert reason in record["reason"]
     assert record["original_headers"] == headers
+
+
+def test_a_consumer_goes_on_past_a_row_it_cannot_decode(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """The row is parked inside the consumer's own drain loop; the next one is delivered."""
+    conn = connect(**DEAD_LETTERS)
+    conn.default_channel.queue_declare("jobs")
+    insert_raw(engine, table_of("jobs", table_prefix), b"raw",
+               BAD_ENVELOPES["routing-not-object"][0])
+    publish(conn, "jobs", {"good": True})
+    received: list[Message] = []
+    with Consumer(conn.default_channel, [Queue("jobs")], callbacks=[
+            lambda body, message: received.append(message)], accept=["json"]):
+        conn.drain_events(timeout=10)
+    assert [m.decode() for m in received] == [{"good": True}]
+    assert "routing" in death(get_within(conn, "jobs.dead"))["reason"]
+
+
+def test_a_row_past_max_attempts_is_parked_for_that_whether_or_not_it_decodes(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """Its reason is max_attempts even when it would not decode either; the parked copy
+    gets an envelope that decodes."""
+    headers = BAD_ENVELOPES["routing-not-object"][0]
+    conn = connect(queues={"jobs": {"dead_letter_queue": "jobs.dead", "max_attempts": 3}})
+    conn.default_channel.queue_declare("jobs")
+    insert_raw(engine, table_of("jobs", table_prefix), b"tried often", headers, attempt=3)
+    publish(conn, "jobs", {"good": True})
+    assert get_within(conn, "jobs").decode() == {"good": True}
+    parked = get_within(conn, "jobs.dead")
+    assert parked.body == b"tried often"
+    record = death(parked)
+    assert record["reason"].startswith("delivered 4 times, max_attempts is 3")
+    assert record["original_headers"] == headers
+
+
+#: a headers column the database itself keeps as JSON, where it has such a type
+JSON_HEADERS = {"postgresql": "JSONB NOT NULL", "mysql": "JSON NOT NULL", "sqlite": "JSON"}
+
+
+def json_headers_table(engine: Engine, database: str, table: str) -> TableSpec:
+    """A declared table whose headers column has a JSON type, created by plain DDL."""
+    spec = TableBuilder(table).id().payload().headers("meta").attempt().locked_until().build()
+    dialect = dialect_for(engine)
+    text_type = f"{dialect.quote('meta')} {dialect.column_types[Role.HEADERS]}"
+    with engine.begin() as conn:
+        for statement in dialect.create_ddl(spec):
+            conn.exec_driver_sql(statement.replace(
+                text_type, f"{dialect.quote('meta')} {JSON_HEADERS[database]}"))
+    return spec
+
+
+def test_a_json_headers_column_delivers_what_the_driver_returns_as_a_dict(
+    connect: Connect, engine: Engine, table_prefix: str, database: str,
+) -> None:
+    """PostgreSQL's drivers hand JSONB over as a dict, MariaDB and SQLite as text: both
+    decode, from a publish and from a row written by plain SQL; a bad one there is parked."""
+    table = f"{table_prefix}json_jobs"
+    spec = json_headers_table(engine, database, table)
+    conn = connect(queues={"jobs": {"table": spec, "dead_letter_queue": "jobs.dead"}})
+    conn.default_channel.queue_declare("jobs")
+    envelope = ('{"headers": {"trace": "t-1"}, "content-type": "application/json", '
+                '"content-encoding": "utf-8", "properties": {}}')
+    with engine.begin() as sql:
+        for meta in (BAD_ENVELOPES["routing-not-object"][0], envelope):
+            sql.execute(text(f"INSERT INTO {quoted(engine, table)} (payload, meta) "
+                             "VALUES (:payload, :meta)"), {"payload": b'{"raw": 1}', "meta": meta})
+    publish(conn, "jobs", {"published": 2}, headers={"trace": "t-2"})
+    first, second = get_within(conn, "jobs"), get_within(conn, "jobs")
+    assert (first.decode(), first.headers["trace"]) == ({"raw": 1}, "t-1")
+    assert (second.decode(), second.headers["trace"]) == ({"published": 2}, "t-2")
+    parked = get_within(conn, "jobs.dead")
+    assert "routing" in death(parked)["reason"]
+    assert json.loads(death(parked)["original_headers"]) == {
+        "properties": {"routing": "x"}, "headers": {}}
+    first.ack()
+    second.ack()
 
 
 def test_garbage_payload_in_a_table_without_headers_is_dead_lettered(

@@ -11,11 +11,10 @@ from kombu import Connection
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from kombu_sqlinbox.broker import sqlalchemy_url
+from tests.tcp_proxy import Proxy
 
 from .conftest import Connect
 from .support import (
-    Proxy,
     broker_of,
     count_rows,
     get_within,
@@ -138,39 +137,33 @@ def test_an_ack_on_a_dropped_table_is_given_up_and_holds_up_nothing(
     assert not failures_logged(caplog, "jobs")
 
 
+@pytest.mark.databases("postgresql", "mysql")  # a file has no connection to lose
 def test_an_ack_that_cannot_reach_the_database_is_retried_until_it_lands(
-    db_url: str, database: str, engine: Engine, table_prefix: str,
+    db_url: str, engine: Engine, table_prefix: str, proxy: Proxy,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The server is out of reach (as in a restart): the ack is not dropped but kept and
     retried, extensions are retried too, and the ack lands once the server answers again."""
-    if database == "sqlite":
-        pytest.skip("SQLite has no server connection to lose")
     caplog.set_level(logging.WARNING, "kombu_sqlinbox.claims")
-    proxy = Proxy(sqlalchemy_url(db_url))
-    conn = Connection("sqlinbox+" + proxy.url.render_as_string(hide_password=False),
-                      transport_options={"table_prefix": table_prefix, "polling_interval": 0.05,
-                                         "visibility_timeout": LEASE})
+    conn = Connection("sqlinbox+" + proxy.url(db_url), transport_options={
+        "table_prefix": table_prefix, "polling_interval": 0.05, "visibility_timeout": LEASE})
     try:
         publish(conn, "jobs", {"n": 1})
         message = get_within(conn, "jobs")
         keeper = broker_of(conn).keeper
         table = table_of("jobs", table_prefix)
-        proxy.cut()
-        message.ack()
-        wait_for(lambda: len(failures_logged(caplog, "jobs", "settlements")) >= 2,
-                 "the ack to fail and be retried")
-        wait_for(lambda: len(failures_logged(caplog, "jobs", "extending")) >= 2,
-                 "the extension to fail and be retried")
-        assert keeper.flush(timeout=0.5) is False
-        assert count_rows(engine, table) == 1
-        proxy.restore()
+        with proxy.refuse():
+            message.ack()
+            wait_for(lambda: len(failures_logged(caplog, "jobs", "settlements")) >= 2,
+                     "the ack to fail and be retried")
+            wait_for(lambda: len(failures_logged(caplog, "jobs", "extending")) >= 2,
+                     "the extension to fail and be retried")
+            assert keeper.flush(timeout=0.5) is False
+            assert count_rows(engine, table) == 1
         assert keeper.flush(timeout=10), "the ack did not land once the server answered"
         assert count_rows(engine, table) == 0
     finally:
-        proxy.restore()
         conn.release()
-        proxy.close()
 
 
 def test_closing_gives_up_on_an_ack_it_cannot_write_in_time_and_the_row_comes_back(

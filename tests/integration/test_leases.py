@@ -94,3 +94,29 @@ def test_a_short_lease_is_kept_beside_longer_ones(
     held.ack()
     settled(holder)
     assert count_rows(engine, fast) == 0
+
+
+def test_lost_connection_keeps_the_rows_its_consumer_still_holds(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """kombu collects a failed connection (Celery's reconnect path): a message still held
+    by the consumer keeps its row until it is acked late; one it let go of goes back."""
+    conn = connect()
+    publish(conn, "jobs", {"n": "running"})
+    publish(conn, "jobs", {"n": "dropped"})
+    broker = broker_of(conn)
+    running = get_within(conn, "jobs")
+    dropped = get_within(conn, "jobs")
+    conn.collect()
+    assert broker.keeper.flush(timeout=10)
+    assert [row["locked_until"] is not None for row in rows(engine, table_of(
+        "jobs", table_prefix))] == [True, True]
+    del dropped
+    assert broker.keeper.flush(timeout=10)
+    table = table_of("jobs", table_prefix)
+    assert [(row["attempt"], row["locked_until"] is None) for row in rows(engine, table)] == [
+        (1, False), (1, True)]
+    running.ack()
+    assert broker.keeper.flush(timeout=10)
+    assert [row["payload"] for row in rows(engine, table)] == [b'{"n": "dropped"}']
+    assert broker.keeper.held_count() == 0

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+from kombu import Consumer, Queue
+from kombu.message import Message
+from sqlalchemy import text
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 
 from .conftest import Connect
 from .support import (
@@ -14,6 +19,7 @@ from .support import (
     get,
     get_within,
     publish,
+    quoted,
     rows,
     settled,
     table_of,
@@ -141,3 +147,79 @@ def test_max_attempts_counts_expired_leases(
     record = json.loads(dead[0]["headers"])["headers"]["x-sqlinbox-death"]
     assert record["attempts"] == 2
     assert "max_attempts" in record["reason"]
+
+
+def test_reject_after_the_lease_lapsed_writes_no_dead_letter(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """A holder whose row was claimed again elsewhere cannot park it: the fenced delete
+    removes nothing, so no dead-letter copy is written and the new holder keeps the row."""
+    queues = {"jobs": {"dead_letter_queue": "jobs.dead", "visibility_timeout": 1}}
+    stalled = connect(queues=queues)
+    publish(stalled, "jobs", {"n": 1})
+    first = get_within(stalled, "jobs")
+    broker_of(stalled).keeper.stop()
+    # a second broker (other options): its own keeper, as in another process
+    other = connect(queues=queues, polling_interval=0.06)
+    second = get_within(other, "jobs", timeout=10)
+    assert second.delivery_info["redelivered"] is True
+    first.reject(requeue=False)
+    table = table_of("jobs", table_prefix)
+    assert [row["attempt"] for row in rows(engine, table)] == [2]
+    assert rows(engine, table_of("jobs.dead", table_prefix)) == []
+    second.ack()
+    settled(other)
+    assert rows(engine, table) == []
+
+
+def test_no_ack_consumer_completes_its_rows_on_delivery(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """``no_ack`` (Celery's pidbox and event receivers) means settled when delivered: the
+    rows leave the table and the keeper holds nothing to extend or deliver again."""
+    conn = connect()
+    for n in range(3):
+        publish(conn, "jobs", {"n": n})
+    received: list[Message] = []
+    with Consumer(conn.default_channel, [Queue("jobs")], no_ack=True, accept=["json"],
+                  callbacks=[lambda body, message: received.append(message)]):
+        while len(received) < 3:
+            conn.drain_events(timeout=10)
+    assert [message.decode() for message in received] == [{"n": 0}, {"n": 1}, {"n": 2}]
+    settled(conn)
+    assert rows(engine, table_of("jobs", table_prefix)) == []
+    assert broker_of(conn).keeper.held_count() == 0
+
+
+def test_basic_get_without_ack_completes_its_row_on_delivery(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    conn = connect()
+    publish(conn, "jobs", {"n": 1})
+    message = wait_for(lambda: conn.default_channel.basic_get("jobs", no_ack=True),
+                       "a message on 'jobs'")
+    assert message.decode() == {"n": 1}
+    settled(conn)
+    assert rows(engine, table_of("jobs", table_prefix)) == []
+    assert broker_of(conn).keeper.held_count() == 0
+
+
+def test_reject_whose_dead_letter_move_fails_gives_the_row_back(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """The dead-letter table is gone: the move fails and says so, and the row goes back
+    in place instead of staying held (and extended) for the life of the process."""
+    conn = connect(**DEAD_LETTERS)
+    publish(conn, "jobs", {"n": 1})
+    conn.default_channel.queue_declare("jobs.dead")
+    with engine.begin() as ddl:
+        ddl.execute(text(f"DROP TABLE {quoted(engine, table_of('jobs.dead', table_prefix))}"))
+    with pytest.raises(DBAPIError):
+        get_within(conn, "jobs").reject(requeue=False)
+    settled(conn)
+    assert broker_of(conn).keeper.held_count() == 0
+    assert [(row["attempt"], row["locked_until"]) for row in rows(
+        engine, table_of("jobs", table_prefix))] == [(1, None)]
+    again = get_within(conn, "jobs")
+    assert again.delivery_info["redelivered"] is True
+    again.ack()

@@ -5,14 +5,14 @@ from __future__ import annotations
 import re
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox import Role, SchemaMismatch, default_table
 from kombu_sqlinbox.dialects import dialect_for
 
 from .conftest import Connect
-from .support import get_within, publish, quoted, table_of
+from .support import DEAD_LETTERS, get_within, publish, quoted, table_of
 
 #: a payload column type that cannot hold a Celery message, per database
 WRONG_PAYLOAD = {"postgresql": "INTEGER NOT NULL", "mysql": "TEXT NOT NULL",
@@ -91,3 +91,31 @@ def test_create_tables_off_and_no_table_gives_the_create_ddl(
     run_ddl(engine, [ddl])
     publish(conn, "jobs", {"created": True})
     assert get_within(conn, "jobs").decode() == {"created": True}
+
+
+def test_create_tables_off_and_no_dead_letter_table_fails_when_the_queue_is_first_used(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """Not when the first message is parked: the queue's dead-letter table is checked with
+    the queue's own."""
+    connect().default_channel.queue_declare("jobs")  # the queue's own table exists
+    conn = connect(create_tables=False, **DEAD_LETTERS)
+    with pytest.raises(SchemaMismatch) as failure:
+        conn.default_channel.queue_declare("jobs")
+    message = str(failure.value)
+    assert table_of("jobs.dead", table_prefix) in message
+    assert "create_tables is off" in message
+    run_ddl(engine, fixing_ddl(message))
+    publish(conn, "jobs", {"parked": True})
+    get_within(conn, "jobs").reject(requeue=False)
+    assert get_within(conn, "jobs.dead").decode() == {"parked": True}
+
+
+def test_dead_letter_queues_naming_each_other_are_both_created(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    conn = connect(queues={"jobs": {"dead_letter_queue": "jobs.dead"},
+                           "jobs.dead": {"dead_letter_queue": "jobs"}})
+    conn.default_channel.queue_declare("jobs")
+    assert {table_of("jobs", table_prefix), table_of("jobs.dead", table_prefix)} <= set(
+        inspect(engine).get_table_names())

@@ -21,6 +21,8 @@ from sqlalchemy import create_engine, text
 import celery_ext
 from celery_ext import Outbox
 from celery_ext.declaration import Declaration
+from celery_ext.outbox import HEADER
+from celery_ext.tasks import InboxTask
 
 BROKER_ENV = "OUTBOX_TEST_BROKER"
 DB_ENV = "OUTBOX_TEST_DB"
@@ -103,6 +105,25 @@ def make_app(broker: str, db: str | None, table: str, queue: str, start_grace: s
                                           "seconds": time.monotonic() - began})
         finally:
             engine.dispose()
+
+    @app.task(bind=True, name="ob.note", shared=False, acks_late=True)
+    def note(self: Task, key: str) -> None:
+        """Leave ``<key>.<run>.run``; reads nothing, so only the outbox touches its record."""
+        leave(key, "run", {"task_id": self.request.id, "outbox_id": self.request.get(HEADER)})
+
+    @app.task(bind=True, base=InboxTask, transactional=True, name="ob.tx_send", shared=False)
+    def tx_send(self: InboxTask, key: str, queue: str | None = None) -> None:
+        """A transactional task (sqlinbox broker): its effect, then a tracked send onto
+        ``queue`` (whose table may not exist yet), both in the delivery's transaction."""
+        self.connection.execute(
+            text(f"INSERT INTO {effects_table(table)} (k) VALUES (:k)"), {"k": key})
+        note.apply_async((key,), queue=queue)
+
+    app.finalize()  # the tasks below come after finalize, as those of a late import do
+
+    @app.task(bind=True, name="ob.late", shared=False)
+    def late(self: Task, key: str) -> None:
+        leave(key, "run", {"task_id": self.request.id})
 
     return app, outbox
 

@@ -24,6 +24,7 @@ from sqlalchemy.engine import Engine
 from celery_ext import Outbox
 from celery_ext.outbox import engine_from_url
 from kombu_sqlinbox.broker import sqlalchemy_url
+from kombu_sqlinbox.dialects import dialect_for
 from tests.acceptance.conftest import (  # the hook marks failed tests, to print logs
     FAILED,
     START_LIMIT,
@@ -39,6 +40,12 @@ AMQP_URL = os.environ.get("SQLINBOX_TEST_AMQP", "amqp://guest:guest@127.0.0.1:56
 REDIS_URL = os.environ.get("SQLINBOX_TEST_REDIS", "redis://127.0.0.1:6379/7")
 #: a port nothing listens on: a broker that is down
 DOWN_AMQP_URL = "amqp://guest:guest@127.0.0.1:5673//"
+#: outbox databases that are down: ports nothing listens on, a file that cannot be opened
+DOWN_DB_URLS = {
+    "postgresql": "postgresql://postgres@127.0.0.1:5439/test",
+    "mysql": "mysql+pymysql://root@127.0.0.1:3309/test",
+    "sqlite": "sqlite:////nonexistent-directory/outbox.db",
+}
 
 
 def database_url(name: str, tmp: Path) -> str:
@@ -92,14 +99,15 @@ class OutboxEnv:
         return made
 
     def worker(self, name: str = "w1", pool: str = "solo", concurrency: int = 1,
-               start_grace: str = "off") -> Proc:
-        """A real ``celery worker`` on this test's broker and outbox, returned once ready."""
+               start_grace: str = "off", db: str | None = None) -> Proc:
+        """A real ``celery worker`` on this test's broker and outbox (or the outbox database
+        ``db``), returned once ready."""
         argv = [sys.executable, "-m", "celery", "-A", "tests.outbox.app", "worker", "-P", pool,
                 "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info",
                 "-n", f"{name}@%h"]
         if pool != "solo":
             argv += ["-c", str(concurrency)]
-        env = {**os.environ, worker_app.BROKER_ENV: self.broker, worker_app.DB_ENV: self.db,
+        env = {**os.environ, worker_app.BROKER_ENV: self.broker, worker_app.DB_ENV: db or self.db,
                worker_app.TABLE_ENV: self.table, worker_app.QUEUE_ENV: self.queue,
                worker_app.RUNS_ENV: str(self.runs), worker_app.GRACE_ENV: start_grace}
         proc = Proc(name, argv, env, self.tmp / f"{name}.log")
@@ -189,6 +197,29 @@ def make_env(request: pytest.FixtureRequest, tmp: Path, broker: str, database: s
 def rabbit_pg(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[OutboxEnv]:
     """RabbitMQ broker, PostgreSQL outbox: the most common production shape."""
     yield from make_env(request, tmp_path, "rabbitmq", "postgresql")
+
+
+@pytest.fixture
+def any_db(request: pytest.FixtureRequest, tmp_path: Path, database: str
+           ) -> Iterator[OutboxEnv]:
+    """RabbitMQ broker, the outbox on each database in turn."""
+    yield from make_env(request, tmp_path, "rabbitmq", database)
+
+
+@pytest.fixture
+def inbox_any(request: pytest.FixtureRequest, tmp_path: Path, database: str
+              ) -> Iterator[OutboxEnv]:
+    """The sqlinbox broker and the outbox in one database, each database in turn."""
+    yield from make_env(request, tmp_path, "sqlinbox", database)
+
+
+def age(env: OutboxEnv, column: str, ids: list[Any], seconds: float) -> None:
+    """Move ``column`` of the records ``ids`` to ``seconds`` ago (the dialect's own clock)."""
+    ago = dialect_for(env.engine).outbox_ago()
+    with env.engine.begin() as conn:
+        for record_id in ids:
+            conn.execute(text(f"UPDATE {env.quote(env.table)} SET {column} = {ago} "
+                              "WHERE id = :id"), {"older_than": seconds, "id": record_id})
 
 
 @pytest.fixture

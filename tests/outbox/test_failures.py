@@ -1,14 +1,17 @@
-"""What the outbox is for: a broker down, a worker killed, republishers racing, SQLite locks."""
+"""What the outbox is for: a broker down, a worker killed, SQLite locks."""
 
 from __future__ import annotations
 
-import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kombu import Queue
 from kombu.exceptions import OperationalError
+from sqlalchemy import inspect, text
 
+import celery_ext
 from tests.acceptance.conftest import wait_until
 from tests.outbox.conftest import DOWN_AMQP_URL, OutboxEnv, make_env
 
@@ -23,14 +26,14 @@ def test_broker_down_keeps_the_record_and_republish_delivers_it(rabbit_pg: Outbo
 
     worker = env.worker()
     _, outbox = env.sender()  # the same service once the broker answers
-    assert outbox.republish(older_than=0) == 1
+    assert outbox.republish(older_than=0).sent == 1
     wait_until(lambda: env.counts("run")["down"] == 1, 30, "the republished task to run",
                alive=[worker])
     (run,) = env.files("run")
     assert run["task_id"] == record["task_id"] and run["outbox_id"] == record["id"]
     assert run["record"]["found"]
     wait_until(lambda: env.records()[0]["processed"], 10, "the record to be processed")
-    assert outbox.republish(older_than=0) == 0
+    assert outbox.republish(older_than=0).sent == 0
 
 
 def test_worker_killed_before_ack_effect_happens_once(rabbit_pg: OutboxEnv) -> None:
@@ -52,36 +55,6 @@ def test_worker_killed_before_ack_effect_happens_once(rabbit_pg: OutboxEnv) -> N
     assert env.records()[0]["processed"]
     assert env.effects() == {"k": 1}
     assert env.counts("start")["k"] == 2  # the killed run, then the one that committed
-
-
-def test_two_republishers_at_once_effect_once(rabbit_pg: OutboxEnv) -> None:
-    env = rabbit_pg
-    app, outbox = env.sender()
-    _, other = env.sender()  # a second instance of the service
-    keys = [f"r{i}" for i in range(5)]
-    for key in keys:
-        app.tasks["ob.credit"].delay(key)
-    env.purge(app)  # lost by the broker
-
-    gate = threading.Barrier(2, timeout=10)
-    sent: list[int] = []
-
-    def republish(instance: object) -> None:
-        gate.wait()
-        sent.append(instance.republish(older_than=0))  # type: ignore[attr-defined]
-
-    threads = [threading.Thread(target=republish, args=(o,)) for o in (outbox, other)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(20)
-    assert sent == [5, 5] and env.queue_depth(app) == 10
-
-    worker = env.worker(pool="prefork", concurrency=2)
-    wait_until(lambda: worker.output().count("duplicate delivery") == 5, 60,
-               "five duplicate deliveries to be skipped", alive=[worker])
-    assert all(r["processed"] for r in env.records())
-    assert env.effects() == dict.fromkeys(keys, 1)
 
 
 @pytest.fixture
@@ -107,3 +80,56 @@ def test_sqlite_publish_under_the_tasks_own_write_lock_fails_clearly(
     assert bound["outcome"] == "sent", bound
     wait_until(lambda: env.counts("run")["from-lock"] == 1, 30, "the bound send to run",
                alive=[worker])
+
+
+def test_transactional_task_sends_tracked_and_enqueues_in_its_own_transaction(
+        inbox_any: OutboxEnv) -> None:
+    """A tracked transactional task sends a tracked task onto its queue and onto a queue
+    whose table does not exist yet: nothing opens a second write transaction beside the
+    task's own (on SQLite it would wait for the task's own write lock), it finishes at
+    once, and the worker stops on SIGTERM."""
+    env = inbox_any
+    app, _ = env.sender()
+    worker = env.worker()
+    fresh = f"{env.queue}.fresh"
+    app.tasks["ob.tx_send"].delay("here")
+    app.tasks["ob.tx_send"].delay("there", queue=fresh)
+    wait_until(lambda: env.effects() == {"here": 1, "there": 1}, 15,
+               "both transactional tasks to commit", alive=[worker])
+    wait_until(lambda: env.counts("run")["here"] == 1, 15, "the tracked send to run",
+               alive=[worker])
+    with app.connection_for_write() as conn:
+        waiting = Queue(fresh, channel=conn.default_channel).queue_declare(passive=True)
+    assert waiting.message_count == 1
+    marked = [r["processed"] for r in env.records() if r["task_name"] == "ob.tx_send"]
+    assert marked == [True, True]
+    assert worker.stop(15) == 0
+    assert "database is locked" not in worker.output()
+
+
+def test_sqlite_bound_send_creates_the_tables_in_the_callers_transaction(
+        sqlite_inbox: OutboxEnv) -> None:
+    """A service's first tracked send, bound to its transaction that has already written
+    (and so holds SQLite's write lock), before the outbox table or the queue's table
+    exists: both are created in that transaction, at once; a rollback takes them back
+    and the next send creates them again."""
+    env = sqlite_inbox
+    app, _ = env.sender(create=False)
+    effects = env.quote(env.table + "_effects")
+
+    def send(commit: bool) -> float:
+        began = time.monotonic()
+        with env.engine.connect() as conn, conn.begin() as transaction:
+            conn.execute(text(f"INSERT INTO {effects} (k) VALUES ('first')"))
+            with celery_ext.bind(conn):
+                app.tasks["ob.check"].delay("bound")
+            if not commit:
+                transaction.rollback()
+        return time.monotonic() - began
+
+    assert send(commit=False) < 5
+    with env.engine.connect() as conn:
+        assert not inspect(conn).has_table(env.table)
+    assert send(commit=True) < 5
+    (record,) = env.records()
+    assert record["task_name"] == "ob.check" and env.queue_depth(app) == 1

@@ -8,7 +8,8 @@ from celery import Celery
 import celery_ext
 from celery_ext import OutboxNotReady, RecordFailed, mark_processed
 from celery_ext.outbox import DISABLED_ENV
-from tests.outbox.conftest import AMQP_URL, OutboxEnv
+from kombu_sqlinbox.errors import ConfigurationError
+from tests.outbox.conftest import AMQP_URL, DOWN_DB_URLS, OutboxEnv
 
 
 def sent_tasks(env: OutboxEnv) -> list[str]:
@@ -66,7 +67,7 @@ def test_only_the_named_tasks_or_queues_are_tracked(rabbit_pg: OutboxEnv) -> Non
 
 def test_a_database_down_stops_the_send(rabbit_pg: OutboxEnv) -> None:
     env = rabbit_pg
-    app, _ = env.sender(db="postgresql://postgres@127.0.0.1:5439/test", create=False)
+    app, _ = env.sender(db=DOWN_DB_URLS["postgresql"], create=False)
     env.purge(app)
     with pytest.raises(RecordFailed, match=r"could not record task ob\.check\[.*not sent"):
         app.tasks["ob.check"].delay("lost?")
@@ -85,3 +86,11 @@ def test_mark_processed_in_the_callers_transaction(rabbit_pg: OutboxEnv) -> None
     with env.engine.begin() as conn:
         assert mark_processed(conn, record["id"], app=app)
     assert env.records()[0]["processed"]
+
+
+def test_an_outbox_in_an_sqlite_memory_database_is_refused() -> None:
+    """Each connection would see its own empty outbox: records written on one would never
+    be found by the republisher or marked by the worker."""
+    app = Celery("in-memory", broker=AMQP_URL, set_as_current=False)
+    with pytest.raises(ConfigurationError, match=r"in memory.*use a file"):
+        celery_ext.install(app, "sqlite://")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,12 +19,7 @@ from celery_ext.declaration import as_outbox_spec
 from celery_ext.outbox import PRUNE_TASK, REPUBLISH_TASK
 from kombu_sqlinbox.dialects import dialect_for
 from kombu_sqlinbox.errors import ConfigurationError
-from tests.outbox.conftest import OutboxEnv, make_env
-
-
-@pytest.fixture(params=["postgresql", "mysql", "sqlite"])
-def any_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[OutboxEnv]:
-    yield from make_env(request, tmp_path, "rabbitmq", request.param)
+from tests.outbox.conftest import OutboxEnv, age
 
 
 class OrdersOutbox(OutboxTable, table="orders_outbox"):
@@ -39,12 +32,14 @@ class OrdersOutbox(OutboxTable, table="orders_outbox"):
     payload = OutboxColumn("body")
     at = OutboxColumn("created_at")
     done_at = OutboxColumn("processed_at")
+    resent_at = OutboxColumn("republished_at")
 
 
 def test_declarative_and_builder_forms_are_equal() -> None:
     built = (OutboxTableBuilder("orders_outbox").id("ref", generated=False).task_name("task")
              .exchange("target").routing_key("route").headers("envelope").properties("props")
-             .body("payload").created_at("at").processed_at("done_at").build())
+             .body("payload").created_at("at").processed_at("done_at")
+             .republished_at("resent_at").build())
     assert as_outbox_spec(OrdersOutbox) == built
     assert as_outbox_spec("celery_outbox") == default_outbox_table()
     assert not built.generated_id and default_outbox_table().generated_id
@@ -79,7 +74,7 @@ def test_a_service_table_is_mapped_by_roles(any_db: OutboxEnv) -> None:
             (ref, task) = conn.execute(text(f"SELECT ref, task FROM {spec.table}")).one()
         assert len(ref) == 32 and task == "ob.check"
         env.purge(app)
-        assert outbox.republish(older_than=0) == 1
+        assert outbox.republish(older_than=0).sent == 1
         with env.engine.begin() as conn:
             assert outbox.mark_processed(conn, ref)
             assert not outbox.mark_processed(conn, ref)
@@ -108,15 +103,6 @@ def test_a_missing_table_or_column_is_reported_with_its_ddl(rabbit_pg: OutboxEnv
             conn.execute(text(f"DROP TABLE {name}"))
 
 
-def age(env: OutboxEnv, column: str, ids: list[Any], seconds: float) -> None:
-    """Move ``column`` of the records ``ids`` to ``seconds`` ago (the dialect's own clock)."""
-    ago = dialect_for(env.engine).outbox_ago()
-    with env.engine.begin() as conn:
-        for record_id in ids:
-            conn.execute(text(f"UPDATE {env.quote(env.table)} SET {column} = {ago} "
-                              "WHERE id = :id"), {"older_than": seconds, "id": record_id})
-
-
 def test_prune_removes_only_processed_records_older_than_retention(any_db: OutboxEnv) -> None:
     env = any_db
     app, outbox = env.sender(retention=3600.0, batch=2)
@@ -137,7 +123,8 @@ def test_prune_removes_only_processed_records_older_than_retention(any_db: Outbo
     assert outbox.prune(older_than=30) == 1  # on demand, with another age
     # the ready periodic tasks, as beat would run them
     assert app.tasks[PRUNE_TASK].apply().get() == 0
-    assert app.tasks[REPUBLISH_TASK].apply().get() == 1  # pending_old is past the grace
+    # pending_old is past the grace
+    assert app.tasks[REPUBLISH_TASK].apply().get() == {"sent": 1, "failed": [], "held": 0}
     assert {e["task"] for e in outbox.beat_schedule(republish_every=60).values()} == {
         PRUNE_TASK, REPUBLISH_TASK}
 

@@ -27,7 +27,6 @@ import pytest
 from sqlalchemy import Engine, create_engine, func, select, text
 from sqlalchemy.engine import make_url
 
-from kombu_sqlinbox.tables import table_name_for_queue
 from tests.acceptance.conftest import (  # the hook marks failed tests, to print logs
     FAILED,
     START_LIMIT,
@@ -56,8 +55,6 @@ RECEIPT = "refunds.send_receipt"
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "pools(*names): run a service test only on these worker pools")
-    config.addinivalue_line(
-        "markers", "databases(*names): run a service test only on these databases")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -127,7 +124,7 @@ def _fresh_app_connections() -> None:
 
 def queue_rows(engine: Engine, queue: str) -> int:
     """Rows of a queue's table committed and visible to a connection of our own."""
-    table = engine.dialect.identifier_preparer.quote(table_name_for_queue(queue, "sqlinbox_"))
+    table = engine.dialect.identifier_preparer.quote(service_app.table_of(queue))
     with engine.connect() as conn:
         return int(conn.execute(text(f"SELECT COUNT(*) FROM {table}")).scalar_one())
 
@@ -145,6 +142,7 @@ class Service:
         self.mail = tmp / "mail"
         self.engine: Engine = create_engine(db_url)
         refunds_app.metadata.create_all(self.engine)
+        service_app.probe_metadata.create_all(self.engine)
         self.card = card_processor.FakeCardProcessor(late_by=CARD_TIMEOUT + 1.0)
         self.worker: Proc | None = None
 
@@ -230,6 +228,11 @@ class Service:
         """The ``task_prerun`` records of ``task`` called with ``first_arg``."""
         found = [json.loads(path.read_text()) for path in self.runs.glob("*.prerun")]
         return [run for run in found if run["task"] == task and run["args"][:1] == [first_arg]]
+
+    def effects(self, key: str) -> int:
+        """How many effect rows of ``key`` are committed (at most one: it is the key)."""
+        return self.count(service_app.probe_effects,
+                          service_app.probe_effects.c.effect_key == key)
 
     def failure(self, task_id: str) -> dict[str, Any] | None:
         path = self.runs / f"{task_id}.failure"

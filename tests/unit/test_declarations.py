@@ -70,7 +70,8 @@ def test_default_layout_is_a_declaration_like_any_other() -> None:
 
 @pytest.mark.parametrize("name", [
     'x"; DROP TABLE t; --', "1starts_with_digit", "has space", "dash-ed", "naïve", "",
-    "a" * 64, "semi;colon", "back`tick",
+    "a" * 64, "semi;colon", "back`tick", "jobs\n", "jobs\n; DROP TABLE t", "quo'te",
+    'dou"ble', "tab\there", "jobs\r", "\uff4a\uff4f\uff42\uff53", "jobs\u00a0", "日本",
 ])
 def test_invalid_identifiers_are_refused(name: str) -> None:
     with pytest.raises(ConfigurationError, match="not a valid identifier"):

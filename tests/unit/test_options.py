@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -38,6 +39,8 @@ def test_unknown_key_fails_when_the_kombu_connection_is_made() -> None:
 @pytest.mark.parametrize("raw", [
     {"polling_interval": "fast"},
     {"polling_interval": -1},
+    {"polling_interval": 0},
+    {"polling_interval": 0.0},
     {"create_tables": "yes"},
     {"max_batch": 0},
     {"max_batch": 1.5},
@@ -59,6 +62,17 @@ def test_unknown_key_fails_when_the_kombu_connection_is_made() -> None:
 ])
 def test_bad_values_are_refused(raw: dict[str, Any]) -> None:
     with pytest.raises(ConfigurationError):
+        parse_options(raw)
+
+
+@pytest.mark.parametrize("raw, name", [
+    ({"polling_interval": 0}, "polling_interval"),
+    ({"polling_interval": -0.5}, "polling_interval"),
+    ({"queues": {"jobs": "oops"}}, "queues['jobs']"),
+    ({"queues": {"jobs": ["max_attempts", 3]}}, "queues['jobs']"),
+])
+def test_bad_value_names_its_key(raw: dict[str, Any], name: str) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(name)):
         parse_options(raw)
 
 
@@ -95,3 +109,19 @@ def test_importing_the_package_registers_the_alias() -> None:
 
     assert kombu_sqlinbox.__version__
     assert TRANSPORT_ALIASES["sqlinbox"] == "kombu_sqlinbox.transport:Transport"
+
+
+@pytest.mark.parametrize("url", [
+    "sqlinbox+sqlite://",
+    "sqlinbox+sqlite:///:memory:",
+    "sqlinbox+sqlite:///file::memory:?cache=shared&uri=true",
+    "sqlinbox+sqlite:///file:jobs?mode=memory&cache=shared&uri=true",
+])
+def test_an_in_memory_sqlite_database_is_refused_at_start_up(url: str) -> None:
+    """Every pooled connection (and every process) would see a database of its own."""
+    conn = Connection(url)
+    try:
+        with pytest.raises(ConfigurationError, match=r"in memory.*use a file"):
+            conn.connect()
+    finally:
+        conn.release()

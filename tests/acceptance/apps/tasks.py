@@ -78,3 +78,5 @@ def run(self: Task, key: str, seconds: float = 0.0, hold: bool = False) -> None:
 
 app.task(bind=True, name="acc.run")(run)
 app.task(bind=True, name="acc.run_late", acks_late=True)(run)
+#: one run every ten seconds: a worker keeps a second request reserved, waiting for a token
+app.task(bind=True, name="acc.run_limited", rate_limit="6/m")(run)

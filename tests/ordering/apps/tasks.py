@@ -86,3 +86,11 @@ def retry_once(self: InboxTask, key: str, seconds: float) -> None:
         log().record(key, 0, "retry", started, time.time())
         raise self.retry_after(seconds)
     log().record(key, 1, "done", started, time.time())
+
+
+@app.task(base=InboxTask, name="ord.run_for")
+def run_for(grp: str, seq: int, seconds: float) -> None:
+    """A row that is in work for ``seconds`` (a long task holds its key meanwhile)."""
+    started = time.time()
+    time.sleep(seconds)
+    log().record(grp, seq, "done", started, time.time())

@@ -4,7 +4,9 @@ The example app (``examples/refunds``) is imported as it is; this module adds wh
 only the tests need, without touching the example's tasks:
 
 * probe queues with their own transport options (isolation level, SQLite begin mode,
-  ``claim='row_lock'``) and transactional probe tasks that note what they saw;
+  ``claim='row_lock'``, a table without ``available_at``) and probe tasks that note what
+  they saw, or write an effect row to ``probe_effects`` (breaking a constraint on request);
+* an outbox on the service's database that tracks no task (:data:`OUTBOX`);
 * marker files from Celery signals: ``<uuid>.prerun`` (task, args and the pool
   process's pid, to ``kill -9`` it) and ``<task id>.failure`` (the exception type).
 
@@ -25,10 +27,24 @@ from typing import Any
 
 from celery import Celery
 from celery.signals import task_failure, task_prerun
-from sqlalchemy import Connection, text
+from sqlalchemy import (
+    CheckConstraint,
+    Column,
+    Connection,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    text,
+)
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 
+import celery_ext
 from celery_ext.tasks import InboxTask
+from kombu_sqlinbox.tables import TableBuilder, table_name_for_queue
+from kombu_sqlinbox.transport import ROW_HEADER
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "refunds"
 if str(EXAMPLE) not in sys.path:
@@ -43,9 +59,14 @@ RUNS_ENV = "TX_RUNS"
 VISIBILITY_ENV = "TX_VISIBILITY_TIMEOUT"
 #: the longest :func:`hold` keeps its transaction open
 HOLD_LIMIT = 60.0
+#: a queue table without available_at: a retry in place cannot be delayed on it
+PROMPT_TABLE = TableBuilder("probe_prompt").id().payload().headers().locked_until().attempt()
+#: probe queues of every database
+COMMON_PROBES: dict[str, dict[str, Any]] = {"probe.prompt": {"table": PROMPT_TABLE.build()}}
 #: probe queue -> its transport options, per kind of database
 PROBE_QUEUES: dict[str, dict[str, dict[str, Any]]] = {
     "server": {
+        **COMMON_PROBES,
         "probe": {},
         "probe.repeatable": {"isolation_level": "REPEATABLE READ"},
         "probe.serializable": {"isolation_level": "SERIALIZABLE"},
@@ -53,6 +74,7 @@ PROBE_QUEUES: dict[str, dict[str, dict[str, Any]]] = {
         "probe.short": {"visibility_timeout": 1.0},
     },
     "sqlite": {
+        **COMMON_PROBES,
         "probe": {},
         "probe.deferred": {"sqlite_begin": "deferred"},
         "probe.immediate": {"sqlite_begin": "immediate"},
@@ -62,6 +84,9 @@ PROBE_QUEUES: dict[str, dict[str, dict[str, Any]]] = {
 app: Celery = refunds_app.app
 #: the example's own transport options, before :func:`configure` adds to them
 EXAMPLE_OPTIONS: dict[str, Any] = dict(app.conf.broker_transport_options)
+#: an outbox on the service's database that records nothing itself: tests write records
+#: and send deliveries naming them (or naming none it holds) in the ``outbox_id`` header
+OUTBOX = celery_ext.install(app, tasks=(), republish_on_start=False)
 
 
 def kind_of(db_url: str) -> str:
@@ -70,6 +95,12 @@ def kind_of(db_url: str) -> str:
 
 def probe_queues(db_url: str) -> list[str]:
     return list(PROBE_QUEUES[kind_of(db_url)])
+
+
+def table_of(queue: str) -> str:
+    """The table of ``queue``: the one its probe settings declare, or the default one."""
+    declared = COMMON_PROBES.get(queue, {}).get("table")
+    return declared.table if declared is not None else table_name_for_queue(queue, "sqlinbox_")
 
 
 def configure(db_url: str) -> None:
@@ -87,6 +118,7 @@ def configure(db_url: str) -> None:
         # a killed pool process's task counts as lost after 1 s instead of 10
         worker_lost_wait=1.0,
     )
+    OUTBOX.bind_engine(db_url)
 
 
 # -- probes -----------------------------------------------------------------------------
@@ -132,11 +164,8 @@ def retry_once(self: InboxTask, key: str) -> None:
     note(key, "retried")
 
 
-@app.task(base=InboxTask, transactional=True, bind=True, name="probe.hold")
-def hold(self: InboxTask, key: str) -> None:
-    """Keep the delivery's transaction (and its lock on the row) open until ``<key>.release``
-    exists: a long transactional task."""
-    note(key, "holding")
+def wait_for_release(key: str) -> None:
+    """Return once ``<key>.release`` exists (the test's go-ahead)."""
     release = Path(os.environ[RUNS_ENV]) / f"{key}.release"
     deadline = time.monotonic() + HOLD_LIMIT
     while not release.exists():
@@ -145,11 +174,82 @@ def hold(self: InboxTask, key: str) -> None:
         time.sleep(0.02)
 
 
+@app.task(base=InboxTask, transactional=True, bind=True, name="probe.hold")
+def hold(self: InboxTask, key: str) -> None:
+    """Keep the delivery's transaction (and its lock on the row) open until ``<key>.release``
+    exists: a long transactional task."""
+    note(key, "holding")
+    wait_for_release(key)
+
+
 @app.task(base=InboxTask, bind=True, name="probe.nap")
 def nap(self: InboxTask, key: str, seconds: float) -> None:
     """A plain (not transactional) task that takes a while."""
     time.sleep(seconds)
     note(key, "napped")
+
+
+# -- effects: one row per key, constraints to break -------------------------------------
+probe_metadata = MetaData()
+probe_parents = Table("probe_parents", probe_metadata,
+                      Column("parent_key", String(64), primary_key=True))
+probe_effects = Table(
+    "probe_effects", probe_metadata,
+    Column("effect_key", String(64), primary_key=True),  # unique: the same work twice
+    Column("label", String(64), nullable=False),
+    Column("amount", Integer, nullable=False),
+    Column("parent_key", String(64), ForeignKey(probe_parents.c.parent_key)),
+    CheckConstraint("amount >= 0", name="probe_amount_not_negative"),
+)
+#: the values that break each constraint (SQLite checks foreign keys only when asked to)
+VIOLATIONS: dict[str, dict[str, Any]] = {
+    "not_null": {"label": None},
+    "check": {"amount": -1},
+    "foreign_key": {"parent_key": "no-such-parent"},
+}
+
+
+def write_effect(conn: Connection, key: str, violation: str | None = None) -> None:
+    conn.execute(probe_effects.insert().values(
+        {"effect_key": key, "label": "done", "amount": 1, **VIOLATIONS.get(violation or "", {})}))
+
+
+@app.task(base=InboxTask, transactional=True, bind=True, name="probe.effect")
+def effect(self: InboxTask, key: str, violation: str | None = None) -> None:
+    """Write the effect row of ``key`` (breaking ``violation``, if named)."""
+    write_effect(self.connection, key, violation)
+
+
+@app.task(base=InboxTask, transactional=True, bind=True, name="probe.effect_retried",
+          autoretry_for=(DBAPIError,), max_retries=1, default_retry_delay=0)
+def effect_retried(self: InboxTask, key: str, violation: str | None = None) -> None:
+    """:func:`effect` with a retry policy: a database error retries it once."""
+    write_effect(self.connection, key, violation)
+
+
+def server_connection_id(conn: Connection) -> int:
+    """The server's id of ``conn``'s session (to end it from another connection)."""
+    query = "SELECT pg_backend_pid()" if conn.dialect.name == "postgresql" else \
+        "SELECT CONNECTION_ID()"
+    return int(conn.execute(text(query)).scalar_one())
+
+
+@app.task(base=InboxTask, transactional=True, bind=True, name="probe.effect_held")
+def effect_held(self: InboxTask, key: str) -> None:
+    """Write the effect row of ``key``; the first delivery then notes its connection's
+    server id and waits for ``<key>.release`` (meanwhile the test ends that connection)."""
+    write_effect(self.connection, key)
+    if self.request.retries == 0:
+        note(key, str(server_connection_id(self.connection)))
+        wait_for_release(key)
+
+
+@app.task(base=InboxTask, bind=True, name="probe.retry_later")
+def retry_later(self: InboxTask, key: str, seconds: float) -> None:
+    """The first delivery retries in place after ``seconds``; the next notes it ran."""
+    if int(self.request.get(ROW_HEADER)["attempt"]) == 1:
+        raise self.retry_after(seconds)
+    note(key, "ran again")
 
 
 # -- markers ----------------------------------------------------------------------------
