@@ -65,7 +65,11 @@ def test_without_notify_another_process_waits_for_its_polling_interval(
         ordering: Ordering) -> None:
     interval = 2.0
     delays = delays_to_another_process(ordering, polling_interval=interval, notify=False)
-    assert all(interval / 2 < delay < interval + 1 for delay in delays), delays
+    assert all(delay < interval + 1 for delay in delays), delays
+    # a publish may land before the consumer's own next claim right after a delivery (no
+    # wake-up needed then); the others wait for the polling interval, since nothing wakes it
+    waited = [delay for delay in delays if delay > interval / 2]
+    assert len(waited) >= len(delays) - 1, delays
 
 
 def test_a_publish_wakes_a_consumer_of_the_same_process(ordering: Ordering) -> None:
