@@ -28,10 +28,11 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
-from contextlib import ExitStack, suppress
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -82,6 +83,8 @@ PUBLISH_SHARE = 0.8
 TICK = 0.25
 #: the share of strikes that are a warm shutdown (SIGTERM) instead of kill -9
 WARM_SHARE = 0.25
+#: the longest a publish, a republish or closing may take before it counts as stuck
+SERVICE_LIMIT = 60.0
 #: the drain gives up when nothing moved for this long
 STALL = 120.0
 
@@ -154,6 +157,8 @@ class Figures:
     dead_unexpected: int = 0
     left_in_queues: int = 0
     drain_seconds: float = 0.0
+    #: the publishing side (or closing) got stuck in the library
+    stuck_service: bool = False
     #: why the soak itself stopped early, if it did
     broken: str = ""
     notes: list[str] = field(default_factory=list)
@@ -163,7 +168,8 @@ class Figures:
                   "FIFO groups out of order": self.fifo_disorder, "hung workers": self.hung,
                   "outbox records left unprocessed": self.outbox_left,
                   "dead letters not injected": self.dead_unexpected,
-                  "rows left in the queues": self.left_in_queues}
+                  "rows left in the queues": self.left_in_queues,
+                  "publishing stuck in the library": int(self.stuck_service)}
         found = [f"{what}: {count}" for what, count in checks.items() if count]
         return [f"the soak did not finish: {self.broken}", *found] if self.broken else found
 
@@ -200,6 +206,10 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.planned = plan(args.tasks, args.kinds, self.rng)
         self.sent = 0  # planned tasks published, in order
+        self.checked = 0  # of which the checks look at (all, unless publishing got stuck)
+        #: held by the publishing side for a batch, by a server restart meanwhile
+        self.quiet = threading.Lock()
+        self.closing = threading.Event()
         self.uncertain: set[str] = set()
         self.workers: list[Worker] = []
         self.stopping: list[Worker] = []
@@ -279,6 +289,9 @@ class Soak:
 
     # -- the server -------------------------------------------------------------------------
     def restart(self) -> None:
+        """Restart the server, with the publishing side paused (it finishes its batch first,
+        unless it is stuck)."""
+        paused = self.quiet.acquire(timeout=SERVICE_LIMIT)
         try:
             restart_server(self.database, self.db_url)
             self.figures.restarts += 1
@@ -287,6 +300,8 @@ class Soak:
         finally:
             self.ensure_server()
             self.engine.dispose()
+            if paused:
+                self.quiet.release()
 
     def ensure_server(self) -> None:
         if self.database != "sqlite" and server_answers(self.db_url) is not None:
@@ -308,7 +323,7 @@ class Soak:
     def publish(self, due: int) -> None:
         """Publish the next ``due`` planned tasks; a failed publish makes its task uncertain
         (its outcome is not checked) and ends the batch."""
-        with self.app.producer_or_acquire() as producer:
+        with self.quiet, self.app.producer_or_acquire() as producer:
             for planned in self.planned[self.sent:self.sent + due]:
                 sent = 0
                 try:
@@ -333,6 +348,43 @@ class Soak:
         if due > 0 and self.figures.published - self.effects() < BACKLOG:
             self.publish(due)
 
+    def service(self, began: float, duration: float) -> None:
+        """The service's side, in a thread of its own, so that a publish stuck in the library
+        stops neither the chaos nor the clock: tasks published at an even pace (at most
+        :data:`BACKLOG` waiting), and the outbox republished every grace period, as a beat
+        schedule would. Nothing is published while the server restarts."""
+        next_republish = began
+        while not self.closing.is_set():
+            now = time.monotonic()
+            self.publish_due(now - began, duration)
+            if now >= next_republish:
+                with self.quiet:
+                    self.republish(older_than=None)
+                next_republish = now + self.outbox.grace
+            self.closing.wait(TICK)
+
+    def end_service(self, thread: threading.Thread) -> None:
+        """Stop publishing; a publish still stuck after :data:`SERVICE_LIMIT` s is a hang."""
+        self.closing.set()
+        thread.join(SERVICE_LIMIT)
+        self.checked = self.sent
+        if thread.is_alive():
+            self.figures.stuck_service = True
+            stuck = self.planned[self.sent].key if self.sent < len(self.planned) else "-"
+            self.note(f"the publishing side is stuck in the library (at {stuck}) for more "
+                      f"than {SERVICE_LIMIT:.0f} s")
+            self.uncertain.add(stuck)
+
+    def bounded(self, work: Callable[[], object], what: str,
+                limit: float = SERVICE_LIMIT) -> None:
+        """Run ``work`` in a thread of its own and wait at most ``limit`` s for it."""
+        thread = threading.Thread(target=work, name=what, daemon=True)
+        thread.start()
+        thread.join(limit)
+        if thread.is_alive():
+            self.figures.stuck_service = True
+            self.note(f"{what} is stuck in the library for more than {limit:.0f} s")
+
     # -- the run ----------------------------------------------------------------------------
     def prepare(self) -> None:
         """The ledger, the outbox and every queue's table, before several workers start
@@ -352,24 +404,24 @@ class Soak:
         began = time.monotonic()
         next_kill = began + self.jitter(self.args.kill_every)
         next_restart = began + self.jitter(self.args.restart_every)
-        next_report = next_republish = began
+        next_report = began
+        service = threading.Thread(target=self.service, args=(began, duration),
+                                   name="service", daemon=True)
+        service.start()
         while (now := time.monotonic()) < began + duration:
             self.tend_workers()
-            self.publish_due(now - began, duration)
             if now >= next_kill:
                 self.strike()
                 next_kill = now + self.jitter(self.args.kill_every)
             if restarts and now >= next_restart:
                 self.restart()
                 next_restart = time.monotonic() + self.jitter(self.args.restart_every)
-            if now >= next_republish:  # as a beat schedule would, every grace period
-                self.republish(older_than=None)
-                next_republish = now + self.outbox.grace
             if now >= next_report:
                 self.report(now - began)
                 next_report = now + 15.0
             time.sleep(TICK)
         self.figures.minutes = (time.monotonic() - began) / 60.0
+        self.end_service(service)
         self.drain()
         self.stop_workers()
         self.check()
@@ -418,7 +470,7 @@ class Soak:
             if (left, unprocessed) == (0, 0):
                 break
             if left == 0 and time.monotonic() - moved > 10.0:
-                self.republish(older_than=0)
+                self.bounded(lambda: self.republish(older_than=0), "outbox republish")
                 moved = time.monotonic()
             if (left, unprocessed) != last:
                 last, moved = (left, unprocessed), time.monotonic()
@@ -463,7 +515,7 @@ class Soak:
         f.dead, f.left_in_queues = sum(dead.values()), sum(queued.values())
         lost: list[Planned] = []
         unexpected: list[str] = []
-        for planned in self.planned[:self.sent]:
+        for planned in self.planned[:self.checked]:
             key = planned.key
             if key in self.uncertain:
                 continue
@@ -509,15 +561,20 @@ class Soak:
 
     def close(self) -> None:
         """Every worker gone, the server running, this process's connections closed."""
+        self.closing.set()
         for worker in self.workers + self.stopping:
             worker.proc.kill_group()
             with suppress(Exception):
                 worker.proc.popen.wait(10)
         self.ensure_server()
-        self.app.close()
-        self.outbox.close()
-        self.engine.dispose()
-        close_all()
+
+        def disconnect() -> None:
+            self.app.close()
+            self.outbox.close()
+            self.engine.dispose()
+            close_all()
+
+        self.bounded(disconnect, "closing the connections")
 
 
 # -- the command ----------------------------------------------------------------------------
@@ -581,6 +638,18 @@ def interrupted(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+@contextmanager
+def shielded() -> Iterator[None]:
+    """Clean-up runs to its end (each of its steps is bounded): a second Ctrl-C or SIGTERM
+    meanwhile is ignored, so no worker and no stopped server is left behind."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, interrupted)  # cleans up as Ctrl-C does
@@ -589,9 +658,7 @@ def main(argv: list[str]) -> int:
     logs = Path(f"/tmp/sqlinbox-soak-{ctx.run_id}")
     logs.mkdir(parents=True, exist_ok=True)
     progress(f"soak {ctx.run_id}: worker logs in {logs}; lease {LEASE:.0f} s")
-    with ExitStack() as stack:
-        if not args.keep:
-            stack.enter_context(ctx)  # drops the run's tables when it ends
+    try:
         for database in args.databases:
             soak = Soak(ctx, database, args, logs)
             try:
@@ -601,7 +668,12 @@ def main(argv: list[str]) -> int:
                 soak.note(f"the soak itself failed: {soak.figures.broken}")
                 found.append(soak.figures)
             finally:
-                soak.close()
+                with shielded():
+                    soak.close()
+    finally:
+        if not args.keep:
+            with shielded():
+                ctx.__exit__(None, None, None)  # drops the run's tables
     print(f"\n## Chaos soak {ctx.run_id}\n\n{table(found)}\n")
     for figures in found:
         print(details(figures) + "\n")
@@ -611,4 +683,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:
+        print("interrupted: the workers are gone, the servers running", file=sys.stderr)
+        sys.exit(130)
