@@ -600,6 +600,8 @@ def parser() -> argparse.ArgumentParser:
                       help="never restart the database servers (when others use them)")
     made.add_argument("--drain", type=float, default=300.0,
                       help="longest wait for the queues to drain at the end (default 300 s)")
+    made.add_argument("--pg-driver", default="psycopg2", choices=("psycopg2", "psycopg"),
+                      help="PostgreSQL driver (default psycopg2)")
     made.add_argument("--seed", type=int, default=None, help="random seed (default: new)")
     made.add_argument("--keep", action="store_true",
                       help="keep the tables and the SQLite file for a look afterwards")
@@ -654,7 +656,7 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, interrupted)  # cleans up as Ctrl-C does
     found: list[Figures] = []
-    ctx = Context(pg_driver="psycopg2")
+    ctx = Context(pg_driver=args.pg_driver)
     logs = Path(f"/tmp/sqlinbox-soak-{ctx.run_id}")
     logs.mkdir(parents=True, exist_ok=True)
     progress(f"soak {ctx.run_id}: worker logs in {logs}; lease {LEASE:.0f} s")
