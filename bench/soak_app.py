@@ -59,7 +59,8 @@ MAX_ATTEMPTS = 25
 WRITE_LIMIT = 90.0
 #: seconds a ``retry`` fate waits in place; a ``flaky`` one before Celery's retry
 RETRY_DELAY = 0.3
-#: a task's own work, seconds: long enough that kills land inside tasks
+#: a task's own work before its effect, and again after it, seconds: long enough that
+#: kills land inside tasks, after an effect as well as before it
 WORK = (0.0, 0.02)
 
 
@@ -162,6 +163,7 @@ def work(self: InboxTask, key: str, fate: str) -> None:
     if fate == "flaky" and self.request.retries == 0:
         raise Flaky(key)
     write(self.app, effect(self, key))
+    time.sleep(random.uniform(*WORK))
 
 
 def transactional(self: InboxTask, key: str, fate: str) -> None:
@@ -172,6 +174,7 @@ def transactional(self: InboxTask, key: str, fate: str) -> None:
     if fate == "twice":
         self.connection.execute(once.insert(), {"key": key})
     self.connection.execute(ledger.insert(), effect(self, None if fate == "nonnull" else key))
+    time.sleep(random.uniform(*WORK))
     if fate == "flaky" and self.request.retries == 0:
         raise Flaky(key)
 
@@ -182,6 +185,7 @@ def tracked(self: InboxTask, key: str, fate: str) -> None:
     ledger, _ = tables(self.app.conf.soak["prefix"])
     with outbox_of(self.app).transaction() as conn:
         conn.execute(ledger.insert(), effect(self, key))
+        time.sleep(random.uniform(*WORK))
         if fate == "flaky" and self.request.retries == 0:
             raise Flaky(key)
 
