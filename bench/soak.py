@@ -52,12 +52,12 @@ from bench.soak_app import (
     LEASE,
     PERMANENT,
     make_app,
+    queue_table,
     tables,
 )
 from bench.targets import DATABASES, Context
 from celery_ext.outbox import engine_from_url, outbox_of
 from kombu_sqlinbox.broker import close_all
-from kombu_sqlinbox.tables import table_name_for_queue
 from tests.processes import ROOT, START_LIMIT, STOP_LIMIT, Proc, worker_argv, worker_ready
 from tests.servers import restart_server, server_answers, start_server
 
@@ -73,8 +73,8 @@ FATES: dict[str, dict[str, float]] = {
     "txout": {"flaky": 0.03, "retry": 0.03},
     "outbox": {"flaky": 0.03},
 }
-FIFO_GROUPS = 20
-PARTITION_KEYS = 20
+#: FIFO groups, and partition keys, the tasks of those kinds spread over
+GROUPS = 20
 POOLS = ("prefork", "threads")
 #: most tasks published and not yet done: queue waits stay well inside the outbox's grace
 BACKLOG = 1500
@@ -123,7 +123,7 @@ def plan(count: int, kinds: list[str], rng: random.Random) -> list[Planned]:
             roll -= share
         group = None
         if kind in ("fifo", "keyed"):
-            group = f"{kind[0]}{rng.randrange(FIFO_GROUPS if kind == 'fifo' else PARTITION_KEYS)}"
+            group = f"{kind[0]}{rng.randrange(GROUPS)}"
             groups[group] += 1
         made.append(Planned(kind, f"{kind}-{n}", fate, group, groups[group] if group else 0))
     return made
@@ -166,6 +166,7 @@ class Figures:
     def failures(self) -> list[str]:
         checks = {"lost": self.lost, "exactly-once effects twice": self.twice,
                   "FIFO groups out of order": self.fifo_disorder, "hung workers": self.hung,
+                  "workers that exited by themselves": self.exits,
                   "outbox records left unprocessed": self.outbox_left,
                   "dead letters not injected": self.dead_unexpected,
                   "rows left in the queues": self.left_in_queues,
@@ -263,8 +264,8 @@ class Soak:
         self.stopping.append(worker)
 
     def strike(self) -> None:
-        """``kill -9`` of a random ready worker's process group (one time in
-        :data:`WARM_SHARE`, a warm shutdown instead), and a replacement at once."""
+        """``kill -9`` of a random ready worker's process group (or, for a share
+        :data:`WARM_SHARE` of the strikes, a warm shutdown), and a replacement at once."""
         ready = [slot for slot, worker in enumerate(self.workers) if worker.check_ready()]
         if not ready:
             return
@@ -444,9 +445,7 @@ class Soak:
                  f"{ready}/{len(self.workers)}")
 
     def queue_tables(self) -> list[str]:
-        named = {"fifo": f"{self.prefix}fifo", "keyed": f"{self.prefix}keyed"}
-        return [named.get(kind) or table_name_for_queue(kind, self.prefix)
-                for kind in self.args.kinds]
+        return [queue_table(self.prefix, kind) for kind in self.args.kinds]
 
     def rows_left(self) -> int:
         with self.engine.connect() as conn:
@@ -510,7 +509,7 @@ class Soak:
             ).scalars().all()
         done = Counter({key: n for key, event, n in counts if event == "done"})
         f.runs = sum(n for _, event, n in counts if event == "start")
-        dead = self.keys_in([table_name_for_queue(DEAD, self.prefix)])
+        dead = self.keys_in([queue_table(self.prefix, DEAD)])
         queued = self.keys_in(self.queue_tables())
         f.dead, f.left_in_queues = sum(dead.values()), sum(queued.values())
         lost: list[Planned] = []

@@ -41,6 +41,7 @@ import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox+ alias)
 from bench.ordering import inbox_table
 from celery_ext.outbox import engine_from_url, outbox_of
 from celery_ext.tasks import InboxTask
+from kombu_sqlinbox.tables import table_name_for_queue
 from kombu_sqlinbox.transport import ROW_HEADER
 
 CONFIG_ENV = "SOAK_CONFIG"
@@ -96,10 +97,18 @@ def tables(prefix: str) -> tuple[Table, Table]:
     return ledger, once
 
 
+def queue_table(prefix: str, queue: str) -> str:
+    """The table of a soak queue: ``fifo`` and ``keyed`` are declared, the others default."""
+    if queue in ("fifo", "keyed"):
+        return f"{prefix}{queue}"
+    return table_name_for_queue(queue, prefix)
+
+
 def transport_options(prefix: str, keyed_claim: str) -> dict[str, Any]:
     queues: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
-    queues["fifo"]["table"] = inbox_table(f"{prefix}fifo", "fifo")
-    queues["keyed"] = {"table": inbox_table(f"{prefix}keyed", "keyed"), "claim": keyed_claim}
+    queues["fifo"]["table"] = inbox_table(queue_table(prefix, "fifo"), "fifo")
+    queues["keyed"] = {"table": inbox_table(queue_table(prefix, "keyed"), "keyed"),
+                       "claim": keyed_claim}
     queues[DEAD] = {"dead_letter_queue": None, "max_attempts": None}
     return {"table_prefix": prefix, "polling_interval": 0.2, "visibility_timeout": LEASE,
             "max_attempts": MAX_ATTEMPTS, "dead_letter_queue": DEAD, "queues": queues}
