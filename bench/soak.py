@@ -200,7 +200,7 @@ class Soak:
         self.db_url = ctx.url(database, "soak")
         self.prefix = ctx.prefix
         self.config = {"db_url": self.db_url, "prefix": ctx.prefix,
-                       "keyed_claim": "lease" if database == "sqlite" else "advisory"}
+                       "keyed_claim": "lease" if database == "sqlite" else args.keyed_claim}
         self.app = make_app(self.config)
         self.outbox = outbox_of(self.app)
         self.engine = engine_from_url(self.db_url)
@@ -599,6 +599,9 @@ def parser() -> argparse.ArgumentParser:
                       help="never restart the database servers (when others use them)")
     made.add_argument("--drain", type=float, default=300.0,
                       help="longest wait for the queues to drain at the end (default 300 s)")
+    made.add_argument("--keyed-claim", default="advisory", choices=("advisory", "lease"),
+                      help="claim form of the partition-keyed queue on PostgreSQL and "
+                           "MariaDB (default advisory; SQLite has only lease)")
     made.add_argument("--pg-driver", default="psycopg2", choices=("psycopg2", "psycopg"),
                       help="PostgreSQL driver (default psycopg2)")
     made.add_argument("--seed", type=int, default=None, help="random seed (default: new)")
