@@ -43,7 +43,7 @@ if __name__ == "__main__":  # run as a script: import the bench package, not its
 from sqlalchemy import func, select, text
 
 from bench.cli import choices
-from bench.registry import gist, progress
+from bench.registry import progress
 from bench.soak_app import (
     CONFIG_ENV,
     DEAD,
@@ -297,7 +297,7 @@ class Soak:
             restart_server(self.database, self.db_url)
             self.figures.restarts += 1
         except Exception as exc:
-            self.note(f"server restart failed: {gist(str(exc))}")
+            self.note(f"server restart failed: {said(exc)}")
         finally:
             self.ensure_server()
             self.engine.dispose()
@@ -335,7 +335,7 @@ class Soak:
                         sent += 1
                 except Exception as exc:  # its outcome is unknown: left out of the checks
                     self.figures.publish_errors += 1
-                    self.note(f"publish of {planned.key} failed: {gist(str(exc))}")
+                    self.note(f"publish of {planned.key} failed: {said(exc)}")
                     self.uncertain.add(planned.key)
                     self.sent += 1
                     self.figures.published += sent
@@ -432,7 +432,7 @@ class Soak:
         try:
             self.figures.outbox_resent += self.outbox.republish(older_than=older_than)
         except Exception as exc:  # the server may be restarting; the next round sends them
-            self.note(f"outbox republish failed: {gist(str(exc))}")
+            self.note(f"outbox republish failed: {said(exc)}")
 
     def jitter(self, seconds: float) -> float:
         return seconds * self.rng.uniform(0.5, 1.5)
@@ -464,7 +464,7 @@ class Soak:
             try:
                 left, unprocessed = self.rows_left(), self.outbox.status().unprocessed
             except Exception as exc:  # the database is back soon after a restart
-                self.note(f"drain: {gist(str(exc))}")
+                self.note(f"drain: {said(exc)}")
                 left, unprocessed = last
             if (left, unprocessed) == (0, 0):
                 break
@@ -638,6 +638,11 @@ def details(f: Figures) -> str:
     return "\n".join(lines)
 
 
+def said(exc: BaseException) -> str:
+    """An exception's type and the first line of its message."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+
+
 def interrupted(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -668,7 +673,7 @@ def main(argv: list[str]) -> int:
             try:
                 found.append(soak.run())
             except Exception as exc:  # the next database still runs
-                soak.figures.broken = f"{type(exc).__name__}: {gist(str(exc))}"
+                soak.figures.broken = said(exc)
                 soak.note(f"the soak itself failed: {soak.figures.broken}")
                 found.append(soak.figures)
             finally:

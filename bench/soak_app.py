@@ -26,6 +26,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
@@ -189,14 +190,19 @@ def transactional(self: InboxTask, key: str, fate: str) -> None:
 
 
 def tracked(self: InboxTask, key: str, fate: str) -> None:
-    """outbox: the effect and the record's mark commit together (``Outbox.transaction``)."""
+    """outbox: the effect and the record's mark commit together (``Outbox.transaction``),
+    the whole transaction retried while the database is away, as a careful task would."""
     inject(self, key, fate)
     ledger, _ = tables(self.app.conf.soak["prefix"])
-    with outbox_of(self.app).transaction() as conn:
-        conn.execute(ledger.insert(), effect(self, key))
-        time.sleep(random.uniform(*WORK))
-        if fate == "flaky" and self.request.retries == 0:
-            raise Flaky(key)
+
+    def commit() -> None:
+        with outbox_of(self.app).transaction() as conn:
+            conn.execute(ledger.insert(), effect(self, key))
+            time.sleep(random.uniform(*WORK))
+            if fate == "flaky" and self.request.retries == 0:
+                raise Flaky(key)
+
+    retrying(commit)
 
 
 # -- the ledger ---------------------------------------------------------------------------
@@ -206,21 +212,29 @@ def ledger_engine(url: str, pid: int) -> Engine:
     return engine_from_url(url)
 
 
-def write(app: Celery, row: dict[str, Any]) -> None:
-    """Commit one ledger row on a connection of this process's own, retrying while the
-    database is away (restarting, or SQLite busy) for at most :data:`WRITE_LIMIT` s."""
-    config = app.conf.soak
-    ledger, _ = tables(config["prefix"])
+def retrying(work: Callable[[], None]) -> None:
+    """Run ``work``, again while the database is away (restarting, or SQLite busy), for at
+    most :data:`WRITE_LIMIT` s."""
     deadline = time.monotonic() + WRITE_LIMIT
     while True:
         try:
-            with ledger_engine(config["db_url"], os.getpid()).begin() as conn:
-                conn.execute(ledger.insert(), row)
-            return
+            return work()
         except (OperationalError, InterfaceError):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+
+
+def write(app: Celery, row: dict[str, Any]) -> None:
+    """Commit one ledger row on a connection of this process's own (retrying)."""
+    config = app.conf.soak
+    ledger, _ = tables(config["prefix"])
+
+    def commit() -> None:
+        with ledger_engine(config["db_url"], os.getpid()).begin() as conn:
+            conn.execute(ledger.insert(), row)
+
+    retrying(commit)
 
 
 def started(task: Task, args: Any = (), **_: Any) -> None:
