@@ -34,6 +34,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from types import FrameType
 
@@ -504,9 +505,8 @@ class Soak:
         with self.engine.connect() as conn:
             counts = conn.execute(select(ledger.c.key, ledger.c.event, func.count())
                                   .group_by(ledger.c.key, ledger.c.event)).all()
-            fifo_done = conn.execute(select(ledger.c.key).where(
-                ledger.c.kind == "fifo", ledger.c.event == "done").order_by(ledger.c.n)
-            ).scalars().all()
+            fifo = conn.execute(select(ledger.c.key, ledger.c.event, ledger.c.at).where(
+                ledger.c.kind == "fifo").order_by(ledger.c.n)).all()
         done = Counter({key: n for key, event, n in counts if event == "done"})
         f.runs = sum(n for _, event, n in counts if event == "start")
         dead = self.keys_in([queue_table(self.prefix, DEAD)])
@@ -535,23 +535,41 @@ class Soak:
             self.note(f"lost by kind/fate: {dict(fates)}; first {[p.key for p in lost[:8]]}")
         if unexpected:
             self.note(f"dead letters not injected: {unexpected[:8]}")
-        f.fifo_disorder = self.fifo_disorder(fifo_done)
+        f.fifo_disorder = self.fifo_disorder([(key, event, at) for key, event, at in fifo])
         f.outbox_left = self.outbox.status().unprocessed
         if queued:
             self.note(f"left in the queues: {sorted(queued)[:8]}")
 
-    def fifo_disorder(self, keys_in_order: Sequence[str]) -> int:
-        """Groups whose effects landed out of order: a row's effect after a later row's
-        (the same row again, after a kill, is in order)."""
+    def fifo_disorder(self, events: Sequence[tuple[str, str, float]]) -> int:
+        """Groups out of order: a row's effect after a later row's (the same row again,
+        after a kill, is in order), or a row started before the previous row's last
+        effect (two rows of the group in work at once). ``events``: the FIFO ledger rows
+        (key, event, when) in the order they were written."""
         where = {p.key: (p.group, p.seq) for p in self.planned if p.kind == "fifo"}
         latest: dict[str | None, int] = {}
+        first_start: dict[str, float] = {}
+        last_done: dict[str, float] = {}
         disordered: set[str | None] = set()
-        for key in keys_in_order:
+        for key, event, at in events:
             group, seq = where[key]
+            if event == "start":
+                first_start.setdefault(key, at)
+                continue
+            last_done[key] = at
             if seq < latest.get(group, 0):
                 disordered.add(group)
-                self.note(f"FIFO group {group}: row {seq} after row {latest[group]}")
+                self.note(f"FIFO group {group}: row {seq} done after row {latest[group]}")
             latest[group] = max(seq, latest.get(group, 0))
+        rows: dict[str | None, list[tuple[int, str]]] = {}
+        for key, (group, seq) in where.items():
+            rows.setdefault(group, []).append((seq, key))
+        for group, mine in rows.items():
+            ordered = [key for _, key in sorted(mine)]
+            for before, after in pairwise(ordered):
+                if (before in last_done and after in first_start
+                        and first_start[after] < last_done[before]):
+                    disordered.add(group)
+                    self.note(f"FIFO group {group}: {after} started before {before} was done")
         return len(disordered)
 
     def note(self, message: str) -> None:
