@@ -518,8 +518,8 @@ class Soak:
             key = planned.key
             if key in self.uncertain:
                 continue
-            if dead[key] and planned.fate not in PERMANENT:
-                unexpected.append(key)
+            if dead[key] and (planned.fate not in PERMANENT or dead[key] > planned.copies):
+                unexpected.append(key)  # not injected, or dead-lettered twice
             elif not (done[key] or dead[key] or queued[key]):
                 lost.append(planned)  # its message is gone, its work never done
             elif done[key] > 1 and planned.kind in EXACTLY_ONCE:
