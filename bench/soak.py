@@ -431,9 +431,13 @@ class Soak:
 
     def republish(self, older_than: float | None) -> None:
         try:
-            self.figures.outbox_resent += self.outbox.republish(older_than=older_than)
+            done = self.outbox.republish(older_than=older_than)
         except Exception as exc:  # the server may be restarting; the next round sends them
             self.note(f"outbox republish failed: {said(exc)}")
+            return
+        self.figures.outbox_resent += done.sent
+        if done.failed:
+            self.note(f"outbox republish could not send records {list(done.failed)[:8]}")
 
     def jitter(self, seconds: float) -> float:
         return seconds * self.rng.uniform(0.5, 1.5)
