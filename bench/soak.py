@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from types import FrameType
@@ -627,6 +627,7 @@ def parser() -> argparse.ArgumentParser:
     made.add_argument("--pg-driver", default="psycopg2", choices=("psycopg2", "psycopg"),
                       help="PostgreSQL driver (default psycopg2)")
     made.add_argument("--seed", type=int, default=None, help="random seed (default: new)")
+    made.add_argument("--json", type=Path, help="also write the figures as JSON here")
     made.add_argument("--keep", action="store_true",
                       help="keep the tables and the SQLite file for a look afterwards")
     return made
@@ -708,6 +709,9 @@ def main(argv: list[str]) -> int:
     print(f"\n## Chaos soak {ctx.run_id}\n\n{table(found)}\n")
     for figures in found:
         print(details(figures) + "\n")
+    if args.json:
+        args.json.write_text(json.dumps([{**asdict(f), "failures": f.failures()}
+                                         for f in found], indent=2))
     failed = [f.database for f in found if f.failures()]
     print(f"worker logs: {logs}; invariants failed on: {', '.join(failed) or 'none'}")
     return 1 if failed else 0
