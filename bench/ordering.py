@@ -55,9 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"default all: {','.join(MEASURES)}")
 
 
-def inbox_table(ctx: Context, tag: str, kind: str) -> TableSpec:
-    """A queue table with a FIFO group (``fifo``) or a partition key (``keyed``) column."""
-    builder = TableBuilder(f"{ctx.prefix}{tag}").id().payload().headers()
+def inbox_table(name: str, kind: str) -> TableSpec:
+    """A queue table ``name`` with a FIFO group (``fifo``) or a partition key (``keyed``)
+    column; its messages fill it from their ``group_key`` / ``partition_key`` header."""
+    builder = TableBuilder(name).id().payload().headers()
     if kind == "fifo":
         builder.group("grp", fifo=True)
     else:
@@ -108,7 +109,7 @@ def keyed_drain(ctx: Context, database: str, tag: str, kind: str | None, keys: i
     name = ctx.queue_name(tag)
     options: dict[str, Any] = {}
     if kind is not None:
-        options["queues"] = {name: {"table": inbox_table(ctx, name, kind)}}
+        options["queues"] = {name: {"table": inbox_table(f"{ctx.prefix}{name}", kind)}}
     target = ctx.sqlinbox(database, "ordering", **options)
     header = {"fifo": "group_key", "keyed": "partition_key"}.get(kind or "")
     with scratch_queue(target, name) as queue:

@@ -56,7 +56,9 @@ def gist(message: str) -> str:
     # SQLAlchemy appends the statement and a link; a traceback ends with the exception
     lines = [line for line in lines if line and not line.startswith(("(Background", "[SQL:",
                                                                      "[parameters:"))]
-    exception = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Warning)\b", line)]
+    # "ValueError: ...", or SQLAlchemy's "(psycopg2.OperationalError) ..."
+    exception = [line for line in lines
+                 if re.match(r"^\(?[\w.]+(Error|Exception|Warning)\b", line)]
     return (exception or lines or [""])[-1]
 
 

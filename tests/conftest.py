@@ -15,6 +15,8 @@ import pytest
 from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.engine import Engine
 
+from tests.servers import server_answers
+
 POSTGRES_URL = os.environ.get("SQLINBOX_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
 MYSQL_URL = os.environ.get("SQLINBOX_TEST_MYSQL", "mysql+pymysql://root@127.0.0.1:3306/test")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -25,21 +27,6 @@ SERVERS = {
     "mysql": (MYSQL_URL, "start MariaDB/MySQL (mariadbd) or set SQLINBOX_TEST_MYSQL"),
 }
 DATABASES = ("postgresql", "mysql", "sqlite")
-
-
-def server_answers(url: str) -> str | None:
-    """None when the server answers, else the error text."""
-    from kombu_sqlinbox.broker import sqlalchemy_url
-
-    engine = create_engine(sqlalchemy_url(url))
-    try:
-        with engine.connect() as conn:
-            conn.execute(text("SELECT 1"))
-        return None
-    except Exception as exc:  # any failure to connect means "not there"
-        return str(exc).splitlines()[0]
-    finally:
-        engine.dispose()
 
 
 _ANSWERS: dict[str, str | None] = {}

@@ -9,15 +9,10 @@ under the test's ``tmp_path``; a failed test prints them.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -29,89 +24,18 @@ from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox.tables import table_name_for_queue
 from tests.acceptance.apps import tasks
+from tests.processes import (  # noqa: F401  (re-exported: the other suites import them here)
+    ROOT,
+    START_LIMIT,
+    STOP_LIMIT,
+    Proc,
+    wait_until,
+    worker_argv,
+    worker_ready,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.acceptance.apps.tasks"
 FAILED = pytest.StashKey[bool]()
-#: how long a worker may take to say "ready." / to finish a warm shutdown
-START_LIMIT = 60.0
-STOP_LIMIT = 30.0
-
-
-def wait_until(
-    predicate: Callable[[], Any], timeout: float, what: str,
-    alive: Sequence[Proc] = (), interval: float = 0.1,
-) -> Any:
-    """Poll ``predicate`` until it is truthy and return its value; raise naming ``what`` on
-    timeout, or as soon as one of the ``alive`` processes has exited."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        for proc in alive:
-            if proc.popen.poll() is not None:
-                raise AssertionError(
-                    f"waiting for {what}: {proc.name} exited with {proc.popen.returncode}\n"
-                    f"{proc.tail()}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-
-
-class Proc:
-    """A child process in its own session with its output in a log file."""
-
-    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], log: Path) -> None:
-        self.name = name
-        self.log = log
-        with log.open("wb") as out:
-            self.popen = subprocess.Popen(
-                list(argv), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def tail(self, lines: int = 60) -> str:
-        return "\n".join(self.output().splitlines()[-lines:])
-
-    def wait(self, timeout: float) -> int:
-        """The exit status; kill the group and fail when it does not come in time."""
-        try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(
-                f"{self.name} did not exit within {timeout:.0f}s\n{self.tail()}") from None
-        finally:
-            self.kill_group()
-
-    def terminate(self) -> None:
-        """SIGTERM: Celery's warm shutdown."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-
-    def stop(self, timeout: float = STOP_LIMIT) -> int:
-        """SIGTERM and a bounded wait for the exit status."""
-        self.terminate()
-        return self.wait(timeout)
-
-    def kill(self) -> None:
-        """``kill -9`` of the whole process group: the main process and any pool children."""
-        self.kill_group()
-        self.popen.wait(10)
-
-    def kill_group(self) -> None:
-        """SIGKILL to whatever is left of the group (pool children outliving their parent)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGKILL)
-
-
-def worker_ready(proc: Proc) -> bool:
-    """Celery logs ``<name>@<host> ready.`` once it consumes."""
-    out = proc.output()
-    return f"{proc.name}@" in out and " ready." in out
 
 
 class Runs:
@@ -184,10 +108,7 @@ class Acceptance:
                 broker_url: str | None = None, **conf: Any) -> list[Proc]:
         """Several workers started together (``conf``: Celery settings), once all are ready;
         ``broker_url`` reaches the same database another way (through a proxy)."""
-        argv = [sys.executable, "-m", "celery", "-A", APP, "worker", "-P", pool,
-                "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"]
-        if pool != "solo":
-            argv += ["-c", str(concurrency)]
+        argv = worker_argv(APP, pool, concurrency)
         env = {tasks.BROKER_ENV: broker_url or self.broker_url,
                tasks.OPTIONS_ENV: json.dumps(self.options), tasks.CONF_ENV: json.dumps(conf),
                tasks.RUNS_ENV: str(self.runs.path)}

@@ -8,48 +8,16 @@ use them (CI runs everything one after the other). The server is always left run
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from tests.acceptance.conftest import Acceptance, wait_until
-from tests.conftest import server_answers
+from tests.servers import restart_server, server_answers, start_server
 
 TASKS = 300
 RESTART_AFTER = 50
-#: bounded waits for the server's own commands and for it to answer again
-SERVER_LIMIT = 60.0
-MARIADBD = "/usr/sbin/mariadbd"
-
-
-def run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=SERVER_LIMIT)
-
-
-def mariadbd_running() -> bool:
-    return run("start-stop-daemon", "--status", "--exec", MARIADBD).returncode == 0
-
-
-def start_server(database: str, url: str) -> None:
-    if database == "postgresql":
-        run("pg_ctlcluster", "15", "main", "start")
-    else:
-        run("start-stop-daemon", "--start", "--oknodo", "--background", "--exec", MARIADBD)
-    wait_until(lambda: server_answers(url) is None, SERVER_LIMIT, f"{database} to answer",
-               interval=0.5)
-
-
-def restart_server(database: str, url: str) -> None:
-    if database == "postgresql":
-        result = run("pg_ctlcluster", "15", "main", "restart")
-        assert result.returncode == 0, result.stderr
-    else:
-        result = run("mariadb-admin", "-uroot", "shutdown")
-        assert result.returncode == 0, result.stderr
-        wait_until(lambda: not mariadbd_running(), SERVER_LIMIT, "mariadbd to exit")
-    start_server(database, url)
 
 
 @pytest.fixture
