@@ -607,7 +607,8 @@ def parser() -> argparse.ArgumentParser:
                       help="chaos per database (default 10)")
     made.add_argument("--tasks", type=int, default=20000,
                       help="tasks per database (default 20000; published over the first "
-                           f"{PUBLISH_SHARE * 100:.0f}%% of the minutes, at most {BACKLOG} waiting)")
+                           f"{PUBLISH_SHARE * 100:.0f}%% of the minutes, at most {BACKLOG} "
+                           "waiting)")
     made.add_argument("--kinds", default=list(KINDS), type=choices(KINDS),
                       help=f"kinds of task (default all: {','.join(KINDS)})")
     made.add_argument("--workers", type=int, default=3,
