@@ -13,22 +13,23 @@ import atexit
 import json
 import logging
 import os
-import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, create_engine, inspect
-from sqlalchemy.engine import URL, Engine, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError
+from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError
 
-from . import binding
-from .claims import CLAIM_FORMS, ClaimForm, Held, LeaseKeeper, Settlement, Wakeup
-from .dialects import ClaimedRow, Dialect, dialect_class, dialect_for
+from .claims import LeaseKeeper, Wakeup, claim_forms
+from .database import Database
+from .database import engine_for as engine_for  # re-exported: imported from here
+from .database import same_database as same_database
+from .database import sqlalchemy_url as sqlalchemy_url
 from .errors import ConfigurationError
-from .options import QueueOptions, TransportOptions
+from .options import TransportOptions
+from .rows import ClaimedRow, Held, Settlement
+from .rows import QueueTable as QueueTable
 from .tables import Role, TableSpec, default_table, table_name_for_queue
 
 logger = logging.getLogger(__name__)
@@ -36,93 +37,6 @@ T = TypeVar("T")
 
 #: header carrying why and from where a message reached a dead-letter queue
 DEATH_HEADER = "x-sqlinbox-death"
-
-
-@dataclass(frozen=True, eq=False)
-class QueueTable:
-    """A queue as the transport uses it: its table, its settings, how its payload is stored."""
-
-    queue: str
-    spec: TableSpec
-    options: QueueOptions
-    payload_is_text: bool
-    created_by_transport: bool
-    claims: ClaimForm
-
-    @property
-    def fifo(self) -> bool:
-        group = self.spec.column(Role.GROUP)
-        return group is not None and group.fifo
-
-
-#: drivers tried, in order, for a URL that names no driver (SQLAlchemy's own default
-#: first where it has one installed)
-BARE_DRIVERS = {
-    "postgresql": (("psycopg", "psycopg"), ("psycopg2", "psycopg2")),
-    "mysql": (("MySQLdb", "mysqldb"), ("pymysql", "pymysql")),
-    "mariadb": (("MySQLdb", "mysqldb"), ("pymysql", "pymysql")),
-}
-
-
-def sqlalchemy_url(url: str) -> URL:
-    """The SQLAlchemy URL behind ``sqlinbox+...``. A URL naming no driver
-    (``postgresql://``, ``mysql://``) takes whichever supported driver is installed."""
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        parsed = None
-    if parsed is None or parsed.drivername == "sqlinbox":
-        raise ConfigurationError(
-            f"broker URL {url!r} is not an SQLAlchemy URL; write e.g. "
-            "sqlinbox+postgresql://user@host/db or sqlinbox+sqlite:///jobs.db"
-        )
-    candidates = BARE_DRIVERS.get(parsed.drivername)
-    if candidates is None:
-        return parsed
-    for module, driver in candidates:
-        try:
-            __import__(module)
-        except ImportError:
-            continue
-        return parsed.set(drivername=f"{parsed.drivername}+{driver}")
-    modules = " or ".join(module for module, _ in candidates)
-    raise ConfigurationError(
-        f"a {parsed.drivername}:// broker URL needs a driver: install {modules} (the "
-        "kombu-sqlinbox extras 'psycopg', 'postgres' and 'mysql' bring one)"
-    )
-
-
-def refuse_memory_database(url: URL) -> None:
-    """An SQLite database in memory is one per connection (a shared-cache one, one per
-    process): the keeper's acks, other pool connections and every other process (workers,
-    the outbox's republisher) would each see tables of their own."""
-    if url.get_backend_name() != "sqlite":
-        return
-    database = url.database or ""
-    if not database or ":memory:" in database or url.query.get("mode") == "memory":
-        raise ConfigurationError(
-            f"URL {url.render_as_string()!r} names an SQLite database in memory, which no "
-            "other connection or process can see; use a file: sqlinbox+sqlite:///jobs.db")
-
-
-def engine_for(url: str | URL, sqlite_begin: str = "IMMEDIATE",
-               **engine_options: Any) -> tuple[Engine, Dialect]:
-    """An engine set up the way every engine of kombu-sqlinbox is (the transport's and the
-    outbox's), with the dialect that serves it."""
-    parsed = sqlalchemy_url(url) if isinstance(url, str) else url
-    refuse_memory_database(parsed)
-    engine_options = {**dialect_class(parsed.get_backend_name()).engine_defaults,
-                      **engine_options}
-    engine = create_engine(parsed, **engine_options)
-    dialect = dialect_for(engine)
-    dialect.prepare_engine(engine, sqlite_begin)
-    return engine, dialect
-
-
-def same_database(a: Engine, b: Engine) -> bool:
-    """Whether two engines reach one database (drivers and credentials aside)."""
-    return (a.url.get_backend_name(), a.url.host, a.url.port, a.url.database) == (
-        b.url.get_backend_name(), b.url.host, b.url.port, b.url.database)
 
 
 class Broker:
@@ -135,62 +49,22 @@ class Broker:
         if parsed.get_backend_name() == "sqlite":
             engine_options.clear()
         engine_options.update(options.engine_options)
-        self.engine, self.dialect = engine_for(parsed, **engine_options)
+        self.database = Database.open(parsed, **engine_options)
+        self.engine, self.dialect = self.database.engine, self.database.dialect
+        # the database's own, for the transport's statements
+        self.run = self.database.run
+        self.bound_caller = self.database.bound_caller
+        self.ping = self.database.ping
         self._tables: dict[str, QueueTable] = {}
         self._tables_lock = threading.Lock()
         self.dialect.notify = options.notify and self.dialect.notify
-        self.forms = {name: form(self) for name, form in CLAIM_FORMS.items()}
-        self.keeper = LeaseKeeper(self)
-        self.wakeup = Wakeup(self)
+        self.wakeup = Wakeup(self.database)
+        self.keeper = LeaseKeeper(self.database, wake=self.wakeup.poke)
+        self.forms = claim_forms(self.database, self.keeper)
         self.pid = os.getpid()
         self.closed = False
 
     # -- running work --------------------------------------------------------
-    def run(self, work: Callable[[Connection], T], attempts: int = 10,
-            read_only: bool = False, durable: bool = True, repeatable: bool = False) -> T:
-        """Run ``work`` in one transaction; retry deadlocks, busy databases and a connection
-        that broke before the commit (a server restart, a connection found dead in the
-        pool): the transaction then did not happen. Other errors propagate.
-
-        A connection that breaks during the COMMIT leaves it unknown whether the commit
-        landed, so ``work`` runs again only when it is ``repeatable`` (reads, fenced
-        statements on held rows, claims); anything else, a publish above all, raises
-        the connection error for kombu's and Celery's retry policies to handle.
-
-        ``read_only`` work begins a deferred transaction on SQLite, so it never waits for
-        the write lock (held, say, by the caller's own transaction it publishes into).
-        Work that is not ``durable`` (claims, lease extensions, settlements: losing one in
-        a server crash means a redelivery, never a lost message) skips the commit's wait
-        for the disk where the database allows it."""
-        options = {"sqlite_begin": "DEFERRED"} if read_only else {}
-        for attempt in range(1, attempts + 1):
-            committing = False
-            try:
-                with self.engine.connect() as conn:
-                    transaction = conn.execution_options(**options).begin()
-                    if not durable and self.dialect.relaxed_commit:
-                        conn.exec_driver_sql(self.dialect.relaxed_commit)
-                    result = work(conn)
-                    committing = True
-                    transaction.commit()
-                    return result
-            except DBAPIError as exc:
-                unknown = committing and exc.connection_invalidated
-                if unknown and not (repeatable or read_only):
-                    raise
-                retry = exc.connection_invalidated or self.dialect.is_transient(exc)
-                if not retry or attempt == attempts:
-                    raise
-                # racing claimers deadlock in bursts on MariaDB: back off, jittered
-                time.sleep(random.uniform(0.005, 0.02) * attempt)
-        raise AssertionError("unreachable")
-
-    def bound_caller(self) -> Connection | None:
-        """The bound caller's transaction (:mod:`.binding`) when it is on this database."""
-        caller = binding.current()
-        return caller if caller is not None and same_database(caller.engine, self.engine) \
-            else None
-
     def read(self, table: QueueTable, work: Callable[[Connection], T]) -> T:
         """Run read-only ``work`` on ``table`` in a deferred transaction of our own; in the
         bound caller's when the table was created in that transaction (not yet remembered
@@ -199,9 +73,6 @@ class Broker:
         if caller is not None and self._tables.get(table.queue) is not table:
             return work(caller)
         return self.run(work, read_only=True)
-
-    def ping(self) -> None:
-        self.run(lambda conn: conn.exec_driver_sql("SELECT 1"), attempts=1, read_only=True)
 
     # -- queues --------------------------------------------------------------
     def table(self, queue: str) -> QueueTable:
@@ -248,11 +119,8 @@ class Broker:
         def ensure(conn: Connection) -> bool:
             return self.dialect.ensure_table(conn, spec, self.options.create_tables)
 
-        def committed(conn: Connection) -> bool:
-            return inspect(conn).has_table(spec.table, schema=spec.schema)
-
         if (caller is not None and self.dialect.transactional_ddl
-                and not self.run(committed, read_only=True)):
+                and not self.database.has_table(spec)):
             return QueueTable(queue, spec, options, ensure(caller), created, form), False
         try:
             payload_is_text = self.run(ensure, read_only=True)
@@ -272,9 +140,7 @@ class Broker:
             table_name_for_queue(queue, self.options.table_prefix))
 
     def known_table(self, queue: str) -> bool:
-        spec = self.spec_for(queue)
-        return self.run(lambda conn: inspect(conn).has_table(spec.table, schema=spec.schema),
-                        read_only=True)
+        return self.database.has_table(self.spec_for(queue))
 
     # -- message operations ----------------------------------------------------
     def publish(self, table: QueueTable, params: dict[str, Any],

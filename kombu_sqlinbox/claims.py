@@ -34,40 +34,20 @@ import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from enum import Enum
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
-from .dialects import ClaimedRow
+from .database import Database
 from .errors import ConfigurationError
+from .rows import ClaimedRow, QueueTable
+from .rows import Held as Held  # re-exported: the transport imports them from here
+from .rows import Settlement as Settlement
 from .tables import Role
-
-if TYPE_CHECKING:
-    from .broker import Broker, QueueTable
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class Settlement(Enum):
-    """What happens to a held row when it leaves this process (the statement's name)."""
-
-    COMPLETE = "complete"  # ack: delete, or mark processed
-    RELEASE = "release"  # requeue in place; the delivery counted
-    RELEASE_UNCOUNTED = "release_uncounted"  # never delivered: give the attempt back
-    RETRY = "retry"  # in place, hidden for a delay
-
-
-@dataclass(frozen=True)
-class Held:
-    """A row this process holds: its queue table and fencing token (plus its key)."""
-
-    table: QueueTable
-    id: int
-    attempt: int
-    key: str | None = None
 
 
 class ClaimForm:
@@ -75,8 +55,9 @@ class ClaimForm:
 
     name = ""
 
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
+    def __init__(self, database: Database) -> None:
+        self.database = database
+        self.dialect = database.dialect
 
     def check(self, queue: str) -> None:
         """Refuse at start-up what this database cannot do."""
@@ -105,37 +86,42 @@ class ClaimForm:
         """Called by the keeper once a batch of this form's settlements committed."""
 
     def refuse_without_locks(self, queue: str) -> None:
-        if not self.broker.dialect.lock_clause:
+        if not self.dialect.lock_clause:
             raise ConfigurationError(
                 f"queue {queue!r}: claim={self.name!r} needs row or advisory locks, which "
-                f"{self.broker.engine.dialect.name} does not have; use claim='lease'"
+                f"{self.database.engine.dialect.name} does not have; use claim='lease'"
             )
 
 
 class LeaseClaims(ClaimForm):
-    """The lease form: ``UPDATE ... SET locked_until, attempt + 1`` on a batch."""
+    """The lease form: ``UPDATE ... SET locked_until, attempt + 1`` on a batch; the
+    ``keeper`` extends the leases of the rows held and settles them."""
 
     name = "lease"
 
+    def __init__(self, database: Database, keeper: LeaseKeeper) -> None:
+        super().__init__(database)
+        self.keeper = keeper
+
     def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
         """Lease up to ``limit`` rows and register them with the keeper before returning."""
-        dialect = self.broker.dialect
+        dialect = self.dialect
         lease = table.options.visibility_timeout
         # a claim repeated after a lost commit reply takes other rows; the rows of the
         # first come back after one lease, their attempt counted, as after a crash
-        rows = self.broker.run(
+        rows = self.database.run(
             lambda conn: dialect.claim(conn, table.spec, limit, lease, skip=skip),
             durable=False, repeatable=True)
-        self.broker.keeper.hold(self.held_for(table, row) for row in rows)
+        self.keeper.hold(self.held_for(table, row) for row in rows)
         return rows
 
     def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
-        self.broker.keeper.settle(how, held, delay)
+        self.keeper.settle(how, held, delay)
 
     def run_held(self, held: Held, work: Callable[[Connection], T]) -> T:
         # work on a held row is fenced: run again after its commit landed, it finds nothing
-        result = self.broker.run(work, repeatable=True)
-        self.broker.keeper.forget(held)
+        result = self.database.run(work, repeatable=True)
+        self.keeper.forget(held)
         return result
 
 
@@ -152,8 +138,8 @@ class RowLockClaims(ClaimForm):
     #: queries
     reserved_connections = 3
 
-    def __init__(self, broker: Broker) -> None:
-        super().__init__(broker)
+    def __init__(self, database: Database) -> None:
+        super().__init__(database)
         self._open: dict[tuple[int, int], Connection] = {}
         self._lock = threading.Lock()
 
@@ -161,23 +147,23 @@ class RowLockClaims(ClaimForm):
         self.refuse_without_locks(queue)
 
     def capacity(self) -> int:
-        pool = self.broker.engine.pool
+        pool = self.database.engine.pool
         size = int(getattr(pool, "size", lambda: 5)()) + max(
             int(getattr(pool, "_max_overflow", 0)), 0)
         with self._lock:
             return max(size - self.reserved_connections - len(self._open), 0)
 
     def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
-        dialect = self.broker.dialect
+        dialect = self.dialect
         limit = min(limit, self.capacity())
         if limit <= 0:
             return []
-        counted = self.broker.run(
+        counted = self.database.run(
             lambda conn: dialect.claim(conn, table.spec, limit, 0.0, skip=skip))
         taken = []
         lock_row = dialect.statements(table.spec).lock_row
         for row in counted:
-            conn = self.broker.engine.connect()
+            conn = self.database.engine.connect()
             try:
                 conn.begin()
                 locked = conn.execute(lock_row, {"id": row.id, "attempt": row.attempt}).first()
@@ -200,8 +186,8 @@ class RowLockClaims(ClaimForm):
         conn = self._take(held)
         try:
             if how is not Settlement.RELEASE:  # a release is the rollback below
-                statement = getattr(self.broker.dialect.statements(held.table.spec), how.value)
-                self.broker.dialect.settle(
+                statement = getattr(self.dialect.statements(held.table.spec), how.value)
+                self.dialect.settle(
                     conn, statement, {held.attempt: [held.id]}, {"delay": delay})
                 conn.commit()
         finally:
@@ -231,8 +217,8 @@ class AdvisoryClaims(LeaseClaims):
     #: candidate rows read per wanted row: keys already in work elsewhere are skipped
     overscan = 4
 
-    def __init__(self, broker: Broker) -> None:
-        super().__init__(broker)
+    def __init__(self, database: Database, keeper: LeaseKeeper) -> None:
+        super().__init__(database, keeper)
         #: space -> key -> the id of the row in work here that holds it
         self._keys: dict[int, dict[str, int]] = defaultdict(dict)
         self._lock = threading.Lock()
@@ -256,7 +242,7 @@ class AdvisoryClaims(LeaseClaims):
         """The session that owns this process's advisory locks (autocommit; the caller
         holds ``_lock``). A new one, after one died, takes back the keys of rows in work."""
         if self._connection is None or self._connection.closed:
-            session = self._connection = self.broker.engine.connect().execution_options(
+            session = self._connection = self.database.engine.connect().execution_options(
                 isolation_level="AUTOCOMMIT")
             self._take_back(session)  # failing, it leaves a session the next use drops
         return self._connection
@@ -268,7 +254,7 @@ class AdvisoryClaims(LeaseClaims):
             keys = sorted(mine)
             if not keys:
                 continue
-            taken = self.broker.dialect.try_key_locks(session, space, keys)
+            taken = self.dialect.try_key_locks(session, space, keys)
             lost = [key for key, ok in zip(keys, taken, strict=True) if not ok]
             for key in lost:
                 del mine[key]
@@ -285,7 +271,7 @@ class AdvisoryClaims(LeaseClaims):
 
     def _take(self, space: int, keys: list[str]) -> list[bool]:
         """Try the locks of ``keys`` without waiting (the caller holds ``_lock``)."""
-        dialect = self.broker.dialect
+        dialect = self.dialect
         try:
             return dialect.try_key_locks(self._locks(), space, keys)
         except DBAPIError:
@@ -296,7 +282,7 @@ class AdvisoryClaims(LeaseClaims):
         """Release the locks of ``keys`` (the caller holds ``_lock``). When the session
         fails, they went with it; a new one takes back the others."""
         try:
-            self.broker.dialect.release_key_locks(self._locks(), space, keys)
+            self.dialect.release_key_locks(self._locks(), space, keys)
         except DBAPIError:
             self._drop_session()
             self._locks()
@@ -312,12 +298,12 @@ class AdvisoryClaims(LeaseClaims):
         here are passed over by their locks, ``skip`` among them. Keys locked for rows
         the claim did not get are released, whatever happened.
         """
-        dialect = self.broker.dialect
+        dialect = self.dialect
         statements = dialect.statements(table.spec)
         space = self.space(table)
         with self._lock:
             mine = self._keys[space]
-            candidates = self.broker.run(lambda conn: conn.execute(
+            candidates = self.database.run(lambda conn: conn.execute(
                 statements.candidates, {"limit": limit * self.overscan}).all(), read_only=True)
             firsts: dict[str, int] = {}
             for row_id, partition_key in candidates:
@@ -333,7 +319,7 @@ class AdvisoryClaims(LeaseClaims):
             rows: list[ClaimedRow] = []
             try:
                 if wanted:
-                    rows = self.broker.run(lambda conn: dialect.claim(
+                    rows = self.database.run(lambda conn: dialect.claim(
                         conn, table.spec, len(wanted), lease, ids=wanted), durable=False,
                         repeatable=True)
             finally:
@@ -341,11 +327,11 @@ class AdvisoryClaims(LeaseClaims):
                 unused = [key for key in locked if key not in mine]
                 if unused:
                     self._give_back(space, unused)
-        self.broker.keeper.hold(self.held_for(table, row) for row in rows)
+        self.keeper.hold(self.held_for(table, row) for row in rows)
         return rows
 
     def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
-        self.broker.keeper.settle(how, held, delay)
+        self.keeper.settle(how, held, delay)
 
     def run_held(self, held: Held, work: Callable[[Connection], T]) -> T:
         result = super().run_held(held, work)
@@ -366,9 +352,11 @@ class AdvisoryClaims(LeaseClaims):
                 self._give_back(space, keys)
 
 
-CLAIM_FORMS: dict[str, type[ClaimForm]] = {
-    form.name: form for form in (LeaseClaims, RowLockClaims, AdvisoryClaims)
-}
+def claim_forms(database: Database, keeper: LeaseKeeper) -> dict[str, ClaimForm]:
+    """Every claim form on ``database`` by name, the lease-based ones sharing ``keeper``."""
+    forms = (LeaseClaims(database, keeper), RowLockClaims(database),
+             AdvisoryClaims(database, keeper))
+    return {form.name: form for form in forms}
 
 
 #: how long closing a channel, a broker or the process waits for the settlements queued
@@ -399,7 +387,7 @@ class Failing:
 
 
 #: settlements written together: one queue's acks, or its requeues, ...
-Group = tuple["QueueTable", Settlement]
+Group = tuple[QueueTable, Settlement]
 
 
 def next_backoff(backoff: float) -> float:
@@ -413,11 +401,14 @@ class LeaseKeeper:
     Extensions never wait behind a settlement. Settlements are grouped by queue and kind
     (acks, requeues, ...); a group whose statement fails is retried with back-off on its
     own while every other group is written, and one whose table no longer exists is
-    dropped (its rows went with the table).
+    dropped (its rows went with the table). ``wake`` is called when a settlement may let
+    a waiting row go (a FIFO head settled).
     """
 
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
+    def __init__(self, database: Database, wake: Callable[[], None]) -> None:
+        self.database = database
+        self.dialect = database.dialect
+        self.wake = wake
         self._lock = threading.Lock()
         self._written = threading.Condition(self._lock)  # settlements left the queue
         self._held: dict[QueueTable, dict[int, int]] = defaultdict(dict)
@@ -557,7 +548,7 @@ class LeaseKeeper:
         for queued in batch:
             grouped[(queued.held.table, queued.how, queued.delay)][queued.held.attempt].append(
                 queued.held.id)
-        dialect = self.broker.dialect
+        dialect = self.dialect
         # a settled FIFO head lets the row behind it go: wake consumers here and elsewhere
         heads = {table for table, _, _ in grouped if table.fifo}
 
@@ -571,14 +562,14 @@ class LeaseKeeper:
             return touched
 
         # fenced: run again after a commit whose reply was lost, it finds nothing to do
-        touched = self.broker.run(work, durable=False, repeatable=True)
+        touched = self.database.run(work, durable=False, repeatable=True)
         if touched < len(batch):
             logger.info(
                 "sqlinbox: %d of %d settled rows had already left this process (settled "
                 "by a task's own transaction, or claimed again after their lease lapsed)",
                 len(batch) - touched, len(batch))
         if heads:
-            self.broker.wakeup.poke()
+            self.wake()
 
     def _done(self, group: Group, entries: list[Queued]) -> None:
         """A group's settlements are written (or dropped): the rows leave this process."""
@@ -619,7 +610,7 @@ class LeaseKeeper:
     def _gone(self, table: QueueTable) -> bool:
         """Whether the table was dropped; a database that cannot say is taken as there."""
         try:
-            return not self.broker.known_table(table.queue)
+            return not self.database.has_table(table.spec)
         except Exception:
             return False
 
@@ -646,7 +637,7 @@ class LeaseKeeper:
             snapshot = {table: dict(rows) for table, rows in self._held.items() if rows}
         if not snapshot:
             return False
-        dialect = self.broker.dialect
+        dialect = self.dialect
 
         def work(conn: Connection, tables: dict[QueueTable, dict[int, int]]) -> None:
             for table, rows in tables.items():
@@ -661,7 +652,7 @@ class LeaseKeeper:
 
         failed = isolated(
             snapshot,
-            lambda tables: self.broker.run(lambda conn: work(conn, tables), durable=False,
+            lambda tables: self.database.run(lambda conn: work(conn, tables), durable=False,
                                            repeatable=True),
             self._extension_failed, lambda table, rows: None)
         return bool(failed)
@@ -714,8 +705,9 @@ def isolated(parts: dict[K, V], run: Callable[[dict[K, V]], object],
 class Wakeup:
     """What an idle consumer waits on instead of sleeping a whole polling interval."""
 
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
+    def __init__(self, database: Database) -> None:
+        self.database = database
+        self.dialect = database.dialect
         self._read, self._write = os.pipe()
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
@@ -729,24 +721,24 @@ class Wakeup:
 
     def listen(self, table: QueueTable) -> None:
         """Ask for a NOTIFY wake-up from a consumed table, where the database has them."""
-        if not self.broker.dialect.notify:
+        if not self.dialect.notify:
             return
-        name = self.broker.dialect.channel(table.spec)
+        name = self.dialect.channel(table.spec)
         if name in self._channels:
             return
         self._channels.add(name)
         if self._listener is not None:
             try:
-                self.broker.dialect.listen(self._listener, [name])
+                self.dialect.listen(self._listener, [name])
             except Exception:
                 self._drop_listener()
 
     def _connect_listener(self) -> Any:
-        raw = self.broker.engine.raw_connection()
+        raw = self.database.engine.raw_connection()
         connection: Any = raw.driver_connection  # read before detach() forgets it
         raw.detach()
         connection.autocommit = True
-        self.broker.dialect.listen(connection, self._channels)
+        self.dialect.listen(connection, self._channels)
         return connection
 
     def _drop_listener(self) -> None:
@@ -782,7 +774,7 @@ class Wakeup:
                 pass
         if self._listener is not None and self._listener in ready:
             try:
-                self.broker.dialect.take_notifications(self._listener)
+                self.dialect.take_notifications(self._listener)
             except Exception:
                 self._drop_listener()
 

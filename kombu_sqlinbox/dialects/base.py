@@ -21,23 +21,11 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
 from ..errors import MessageTooLarge, SchemaMismatch
+from ..rows import ClaimedRow as ClaimedRow  # built here; re-exported
 from ..tables import ColumnSpec, Role, TableSpec
 
 #: attempt -> ids held with that attempt (the attempt is the lease's fencing token)
 Tokens = Mapping[int, Sequence[int]]
-
-
-@dataclass(frozen=True)
-class ClaimedRow:
-    """A row taken by a claim: what delivery needs, plus the fencing token (attempt)."""
-
-    id: int
-    attempt: int
-    payload: bytes | str
-    headers: str | None
-    group: Any
-    partition_key: Any
-    sort_key: tuple[Any, ...]
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,10 @@ def form_of(conn: KombuConnection) -> AdvisoryClaims:
     return form
 
 
-def holder(form: AdvisoryClaims, session: Connection, queue: str, key: str) -> int | None:
+def holder(conn: KombuConnection, session: Connection, queue: str, key: str) -> int | None:
     """The server's id of the session holding ``key``'s lock, if any (looked up, not taken)."""
-    space = form.space(form.broker.table(queue))
+    form = form_of(conn)
+    space = form.space(broker_of(conn).table(queue))
     if session.dialect.name == "postgresql":
         found = session.execute(text(
             "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 "
@@ -46,7 +47,7 @@ def holder(form: AdvisoryClaims, session: Connection, queue: str, key: str) -> i
             "AND objid = CAST(hashtext(:key) AS bigint) & 4294967295 AND granted"),
             {"space": space, "key": key}).scalar()
     else:
-        (name,) = form.broker.dialect.lock_names(space, [key]).values()
+        (name,) = form.dialect.lock_names(space, [key]).values()
         found = session.execute(text("SELECT IS_USED_LOCK(:name)"), {"name": name}).scalar()
     return None if found is None else int(found)
 
@@ -105,7 +106,7 @@ def test_failed_claim_leaves_no_key_locked(
     try:
         with pytest.raises(DBAPIError, match="no lease today"):
             conn.default_channel.basic_get("jobs")
-        assert holder(form_of(conn), other_session, "jobs", "id:1") is None
+        assert holder(conn, other_session, "jobs", "id:1") is None
     finally:
         other_session.execute(text(f"DROP TRIGGER {refuse}" + (
             f" ON {table}" if database == "postgresql" else "")))
@@ -119,17 +120,17 @@ def test_dead_lock_session_is_replaced_and_keys_in_work_taken_back(
 ) -> None:
     conn, form, first = first_of_two(connect)
     kill_lock_session(form, other_session)
-    assert holder(form, other_session, "jobs", "id:1") is None
+    assert holder(conn, other_session, "jobs", "id:1") is None
     second = get_within(conn, "jobs")  # the claim finds the session dead and replaces it
     assert second.decode() == {"n": 1}
     with form._lock:
         renewed = backend_id(form._locks())
-    assert holder(form, other_session, "jobs", "id:1") == renewed
-    assert holder(form, other_session, "jobs", "id:2") == renewed
+    assert holder(conn, other_session, "jobs", "id:1") == renewed
+    assert holder(conn, other_session, "jobs", "id:2") == renewed
     first.ack()
     second.ack()
     settled(conn)
-    wait_for(lambda: not any(holder(form, other_session, "jobs", key)
+    wait_for(lambda: not any(holder(conn, other_session, "jobs", key)
                              for key in ("id:1", "id:2")), "both keys to be released")
 
 
@@ -140,16 +141,16 @@ def test_key_taken_elsewhere_while_the_session_was_dead_is_forgotten(
     leased, so nobody else runs it) and does not release the other process's lock."""
     conn, form, first = first_of_two(connect)
     kill_lock_session(form, other_session)
-    space = form.space(form.broker.table("jobs"))
-    assert form.broker.dialect.try_key_locks(other_session, space, ["id:1"]) == [True]
+    space = form.space(broker_of(conn).table("jobs"))
+    assert form.dialect.try_key_locks(other_session, space, ["id:1"]) == [True]
     second = get_within(conn, "jobs")
     first.ack()
     second.ack()
     settled(conn)
-    wait_for(lambda: holder(form, other_session, "jobs", "id:2") is None,
+    wait_for(lambda: holder(conn, other_session, "jobs", "id:2") is None,
              "id:2 to be released")
-    assert holder(form, other_session, "jobs", "id:1") == backend_id(other_session)
-    form.broker.dialect.release_key_locks(other_session, space, ["id:1"])
+    assert holder(conn, other_session, "jobs", "id:1") == backend_id(other_session)
+    form.dialect.release_key_locks(other_session, space, ["id:1"])
 
 
 def test_settling_on_a_dead_lock_session_keeps_the_other_keys_locked(
@@ -159,10 +160,10 @@ def test_settling_on_a_dead_lock_session_keeps_the_other_keys_locked(
     second = get_within(conn, "jobs")
     kill_lock_session(form, other_session)
     first.ack()  # the keeper releases id:1 on the dead session: it takes id:2 back
-    wait_for(lambda: holder(form, other_session, "jobs", "id:2") is not None,
+    wait_for(lambda: holder(conn, other_session, "jobs", "id:2") is not None,
              "id:2 to be locked again")
-    assert holder(form, other_session, "jobs", "id:1") is None
+    assert holder(conn, other_session, "jobs", "id:1") is None
     second.ack()
     settled(conn)
-    wait_for(lambda: holder(form, other_session, "jobs", "id:2") is None,
+    wait_for(lambda: holder(conn, other_session, "jobs", "id:2") is None,
              "id:2 to be released")

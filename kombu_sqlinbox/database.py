@@ -1,0 +1,159 @@
+"""One database as every layer above reaches it: the engine, its dialect, and the
+transaction that is retried where retrying is safe.
+
+It knows the dialects and nothing above them, so claim forms and the lease keeper
+run on it without a broker.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from sqlalchemy import Connection, create_engine, inspect
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError
+
+from . import binding
+from .dialects import Dialect, dialect_class, dialect_for
+from .errors import ConfigurationError
+from .tables import TableSpec
+
+T = TypeVar("T")
+
+#: drivers tried, in order, for a URL that names no driver (SQLAlchemy's own default
+#: first where it has one installed)
+BARE_DRIVERS = {
+    "postgresql": (("psycopg", "psycopg"), ("psycopg2", "psycopg2")),
+    "mysql": (("MySQLdb", "mysqldb"), ("pymysql", "pymysql")),
+    "mariadb": (("MySQLdb", "mysqldb"), ("pymysql", "pymysql")),
+}
+
+
+def sqlalchemy_url(url: str) -> URL:
+    """The SQLAlchemy URL behind ``sqlinbox+...``. A URL naming no driver
+    (``postgresql://``, ``mysql://``) takes whichever supported driver is installed."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        parsed = None
+    if parsed is None or parsed.drivername == "sqlinbox":
+        raise ConfigurationError(
+            f"broker URL {url!r} is not an SQLAlchemy URL; write e.g. "
+            "sqlinbox+postgresql://user@host/db or sqlinbox+sqlite:///jobs.db"
+        )
+    candidates = BARE_DRIVERS.get(parsed.drivername)
+    if candidates is None:
+        return parsed
+    for module, driver in candidates:
+        try:
+            __import__(module)
+        except ImportError:
+            continue
+        return parsed.set(drivername=f"{parsed.drivername}+{driver}")
+    modules = " or ".join(module for module, _ in candidates)
+    raise ConfigurationError(
+        f"a {parsed.drivername}:// broker URL needs a driver: install {modules} (the "
+        "kombu-sqlinbox extras 'psycopg', 'postgres' and 'mysql' bring one)"
+    )
+
+
+def refuse_memory_database(url: URL) -> None:
+    """An SQLite database in memory is one per connection (a shared-cache one, one per
+    process): the keeper's acks, other pool connections and every other process (workers,
+    the outbox's republisher) would each see tables of their own."""
+    if url.get_backend_name() != "sqlite":
+        return
+    database = url.database or ""
+    if not database or ":memory:" in database or url.query.get("mode") == "memory":
+        raise ConfigurationError(
+            f"URL {url.render_as_string()!r} names an SQLite database in memory, which no "
+            "other connection or process can see; use a file: sqlinbox+sqlite:///jobs.db")
+
+
+def engine_for(url: str | URL, sqlite_begin: str = "IMMEDIATE",
+               **engine_options: Any) -> tuple[Engine, Dialect]:
+    """An engine set up the way every engine of kombu-sqlinbox is (the transport's and the
+    outbox's), with the dialect that serves it."""
+    parsed = sqlalchemy_url(url) if isinstance(url, str) else url
+    refuse_memory_database(parsed)
+    engine_options = {**dialect_class(parsed.get_backend_name()).engine_defaults,
+                      **engine_options}
+    engine = create_engine(parsed, **engine_options)
+    dialect = dialect_for(engine)
+    dialect.prepare_engine(engine, sqlite_begin)
+    return engine, dialect
+
+
+def same_database(a: Engine, b: Engine) -> bool:
+    """Whether two engines reach one database (drivers and credentials aside)."""
+    return (a.url.get_backend_name(), a.url.host, a.url.port, a.url.database) == (
+        b.url.get_backend_name(), b.url.host, b.url.port, b.url.database)
+
+
+class Database:
+    """An engine and the dialect that serves it, with the transactions run on them."""
+
+    def __init__(self, engine: Engine, dialect: Dialect) -> None:
+        self.engine = engine
+        self.dialect = dialect
+
+    @classmethod
+    def open(cls, url: str | URL, **engine_options: Any) -> Database:
+        """A database on an engine made by :func:`engine_for`."""
+        return cls(*engine_for(url, **engine_options))
+
+    def run(self, work: Callable[[Connection], T], attempts: int = 10,
+            read_only: bool = False, durable: bool = True, repeatable: bool = False) -> T:
+        """Run ``work`` in one transaction; retry deadlocks, busy databases and a connection
+        that broke before the commit (a server restart, a connection found dead in the
+        pool): the transaction then did not happen. Other errors propagate.
+
+        A connection that breaks during the COMMIT leaves it unknown whether the commit
+        landed, so ``work`` runs again only when it is ``repeatable`` (reads, fenced
+        statements on held rows, claims); anything else, a publish above all, raises
+        the connection error for kombu's and Celery's retry policies to handle.
+
+        ``read_only`` work begins a deferred transaction on SQLite, so it never waits for
+        the write lock (held, say, by the caller's own transaction it publishes into).
+        Work that is not ``durable`` (claims, lease extensions, settlements: losing one in
+        a server crash means a redelivery, never a lost message) skips the commit's wait
+        for the disk where the database allows it."""
+        options = {"sqlite_begin": "DEFERRED"} if read_only else {}
+        for attempt in range(1, attempts + 1):
+            committing = False
+            try:
+                with self.engine.connect() as conn:
+                    transaction = conn.execution_options(**options).begin()
+                    if not durable and self.dialect.relaxed_commit:
+                        conn.exec_driver_sql(self.dialect.relaxed_commit)
+                    result = work(conn)
+                    committing = True
+                    transaction.commit()
+                    return result
+            except DBAPIError as exc:
+                unknown = committing and exc.connection_invalidated
+                if unknown and not (repeatable or read_only):
+                    raise
+                retry = exc.connection_invalidated or self.dialect.is_transient(exc)
+                if not retry or attempt == attempts:
+                    raise
+                # racing claimers deadlock in bursts on MariaDB: back off, jittered
+                time.sleep(random.uniform(0.005, 0.02) * attempt)
+        raise AssertionError("unreachable")
+
+    def bound_caller(self) -> Connection | None:
+        """The bound caller's transaction (:mod:`.binding`) when it is on this database."""
+        caller = binding.current()
+        return caller if caller is not None and same_database(caller.engine, self.engine) \
+            else None
+
+    def ping(self) -> None:
+        self.run(lambda conn: conn.exec_driver_sql("SELECT 1"), attempts=1, read_only=True)
+
+    def has_table(self, spec: TableSpec) -> bool:
+        """Whether ``spec``'s table exists, committed."""
+        return self.run(lambda conn: inspect(conn).has_table(spec.table, schema=spec.schema),
+                        read_only=True)

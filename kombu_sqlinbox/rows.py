@@ -1,0 +1,88 @@
+"""The values every layer passes around: a queue's table, a claimed row, a held row.
+
+A leaf: it knows tables and options, nothing of the dialects, the claim forms or the
+broker, so each of those can be built and tested on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol, TypeVar
+
+from sqlalchemy import Connection
+
+from .options import QueueOptions
+from .tables import Role, TableSpec
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ClaimedRow:
+    """A row taken by a claim: what delivery needs, plus the fencing token (attempt)."""
+
+    id: int
+    attempt: int
+    payload: bytes | str
+    headers: str | None
+    group: Any
+    partition_key: Any
+    sort_key: tuple[Any, ...]
+
+
+class Settlement(Enum):
+    """What happens to a held row when it leaves this process (the statement's name)."""
+
+    COMPLETE = "complete"  # ack: delete, or mark processed
+    RELEASE = "release"  # requeue in place; the delivery counted
+    RELEASE_UNCOUNTED = "release_uncounted"  # never delivered: give the attempt back
+    RETRY = "retry"  # in place, hidden for a delay
+
+
+class Claims(Protocol):
+    """A queue's claim form, as those holding the queue's rows use it (the forms of
+    :mod:`.claims` are its implementations)."""
+
+    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
+        ...
+
+    def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
+        ...
+
+    def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
+        ...
+
+    def run_held(self, held: Held, work: Callable[[Connection], T]) -> T:
+        ...
+
+    def settled(self, rows: Iterable[Held]) -> None:
+        ...
+
+
+@dataclass(frozen=True, eq=False)
+class QueueTable:
+    """A queue as the transport uses it: its table, its settings, how its payload is stored."""
+
+    queue: str
+    spec: TableSpec
+    options: QueueOptions
+    payload_is_text: bool
+    created_by_transport: bool
+    claims: Claims
+
+    @property
+    def fifo(self) -> bool:
+        group = self.spec.column(Role.GROUP)
+        return group is not None and group.fifo
+
+
+@dataclass(frozen=True)
+class Held:
+    """A row this process holds: its queue table and fencing token (plus its key)."""
+
+    table: QueueTable
+    id: int
+    attempt: int
+    key: str | None = None

@@ -1,0 +1,155 @@
+"""Claim forms and the lease keeper on the database layer alone, with no broker: what
+each takes is a database, a keeper and a wake-up callback.
+
+Each test asks for ``table_prefix`` first, so its tables are dropped only after the
+keeper stopped."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy.engine import Engine
+
+from kombu_sqlinbox import ConfigurationError, TableBuilder, TableSpec, default_table
+from kombu_sqlinbox.claims import ClaimForm, LeaseClaims, LeaseKeeper, RowLockClaims
+from kombu_sqlinbox.database import Database
+from kombu_sqlinbox.options import QueueOptions
+from kombu_sqlinbox.rows import ClaimedRow, QueueTable, Settlement
+
+from .support import rows, wait_for
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[Database]:
+    made = Database.open(db_url)
+    yield made
+    made.engine.dispose()
+
+
+@pytest.fixture
+def woken() -> threading.Event:
+    """Set by the keeper's wake-up callback."""
+    return threading.Event()
+
+
+@pytest.fixture
+def keeper(db: Database, woken: threading.Event) -> Iterator[LeaseKeeper]:
+    made = LeaseKeeper(db, wake=woken.set)
+    yield made
+    made.stop(timeout=5)
+
+
+def queue_table(db: Database, spec: TableSpec, claims: ClaimForm,
+                lease: float = 30.0) -> QueueTable:
+    """The table created and checked as the broker does on first use."""
+    payload_is_text = db.run(lambda conn: db.dialect.ensure_table(conn, spec, True),
+                             read_only=True)
+    return QueueTable("jobs", spec, QueueOptions(visibility_timeout=lease), payload_is_text,
+                      True, claims)
+
+
+def publish(db: Database, table: QueueTable, *bodies: str, group: str | None = None) -> None:
+    params = [db.dialect.insert_params(body if table.payload_is_text else body.encode(), None,
+                                       0, None, group=group) for body in bodies]
+    db.run(lambda conn: db.dialect.publish(conn, table.spec, params))
+
+
+def bodies(claimed: list[ClaimedRow]) -> list[str]:
+    return [row.payload if isinstance(row.payload, str) else row.payload.decode()
+            for row in claimed]
+
+
+def test_lease_claims_take_ready_rows_in_order_and_hand_them_to_the_keeper(
+    table_prefix: str, db: Database, keeper: LeaseKeeper,
+) -> None:
+    form = LeaseClaims(db, keeper)
+    table = queue_table(db, default_table(f"{table_prefix}jobs"), form)
+    publish(db, table, "m0", "m1", "m2")
+    first = form.claim(table, 2)
+    assert bodies(first) == ["m0", "m1"]
+    assert [row.attempt for row in first] == [1, 1]
+    assert keeper.held_count() == 2
+    assert bodies(form.claim(table, 5)) == ["m2"]
+    assert form.claim(table, 5) == []
+    assert keeper.held_count() == 3
+
+
+def test_the_keeper_extends_a_held_lease_until_the_row_settles(
+    table_prefix: str, db: Database, engine: Engine, keeper: LeaseKeeper,
+    woken: threading.Event,
+) -> None:
+    """A row with a 1 s lease stays with its holder for two leases (a rival form with a
+    keeper of its own, as in another process, gets nothing); the ack then deletes it."""
+    form = LeaseClaims(db, keeper)
+    name = f"{table_prefix}jobs"
+    table = queue_table(db, default_table(name), form, lease=1)
+    publish(db, table, "m0")
+    (row,) = form.claim(table, 1)
+    (claimed,) = rows(engine, name)
+    wait_for(lambda: rows(engine, name)[0]["locked_until"] > claimed["locked_until"],
+             "the keeper to extend the lease", timeout=5)
+    rival_keeper = LeaseKeeper(db, wake=lambda: None)
+    rival = LeaseClaims(db, rival_keeper)
+    try:
+        until = time.monotonic() + 2
+        while time.monotonic() < until:
+            assert rival.claim(table, 1) == [], "a held row was claimed again"
+            time.sleep(0.1)
+    finally:
+        rival_keeper.stop(timeout=5)
+    form.settle(Settlement.COMPLETE, form.held_for(table, row))
+    assert keeper.flush(timeout=10)
+    assert rows(engine, name) == []
+    assert keeper.held_count() == 0
+    assert not woken.is_set(), "no row waited behind this one"
+
+
+def test_settling_a_fifo_head_calls_the_wake_up(
+    table_prefix: str, db: Database, keeper: LeaseKeeper, woken: threading.Event,
+) -> None:
+    """The row behind a FIFO group's head is claimable only once the head settled: the
+    keeper then calls the wake-up, so a waiting consumer claims it without polling."""
+    spec = (TableBuilder(f"{table_prefix}fifo").id().payload().headers()
+            .group("customer", fifo=True).priority().available_at().locked_until().attempt()
+            .build())
+    form = LeaseClaims(db, keeper)
+    table = queue_table(db, spec, form)
+    publish(db, table, "head", "next", group="c1")
+    (head,) = form.claim(table, 5)
+    assert bodies([head]) == ["head"]
+    assert form.claim(table, 5) == []
+    form.settle(Settlement.COMPLETE, form.held_for(table, head))
+    assert woken.wait(timeout=10), "the keeper did not call the wake-up"
+    assert bodies(form.claim(table, 5)) == ["next"]
+
+
+@pytest.mark.databases("postgresql", "mysql")
+def test_row_lock_claims_hold_a_connection_per_row_until_it_settles(
+    table_prefix: str, db: Database, engine: Engine,
+) -> None:
+    form = RowLockClaims(db)
+    name = f"{table_prefix}jobs"
+    table = queue_table(db, default_table(name), form)
+    form.check(table.queue)
+    publish(db, table, "m0", "m1")
+    free = form.capacity()
+    done, released = form.claim(table, 2)
+    assert bodies([done, released]) == ["m0", "m1"]
+    assert form.capacity() == free - 2
+    form.settle(Settlement.COMPLETE, form.held_for(table, done))
+    form.settle(Settlement.RELEASE, form.held_for(table, released))
+    assert form.capacity() == free
+    assert [(row["id"], row["attempt"]) for row in rows(engine, name)] == [(released.id, 1)]
+    (again,) = form.claim(table, 2)
+    assert (again.id, again.attempt) == (released.id, 2)
+    form.settle(Settlement.COMPLETE, form.held_for(table, again))
+    assert rows(engine, name) == []
+
+
+@pytest.mark.databases("sqlite")
+def test_row_lock_claims_are_refused_without_row_locks(db: Database) -> None:
+    with pytest.raises(ConfigurationError, match="needs row or advisory locks"):
+        RowLockClaims(db).check("jobs")
