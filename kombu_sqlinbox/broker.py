@@ -5,6 +5,9 @@ events); they all share one :class:`Broker` per URL and options, so the process
 has one engine with a bounded pool, one lease keeper and one view of which
 queue lives in which table. A forked child (a prefork pool process) starts with
 none of it: it opens its own engine when it first publishes.
+
+The broker composes the layers below it: the :class:`~.database.Database`, and on
+it the claim forms, the lease keeper and the wake-up of :mod:`.claims`.
 """
 
 from __future__ import annotations
