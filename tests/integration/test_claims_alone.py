@@ -1,4 +1,4 @@
-"""Claim forms and the lease keeper on the database layer alone, with no broker: what
+"""The database layer, and the claim forms and lease keeper on it with no broker: what
 each takes is a database, a keeper and a wake-up callback.
 
 Each test asks for ``table_prefix`` first, so its tables are dropped only after the
@@ -11,15 +11,18 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from sqlalchemy import Connection
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 
 from kombu_sqlinbox import ConfigurationError, TableBuilder, TableSpec, default_table
 from kombu_sqlinbox.claims import ClaimForm, LeaseClaims, LeaseKeeper, RowLockClaims
 from kombu_sqlinbox.database import Database
 from kombu_sqlinbox.options import QueueOptions
 from kombu_sqlinbox.rows import ClaimedRow, QueueTable, Settlement
+from tests.tcp_proxy import Proxy
 
-from .support import rows, wait_for
+from .support import count_rows, rows, wait_for
 
 
 @pytest.fixture
@@ -60,6 +63,37 @@ def publish(db: Database, table: QueueTable, *bodies: str, group: str | None = N
 def bodies(claimed: list[ClaimedRow]) -> list[str]:
     return [row.payload if isinstance(row.payload, str) else row.payload.decode()
             for row in claimed]
+
+
+@pytest.mark.databases("postgresql", "mysql")  # a file has no connection to lose
+def test_work_whose_commit_reply_is_lost_runs_again_only_when_repeatable(
+    table_prefix: str, db_url: str, engine: Engine, proxy: Proxy,
+) -> None:
+    """Whether a commit whose reply was lost landed is unknown: the database layer runs
+    the work again only when its caller said that is harmless."""
+    db = Database.open(proxy.url(db_url))
+    name = f"{table_prefix}jobs"
+    spec = default_table(name)
+    runs: list[None] = []
+
+    def work(conn: Connection) -> None:
+        runs.append(None)
+        db.dialect.publish(conn, spec, [db.dialect.insert_params(b"m", None, 0, None)])
+
+    try:
+        db.run(lambda conn: db.dialect.ensure_table(conn, spec, True))
+        proxy.cut_after_commit()
+        with pytest.raises(DBAPIError):
+            db.run(work)
+        assert (len(runs), count_rows(engine, name)) == (1, 1)
+        # a fresh connection's set-up (MySQL's READ COMMITTED) must not be what is cut
+        db.ping()
+        proxy.cut_after_commit()
+        db.run(work, repeatable=True)
+        assert proxy.commits_cut == 2
+        assert (len(runs), count_rows(engine, name)) == (3, 3)
+    finally:
+        db.engine.dispose()
 
 
 def test_lease_claims_take_ready_rows_in_order_and_hand_them_to_the_keeper(
