@@ -137,11 +137,9 @@ def delivery_transaction(app: Any, row: dict[str, Any] | None) -> Iterator[
     with broker.engine.connect() as conn:
         conn = conn.execution_options(**options)
         with conn.begin():
-            if table is not None and row is not None:
-                statement = broker.dialect.statements(table.spec).still_held
-                params = {"id": row["id"], "attempt": row["attempt"]}
-                if conn.execute(statement, params).first() is None:
-                    raise row_gone(row, "skipped")
+            if table is not None and row is not None and not broker.still_held(
+                    conn, table, row["id"], row["attempt"]):
+                raise row_gone(row, "skipped")
             yield conn, table
 
 
@@ -179,9 +177,7 @@ def complete_row(app: Any, conn: Connection, table: QueueTable, row: dict[str, A
     the keeper keeps extending it); if it was claimed again meanwhile, nothing of this
     delivery commits.
     """
-    broker = broker_of(app)
-    statement = broker.dialect.statements(table.spec).complete
-    if broker.dialect.settle(conn, statement, {row["attempt"]: [row["id"]]}) != 1:
+    if not broker_of(app).complete_in(conn, table, row["id"], row["attempt"]):
         raise row_gone(row, "its writes are rolled back")
 
 
@@ -221,14 +217,14 @@ class InboxTask(Task):  # type: ignore[misc]
                     complete_row(self.app, conn, table, row)
                 return result
         except DBAPIError as exc:
-            dialect = broker_of(self.app).dialect
-            if exc.connection_invalidated or dialect.is_transient(exc):
+            broker = broker_of(self.app)
+            if exc.connection_invalidated or broker.is_transient(exc):
                 # a lost connection, a deadlock, a serialization failure or busy SQLite:
                 # the row goes back in place and runs again (had the commit landed before
                 # the connection was lost, the row went with it: nothing comes back)
                 what = "connection lost" if exc.connection_invalidated else "transient error"
                 raise Reject(f"database {what}, requeued: {exc.orig}", requeue=True) from exc
-            if not (self.drop_duplicates and dialect.is_unique_violation(exc)):
+            if not (self.drop_duplicates and broker.is_unique_violation(exc)):
                 raise
             logger.warning("sqlinbox: task %s[%s] violated a unique key (%s): the same work "
                            "was done before; dropped with nothing changed",

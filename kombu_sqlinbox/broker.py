@@ -219,6 +219,103 @@ class Broker:
         self.wakeup.close()
         self.engine.dispose()
 
+    # -- what the kombu glue and transactional tasks ask of the broker ---------
+    def publish_message(
+        self, table: QueueTable, payload: bytes | str, headers: str | None, priority: int = 0,
+        eta: float | None = None, group: str | None = None, partition_key: str | None = None,
+    ) -> None:
+        """Publish one encoded message, in the bound caller's transaction when there is
+        one; refused (:class:`~.errors.MessageTooLarge`) before the server would refuse
+        the statement."""
+        self.dialect.check_message_size(
+            table.queue, len(payload) + (len(headers) if headers else 0))
+        self.publish(table, self.dialect.insert_params(
+            payload, headers, priority, eta, group, partition_key), binding.current())
+
+    def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
+        return table.claims.held_for(table, row)
+
+    def admit(self, held: Held, row: ClaimedRow, undecodable: str | None = None) -> bool:
+        """Whether a claimed row may be delivered. One claimed more often than its queue's
+        ``max_attempts`` allows, or whose message does not decode (``undecodable`` says
+        why), goes to its dead-letter queue instead."""
+        reason = undecodable
+        limit = held.table.options.max_attempts
+        if limit is not None and row.attempt > limit:
+            # the limit's reason stands whether or not the row decodes; decoding only tells
+            # whether the parked copy needs a fresh envelope
+            reason = (f"delivered {row.attempt} times, max_attempts is {limit} "
+                      "(earlier deliveries crashed, expired or were requeued)")
+        if reason is None:
+            return True
+        self.dead_letter(held, row, reason, undecodable=undecodable is not None)
+        return False
+
+    def reject(self, held: Held, row: ClaimedRow, requeue: bool) -> None:
+        """A consumer's reject: back in place (the delivery counts towards
+        ``max_attempts``), or else to the dead-letter queue. A row whose move fails goes
+        back too, rather than stay held, and the failure propagates."""
+        if requeue:
+            self.settle(Settlement.RELEASE, held)
+            return
+        try:
+            self.dead_letter(held, row, "rejected without requeue by the consumer")
+        except Exception:
+            self.settle(Settlement.RELEASE, held)
+            raise
+
+    def retry_later(self, held: Held, seconds: float) -> None:
+        """Requeue in place (same row, attempt counted), hidden for ``seconds``; at once
+        on a table without an available_at column, which cannot hide a row."""
+        if not held.table.spec.has(Role.AVAILABLE_AT):
+            logger.warning("sqlinbox: queue %r has no available_at column: retry_after "
+                           "requeues at once instead of in %gs", held.table.queue, seconds)
+            self.settle(Settlement.RELEASE, held)
+            return
+        self.settle(Settlement.RETRY, held, max(0.0, float(seconds)))
+
+    def size(self, table: QueueTable) -> int:
+        """How many of the queue's messages are not in work (ready or delayed)."""
+        statement = self.dialect.statements(table.spec).size
+        return int(self.read(table, lambda conn: conn.execute(statement).scalar_one()))
+
+    def purge(self, table: QueueTable) -> int:
+        """Delete the queue's messages not in work; how many went."""
+        statement = self.dialect.statements(table.spec).purge
+        return int(self.run(lambda conn: conn.execute(statement).rowcount))
+
+    def delete_queue(self, queue: str) -> None:
+        """Drop the queue's table if the transport created it; a declared (service-owned)
+        table is only emptied."""
+        table = self.table(queue)
+        statements = self.dialect.statements(table.spec)
+        statement = statements.drop if table.created_by_transport else statements.purge
+        self.run(lambda conn: conn.execute(statement))
+        self.forget_table(queue)
+
+    def still_held(self, conn: Connection, table: QueueTable, row_id: int,
+                   attempt: int) -> bool:
+        """Whether the row is still held with this fencing token, as ``conn``'s
+        transaction sees it (a transactional task taking its delivery over)."""
+        statement = self.dialect.statements(table.spec).still_held
+        return conn.execute(statement, {"id": row_id, "attempt": attempt}).first() is not None
+
+    def complete_in(self, conn: Connection, table: QueueTable, row_id: int,
+                    attempt: int) -> bool:
+        """Complete a held row in the caller's transaction, fenced by its attempt, so it
+        commits with the caller's writes; False when the row is no longer this holder's."""
+        statement = self.dialect.statements(table.spec).complete
+        return self.dialect.settle(conn, statement, {attempt: [row_id]}) == 1
+
+    def is_transient(self, exc: BaseException) -> bool:
+        """A deadlock, serialization failure or busy database: the same work may succeed
+        when run again."""
+        return self.dialect.is_transient(exc)
+
+    def is_unique_violation(self, exc: BaseException) -> bool:
+        """A unique (or primary) key refused a row."""
+        return self.dialect.is_unique_violation(exc)
+
 
 def convert_payload(payload: bytes | str, to_text: bool) -> bytes | str:
     if to_text and isinstance(payload, bytes):

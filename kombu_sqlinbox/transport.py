@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import logging
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -24,7 +23,6 @@ import sqlalchemy
 from kombu.transport import virtual
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
-from . import binding
 from .broker import Broker, QueueTable, broker_for, convert_payload
 from .claims import SETTLE_LIMIT, Held, Settlement
 from .dialects import ClaimedRow
@@ -158,7 +156,6 @@ def _driver_connection_errors() -> tuple[type[BaseException], ...]:
 
 
 DRIVER_CONNECTION_ERRORS = _driver_connection_errors()
-logger = logging.getLogger(__name__)
 
 
 def _key(value: Any) -> str | None:
@@ -181,49 +178,34 @@ class QoS(virtual.QoS):
     def track(self, delivery_tag: Any, held: Held, row: ClaimedRow) -> None:
         self._rows[delivery_tag] = (held, row)
 
-    def _settle(self, delivery_tag: Any, how: Settlement, delay: float = 0.0) -> None:
+    def _settle(self, delivery_tag: Any, settle: Callable[[Held, ClaimedRow], None]) -> None:
+        """The one way a delivery leaves (any thread): the broker settles its row, and its
+        prefetch slot and partition key come free, waking a consumer that waits for
+        either, even when the settlement fails."""
         found = self._rows.pop(delivery_tag, None)
         was_full = not self.can_consume()
         self._quick_ack(delivery_tag)
-        if found is not None:
-            self.channel.broker.settle(how, found[0], delay)
-            self.channel.key_settled(found[0].table.queue, found[1])
+        if found is None:
+            return
+        held, row = found
+        try:
+            settle(held, row)
+        finally:
+            self.channel.key_settled(held.table.queue, row)
             self.channel.slot_freed(was_full)
 
     def ack(self, delivery_tag: Any) -> None:
-        self._settle(delivery_tag, Settlement.COMPLETE)
+        broker = self.channel.broker
+        self._settle(delivery_tag, lambda held, row: broker.settle(Settlement.COMPLETE, held))
 
     def retry_after(self, delivery_tag: Any, seconds: float) -> None:
-        """Requeue in place (same row, attempt counted), hidden for ``seconds``.
-
-        A table without an available_at column cannot hide a row: it is requeued at once,
-        as :class:`celery_ext.tasks.RetryAfter` (a ``Reject(requeue=True)``) is elsewhere.
-        """
-        found = self._rows.get(delivery_tag)
-        if found is not None and not found[0].table.spec.has(Role.AVAILABLE_AT):
-            logger.warning("sqlinbox: queue %r has no available_at column: retry_after "
-                           "requeues at once instead of in %gs", found[0].table.queue, seconds)
-            self._settle(delivery_tag, Settlement.RELEASE)
-            return
-        self._settle(delivery_tag, Settlement.RETRY, max(0.0, float(seconds)))
+        """Requeue in place (same row, attempt counted), hidden for ``seconds``."""
+        broker = self.channel.broker
+        self._settle(delivery_tag, lambda held, row: broker.retry_later(held, seconds))
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
-        if requeue:
-            self._settle(delivery_tag, Settlement.RELEASE)
-            return
-        found = self._rows.pop(delivery_tag, None)
-        self._quick_ack(delivery_tag)
-        if found is not None:
-            held, row = found
-            try:
-                self.channel.broker.dead_letter(
-                    held, row, "rejected without requeue by the consumer")
-            except Exception:
-                # the move failed (and says so): the row goes back rather than stay held
-                self.channel.broker.settle(Settlement.RELEASE, held)
-                raise
-            finally:
-                self.channel.key_settled(held.table.queue, row)
+        broker = self.channel.broker
+        self._settle(delivery_tag, lambda held, row: broker.reject(held, row, requeue))
 
     def restore_unacked(self) -> list[Any]:
         """Give unacked rows back in place (their delivery counted) instead of re-publishing.
@@ -249,11 +231,7 @@ class QoS(virtual.QoS):
 
     def _release(self, delivery_tag: Any) -> None:
         """Requeue in place a row nobody can settle any more (any thread)."""
-        found = self._rows.pop(delivery_tag, None)
-        if found is not None:
-            held, row = found
-            self.channel.broker.settle(Settlement.RELEASE, held)
-            self.channel.key_settled(held.table.queue, row)
+        self.reject(delivery_tag, requeue=True)
 
 
 class Channel(virtual.Channel):
@@ -280,18 +258,15 @@ class Channel(virtual.Channel):
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         table = self.broker.table(queue)
         payload, headers = encode_message(message, table)
-        self.broker.dialect.check_message_size(
-            queue, len(payload) + (len(headers) if headers else 0))
         priority = message["properties"].get("priority") or 0
         try:
             priority = max(0, min(255, int(priority)))
         except (TypeError, ValueError):
             priority = 0
         message_headers = message.get("headers") or {}
-        self.broker.publish(table, self.broker.dialect.insert_params(
-            payload, headers, priority, eta_epoch(message_headers),
-            _key(message_headers.get(GROUP_HEADER)), _key(message_headers.get(PARTITION_HEADER))),
-            binding.current())
+        self.broker.publish_message(
+            table, payload, headers, priority, eta_epoch(message_headers),
+            _key(message_headers.get(GROUP_HEADER)), _key(message_headers.get(PARTITION_HEADER)))
 
     # -- consume ---------------------------------------------------------------
     def _claim_size(self) -> int:
@@ -335,7 +310,7 @@ class Channel(virtual.Channel):
                 return message
 
     def _next_free(self, queue: str, buffer: deque[ClaimedRow]) -> ClaimedRow | None:
-        """The first buffered row whose partition key has nothing in work here (C5): rows
+        """The first buffered row whose partition key has nothing in work here: rows
         of one key go out one after another, in claim order; other keys pass them."""
         for index, row in enumerate(buffer):
             if row.partition_key is None:
@@ -364,23 +339,15 @@ class Channel(virtual.Channel):
     def _deliverable(self, table: QueueTable, row: ClaimedRow) -> dict[str, Any] | None:
         """The message of a claimed row, or None when the row went to its dead-letter queue
         (delivered too often, or undecodable)."""
-        held = table.claims.held_for(table, row)
+        held = self.broker.held_for(table, row)
         tag = self._next_delivery_tag()
         message: dict[str, Any] | None = None
+        undecodable: str | None = None
         try:
             message = decode_row(row, table, tag)
         except Undecodable as exc:
-            reason: str | None = str(exc)
-        else:
-            reason = None
-        limit = table.options.max_attempts
-        if limit is not None and row.attempt > limit:
-            # the limit's reason stands whether or not the row decodes; decoding only tells
-            # whether the parked copy needs a fresh envelope
-            reason = (f"delivered {row.attempt} times, max_attempts is {limit} "
-                      "(earlier deliveries crashed, expired or were requeued)")
-        if reason is not None:
-            self.broker.dead_letter(held, row, reason, undecodable=message is None)
+            undecodable = str(exc)
+        if not self.broker.admit(held, row, undecodable):
             self.key_settled(table.queue, row)
             return None
         self.qos.track(tag, held, row)
@@ -393,7 +360,7 @@ class Channel(virtual.Channel):
             table = self.broker.table(queue)
             while buffer:
                 row = buffer.popleft()
-                self.broker.settle(Settlement.RELEASE_UNCOUNTED, table.claims.held_for(table, row))
+                self.broker.settle(Settlement.RELEASE_UNCOUNTED, self.broker.held_for(table, row))
 
     def basic_consume(self, queue: str, no_ack: bool, callback: Callable[[Any], Any],
                       consumer_tag: str, **kwargs: Any) -> Any:
@@ -446,22 +413,13 @@ class Channel(virtual.Channel):
         return self.broker.known_table(queue)
 
     def _size(self, queue: str) -> int:
-        table = self.broker.table(queue)
-        statement = self.broker.dialect.statements(table.spec).size
-        return int(self.broker.read(table, lambda conn: conn.execute(statement).scalar_one()))
+        return self.broker.size(self.broker.table(queue))
 
     def _purge(self, queue: str) -> int:
-        table = self.broker.table(queue)
-        statement = self.broker.dialect.statements(table.spec).purge
-        return int(self.broker.run(lambda conn: conn.execute(statement).rowcount))
+        return self.broker.purge(self.broker.table(queue))
 
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
-        """Drop a table the transport created; a declared (service-owned) table is only emptied."""
-        table = self.broker.table(queue)
-        statements = self.broker.dialect.statements(table.spec)
-        statement = statements.drop if table.created_by_transport else statements.purge
-        self.broker.run(lambda conn: conn.execute(statement))
-        self.broker.forget_table(queue)
+        self.broker.delete_queue(queue)
 
 
 class Transport(virtual.Transport):

@@ -1,8 +1,11 @@
-"""Outcomes (SPEC C3): ack, requeue in place, reject, dead letters, max_attempts."""
+"""Outcomes: ack, requeue in place, reject, dead letters, max_attempts."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
+from typing import Any
 
 import pytest
 from kombu import Consumer, Queue
@@ -10,6 +13,8 @@ from kombu.message import Message
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
+
+from kombu_sqlinbox.claims import Wakeup
 
 from .conftest import Connect
 from .support import (
@@ -223,3 +228,47 @@ def test_reject_whose_dead_letter_move_fails_gives_the_row_back(
     again = get_within(conn, "jobs")
     assert again.delivery_info["redelivered"] is True
     again.ack()
+
+
+def test_reject_without_requeue_wakes_a_consumer_waiting_for_a_free_slot(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A consumer whose prefetch slots are all taken waits; a reject without requeue (from
+    another thread, as an ack may come) frees the slot and must wake it, as an ack does,
+    not leave it asleep for its polling interval. ``notify=False``: on PostgreSQL only the
+    in-process wake-up can be what wakes it."""
+    conn = connect(polling_interval=30, notify=False)
+    for n in range(2):
+        publish(conn, "jobs", {"n": n})
+    received: list[Message] = []
+    asleep = threading.Event()
+    wait = Wakeup.wait
+
+    def observed_wait(self: Wakeup, timeout: float) -> None:
+        asleep.set()
+        wait(self, timeout)
+
+    monkeypatch.setattr(Wakeup, "wait", observed_wait)
+
+    def reject_once_asleep() -> None:
+        assert asleep.wait(10), "the consumer never went to wait"
+        received[0].reject(requeue=False)
+
+    def on_message(body: Any, message: Message) -> None:
+        received.append(message)
+
+    with Consumer(conn.default_channel, [Queue("jobs")], callbacks=[on_message],
+                  accept=["json"]) as consumer:
+        consumer.qos(prefetch_count=1)
+        conn.drain_events(timeout=10)
+        assert [message.decode() for message in received] == [{"n": 0}]
+        asleep.clear()
+        rejecter = threading.Thread(target=reject_once_asleep)
+        rejecter.start()
+        started = time.monotonic()
+        conn.drain_events(timeout=10)
+        waited = time.monotonic() - started
+        rejecter.join(10)
+        assert [message.decode() for message in received] == [{"n": 0}, {"n": 1}]
+        assert waited < 2, f"the next message came after {waited:.1f}s"
+        received[1].ack()
