@@ -10,7 +10,6 @@ none of it: it opens its own engine when it first publishes.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import random
@@ -26,6 +25,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError
 
 from . import binding
 from .claims import CLAIM_FORMS, ClaimForm, Held, LeaseKeeper, Settlement, Wakeup
+from .codec import convert_payload, dead_letter_headers
 from .dialects import ClaimedRow, Dialect, dialect_class, dialect_for
 from .errors import ConfigurationError
 from .options import QueueOptions, TransportOptions
@@ -33,9 +33,6 @@ from .tables import Role, TableSpec, default_table, table_name_for_queue
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-#: header carrying why and from where a message reached a dead-letter queue
-DEATH_HEADER = "x-sqlinbox-death"
 
 
 @dataclass(frozen=True, eq=False)
@@ -349,29 +346,6 @@ class Broker:
         self.keeper.stop()
         self.wakeup.close()
         self.engine.dispose()
-
-
-def convert_payload(payload: bytes | str, to_text: bool) -> bytes | str:
-    if to_text and isinstance(payload, bytes):
-        return payload.decode("utf-8", errors="replace")
-    if not to_text and isinstance(payload, str):
-        return payload.encode("utf-8")
-    return payload
-
-
-def dead_letter_headers(headers: str | None, death: dict[str, Any]) -> str:
-    """The envelope of a dead-lettered message: the original one plus the death record;
-    an envelope that does not parse is kept verbatim inside the record."""
-    try:
-        envelope = json.loads(headers) if headers else {}
-        parts = (envelope.get("headers", {}), envelope.get("properties", {}))
-        if not all(isinstance(part, dict) for part in parts):
-            raise ValueError("not an envelope")
-    except (ValueError, AttributeError):
-        envelope = {}
-        death["original_headers"] = headers
-    envelope.setdefault("headers", {})[DEATH_HEADER] = death
-    return json.dumps(envelope)
 
 
 _BROKERS: dict[tuple[str, str], Broker] = {}
