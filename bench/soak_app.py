@@ -42,8 +42,8 @@ import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox+ alias)
 from bench.ordering import inbox_table
 from celery_ext.outbox import engine_from_url, outbox_of
 from celery_ext.tasks import InboxTask
+from kombu_sqlinbox.codec import ROW_HEADER
 from kombu_sqlinbox.tables import table_name_for_queue
-from kombu_sqlinbox.transport import ROW_HEADER
 
 CONFIG_ENV = "SOAK_CONFIG"
 #: every kind of task, and the queue it goes to

@@ -5,17 +5,18 @@ The outbox describes its table the way the transport describes an inbox table
 (:class:`OutboxTable`), or a typed builder (:class:`OutboxTableBuilder`). Both
 produce the same :class:`OutboxSpec`, so the statements and their cost do not
 depend on the form. :func:`default_outbox_table` is the layout the outbox creates
-when the table is missing; a service maps its own table by naming its columns.
+when the table is missing; a service maps its own table by naming its columns. The
+machinery is :mod:`kombu_sqlinbox.roles`, shared with the inbox tables.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, ClassVar
 
 from kombu_sqlinbox.errors import ConfigurationError
-from kombu_sqlinbox.tables import check_identifier
+from kombu_sqlinbox.roles import RoleAttribute, RoleColumn, RoleTable, RoleTableBuilder
 
 __all__ = [
     "OutboxColumn", "OutboxRole", "OutboxSpec", "OutboxTable", "OutboxTableBuilder",
@@ -48,81 +49,41 @@ OPTIONAL_ROLES = frozenset({OutboxRole.TASK_ID, OutboxRole.TASK_NAME})
 
 
 @dataclass(frozen=True)
-class OutboxColumnSpec:
+class OutboxColumnSpec(RoleColumn[OutboxRole]):
     """One column and its role; ``generated`` says the database makes the record id."""
 
-    name: str
-    role: OutboxRole
-    generated: bool = False
-
-    def __post_init__(self) -> None:
-        check_identifier(self.name, f"outbox column for role {self.role.value}")
-        if self.generated and self.role is not OutboxRole.ID:
-            raise ConfigurationError(f"outbox column {self.name!r}: only the id can be generated")
+    kind = "outbox "
+    flags = {"generated": (OutboxRole.ID, "only the id can be generated")}
 
 
 @dataclass(frozen=True)
-class OutboxSpec:
+class OutboxSpec(RoleTable[OutboxRole, OutboxColumnSpec]):
     """A whole outbox declaration: table, optional schema and the role-bearing columns.
 
     A generated id is an integer the database assigns; otherwise the outbox supplies a
     UUID (32 hex characters) and the column must hold text.
     """
 
-    table: str
-    columns: tuple[OutboxColumnSpec, ...]
-    schema: str | None = None
-    _names: dict[str, str] = field(init=False, repr=False, compare=False, hash=False)
-
-    def __post_init__(self) -> None:
-        check_identifier(self.table, "outbox table")
-        if self.schema is not None:
-            check_identifier(self.schema, "outbox schema")
-        names: dict[str, str] = {}
-        for column in self.columns:
-            if column.role.value in names:
-                raise ConfigurationError(
-                    f"outbox table {self.table!r}: role {column.role.value} is declared twice")
-            if column.name in names.values():
-                raise ConfigurationError(
-                    f"outbox table {self.table!r}: column {column.name!r} has two roles")
-            names[column.role.value] = column.name
-        missing = [role.value for role in OutboxRole
-                   if role not in OPTIONAL_ROLES and role.value not in names]
-        if missing:
-            raise ConfigurationError(
-                f"outbox table {self.table!r}: declare a column for each of the roles "
-                f"{', '.join(missing)}")
-        object.__setattr__(self, "_names", names)
+    kind = "outbox "
+    required = tuple(role for role in OutboxRole if role not in OPTIONAL_ROLES)
 
     def column_names(self) -> dict[str, str]:
         """Role value -> column name, for every declared role."""
-        return dict(self._names)
+        return {column.role.value: column.name for column in self.columns}
 
     @property
     def generated_id(self) -> bool:
         return any(c.generated for c in self.columns)
 
-    def has(self, role: OutboxRole) -> bool:
-        return role.value in self._names
 
-
-class OutboxColumn:
+class OutboxColumn(RoleAttribute[OutboxColumnSpec]):
     """A role-bearing attribute of an :class:`OutboxTable` class (the declarative form)."""
+
+    column_type = OutboxColumnSpec
 
     def __init__(self, role: OutboxRole | str, *, name: str | None = None,
                  generated: bool = False) -> None:
-        self.role = OutboxRole(role)
-        self.name = name
-        self.generated = generated
-
-    def __set_name__(self, owner: type, attribute: str) -> None:
-        if self.name is None:
-            self.name = attribute
-
-    def spec(self) -> OutboxColumnSpec:
-        assert self.name is not None
-        return OutboxColumnSpec(self.name, self.role, self.generated)
+        super().__init__(OutboxRole(role), name, generated=generated)
 
 
 class OutboxTable:
@@ -140,24 +101,17 @@ class OutboxTable:
 
     def __init_subclass__(cls, *, table: str, schema: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        columns = tuple(v.spec() for v in vars(cls).values() if isinstance(v, OutboxColumn))
-        cls.__spec__ = OutboxSpec(table, columns, schema)
+        cls.__spec__ = OutboxSpec(table, OutboxColumn.collect(cls), schema)
 
 
-class OutboxTableBuilder:
+class OutboxTableBuilder(RoleTableBuilder[OutboxColumnSpec, OutboxSpec]):
     """Typed builder form: ``OutboxTableBuilder("orders_outbox").id().body()...build()``."""
 
-    def __init__(self, table: str, *, schema: str | None = None) -> None:
-        self._table = table
-        self._schema = schema
-        self._columns: list[OutboxColumnSpec] = []
-
-    def _add(self, name: str, role: OutboxRole, generated: bool = False) -> OutboxTableBuilder:
-        self._columns.append(OutboxColumnSpec(name, role, generated))
-        return self
+    column_type = OutboxColumnSpec
+    spec_type = OutboxSpec
 
     def id(self, name: str = "id", *, generated: bool = True) -> OutboxTableBuilder:
-        return self._add(name, OutboxRole.ID, generated)
+        return self._add(name, OutboxRole.ID, generated=generated)
 
     def task_id(self, name: str = "task_id") -> OutboxTableBuilder:
         return self._add(name, OutboxRole.TASK_ID)
@@ -188,9 +142,6 @@ class OutboxTableBuilder:
 
     def republished_at(self, name: str = "republished_at") -> OutboxTableBuilder:
         return self._add(name, OutboxRole.REPUBLISHED_AT)
-
-    def build(self) -> OutboxSpec:
-        return OutboxSpec(self._table, tuple(self._columns), self._schema)
 
 
 def default_outbox_table(table: str = DEFAULT_TABLE, schema: str | None = None) -> OutboxSpec:

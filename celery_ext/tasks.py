@@ -52,8 +52,8 @@ from sqlalchemy.orm import Session
 
 from kombu_sqlinbox import binding
 from kombu_sqlinbox.broker import Broker, QueueTable, same_database
+from kombu_sqlinbox.codec import ROW_HEADER
 from kombu_sqlinbox.errors import ConfigurationError
-from kombu_sqlinbox.transport import ROW_HEADER
 
 __all__ = ["InboxRequest", "InboxTask", "RetryAfter", "TransactionalTaskError"]
 

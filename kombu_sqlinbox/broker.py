@@ -13,7 +13,6 @@ it the claim forms, the lease keeper and the wake-up of :mod:`.claims`.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import threading
@@ -24,7 +23,9 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
+from . import binding
 from .claims import LeaseKeeper, Wakeup, claim_forms
+from .codec import convert_payload, dead_letter_headers
 from .database import Database
 from .database import engine_for as engine_for  # re-exported: imported from here
 from .database import same_database as same_database
@@ -37,9 +38,6 @@ from .tables import Role, TableSpec, default_table, table_name_for_queue
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-#: header carrying why and from where a message reached a dead-letter queue
-DEATH_HEADER = "x-sqlinbox-death"
 
 
 class Broker:
@@ -315,29 +313,6 @@ class Broker:
     def is_unique_violation(self, exc: BaseException) -> bool:
         """A unique (or primary) key refused a row."""
         return self.dialect.is_unique_violation(exc)
-
-
-def convert_payload(payload: bytes | str, to_text: bool) -> bytes | str:
-    if to_text and isinstance(payload, bytes):
-        return payload.decode("utf-8", errors="replace")
-    if not to_text and isinstance(payload, str):
-        return payload.encode("utf-8")
-    return payload
-
-
-def dead_letter_headers(headers: str | None, death: dict[str, Any]) -> str:
-    """The envelope of a dead-lettered message: the original one plus the death record;
-    an envelope that does not parse is kept verbatim inside the record."""
-    try:
-        envelope = json.loads(headers) if headers else {}
-        parts = (envelope.get("headers", {}), envelope.get("properties", {}))
-        if not all(isinstance(part, dict) for part in parts):
-            raise ValueError("not an envelope")
-    except (ValueError, AttributeError):
-        envelope = {}
-        death["original_headers"] = headers
-    envelope.setdefault("headers", {})[DEATH_HEADER] = death
-    return json.dumps(envelope)
 
 
 _BROKERS: dict[tuple[str, str], Broker] = {}

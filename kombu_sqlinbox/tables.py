@@ -4,18 +4,26 @@ A declaration is a :class:`TableSpec`. It can be written as a class
 (:class:`InboxTable`) or with a builder (:class:`TableBuilder`); both forms yield
 equal specs, so every statement the dialects generate is the same whichever is
 used. The default layout the transport creates for a queue is itself a spec
-(:func:`default_table`).
+(:func:`default_table`). The machinery is :mod:`kombu_sqlinbox.roles`, shared with the
+outbox's table.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, ClassVar
 
 from .errors import ConfigurationError
+from .roles import (
+    RoleAttribute,
+    RoleColumn,
+    RoleTable,
+    RoleTableBuilder,
+    check_identifier,
+)
 
 
 class Role(str, Enum):
@@ -34,83 +42,30 @@ class Role(str, Enum):
 
 
 REQUIRED_ROLES = (Role.ID, Role.PAYLOAD)
-IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
-
-
-def check_identifier(name: str, what: str) -> str:
-    """Refuse any identifier that would need more than plain quoting to be safe (the whole
-    name must match: ``$`` would let a trailing newline through)."""
-    if not isinstance(name, str) or not IDENTIFIER.fullmatch(name):
-        raise ConfigurationError(
-            f"{what} {name!r} is not a valid identifier: use letters, digits and '_' "
-            "(not starting with a digit), at most 63 characters"
-        )
-    return name
 
 
 @dataclass(frozen=True)
-class ColumnSpec:
+class ColumnSpec(RoleColumn[Role]):
     """One column and its role; ``generated`` (id) and ``fifo`` (group) qualify the role."""
 
-    name: str
-    role: Role
-    generated: bool = False
     fifo: bool = False
 
-    def __post_init__(self) -> None:
-        check_identifier(self.name, f"column for role {self.role.value}")
-        if self.generated and self.role is not Role.ID:
-            raise ConfigurationError(f"column {self.name!r}: only the id role can be generated")
-        if self.fifo and self.role is not Role.GROUP:
-            raise ConfigurationError(f"column {self.name!r}: only the group role takes fifo")
+    flags = {"generated": (Role.ID, "only the id role can be generated"),
+             "fifo": (Role.GROUP, "only the group role takes fifo")}
 
 
 @dataclass(frozen=True)
-class TableSpec:
+class TableSpec(RoleTable[Role, ColumnSpec]):
     """A whole declaration: the table name and its role-bearing columns."""
 
-    table: str
-    columns: tuple[ColumnSpec, ...]
-    schema: str | None = None
-    _by_role: dict[Role, ColumnSpec] = field(init=False, repr=False, compare=False, hash=False)
+    required = REQUIRED_ROLES
 
-    def __post_init__(self) -> None:
-        check_identifier(self.table, "table")
-        if self.schema is not None:
-            check_identifier(self.schema, "schema")
-        by_role: dict[Role, ColumnSpec] = {}
-        names: set[str] = set()
-        for column in self.columns:
-            if column.role in by_role:
-                raise ConfigurationError(
-                    f"table {self.table!r}: role {column.role.value} is declared twice"
-                )
-            if column.name in names:
-                raise ConfigurationError(
-                    f"table {self.table!r}: column {column.name!r} has two roles"
-                )
-            by_role[column.role] = column
-            names.add(column.name)
-        for role in REQUIRED_ROLES:
-            if role not in by_role:
-                raise ConfigurationError(
-                    f"table {self.table!r}: a queue table needs a column with role {role.value}"
-                )
-        object.__setattr__(self, "_by_role", by_role)
-
-    def column(self, role: Role) -> ColumnSpec | None:
-        return self._by_role.get(role)
-
-    def has(self, role: Role) -> bool:
-        return role in self._by_role
-
-    def name_of(self, role: Role) -> str:
-        """Column name for a role the caller has already checked is present."""
-        return self._by_role[role].name
+    def lacking(self, missing: list[Enum]) -> str:
+        return f"a queue table needs a column with role {missing[0].value}"
 
     def require(self, role: Role, setting: str, queue: str) -> ColumnSpec:
         """The column for ``role``, or a start-up error naming queue, setting and reason."""
-        column = self._by_role.get(role)
+        column = self.column(role)
         if column is None:
             raise ConfigurationError(
                 f"queue {queue!r}: setting {setting} needs a column with role {role.value}, "
@@ -119,25 +74,16 @@ class TableSpec:
         return column
 
 
-class Column:
+class Column(RoleAttribute[ColumnSpec]):
     """A role-bearing attribute of an :class:`InboxTable` class (the declarative form)."""
+
+    column_type = ColumnSpec
 
     def __init__(
         self, role: Role | str, *, name: str | None = None, generated: bool = False,
         fifo: bool = False,
     ) -> None:
-        self.role = Role(role)
-        self.name = name
-        self.generated = generated
-        self.fifo = fifo
-
-    def __set_name__(self, owner: type, attribute: str) -> None:
-        if self.name is None:
-            self.name = attribute
-
-    def spec(self) -> ColumnSpec:
-        assert self.name is not None
-        return ColumnSpec(self.name, self.role, self.generated, self.fifo)
+        super().__init__(Role(role), name, generated=generated, fifo=fifo)
 
 
 class InboxTable:
@@ -156,23 +102,14 @@ class InboxTable:
 
     def __init_subclass__(cls, *, table: str, schema: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        columns = tuple(
-            value.spec() for value in vars(cls).values() if isinstance(value, Column)
-        )
-        cls.__spec__ = TableSpec(table, columns, schema)
+        cls.__spec__ = TableSpec(table, Column.collect(cls), schema)
 
 
-class TableBuilder:
+class TableBuilder(RoleTableBuilder[ColumnSpec, TableSpec]):
     """Typed builder form: ``TableBuilder("email_jobs").id("id", generated=True)...build()``."""
 
-    def __init__(self, table: str, *, schema: str | None = None) -> None:
-        self._table = table
-        self._schema = schema
-        self._columns: list[ColumnSpec] = []
-
-    def _add(self, name: str, role: Role, **flags: bool) -> TableBuilder:
-        self._columns.append(ColumnSpec(name, role, **flags))
-        return self
+    column_type = ColumnSpec
+    spec_type = TableSpec
 
     def id(self, name: str = "id", *, generated: bool = True) -> TableBuilder:
         return self._add(name, Role.ID, generated=generated)
@@ -203,9 +140,6 @@ class TableBuilder:
 
     def processed_at(self, name: str = "processed_at") -> TableBuilder:
         return self._add(name, Role.PROCESSED_AT)
-
-    def build(self) -> TableSpec:
-        return TableSpec(self._table, tuple(self._columns), self._schema)
 
 
 def as_spec(declaration: TableSpec | type[InboxTable] | TableBuilder) -> TableSpec:

@@ -7,13 +7,9 @@ turns ack, requeue and reject into settlements the lease keeper batches.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import weakref
 from collections import deque
 from collections.abc import Callable
-from datetime import datetime, timezone
 from itertools import count
 from queue import Empty
 from time import monotonic
@@ -23,122 +19,19 @@ import sqlalchemy
 from kombu.transport import virtual
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
-from .broker import Broker, QueueTable, broker_for, convert_payload
+from .broker import Broker, QueueTable, broker_for
 from .claims import SETTLE_LIMIT, Held, Settlement
+from .codec import (
+    GROUP_HEADER,
+    PARTITION_HEADER,
+    Undecodable,
+    decode_row,
+    encode_message,
+    eta_epoch,
+)
 from .dialects import ClaimedRow
 from .errors import ConfigurationError, MessageTooLarge, SchemaMismatch
 from .options import parse_options
-from .tables import Role
-
-#: properties that describe one delivery, rebuilt on every claim rather than stored
-DELIVERY_PROPERTIES = ("delivery_tag", "delivery_info")
-#: message headers whose values fill the group and partition-key columns on publish
-GROUP_HEADER = "group_key"
-PARTITION_HEADER = "partition_key"
-#: header set on every delivery: which row it is, so a task's own transaction can take
-#: the row over by id and fencing token (transactional tasks)
-ROW_HEADER = "sqlinbox_row"
-
-
-class Undecodable(ValueError):
-    """A row whose stored message cannot be turned back into a kombu message."""
-
-
-def encode_message(message: dict[str, Any], table: QueueTable) -> tuple[bytes | str, str | None]:
-    """Split a kombu message into the payload column (the body) and the headers envelope.
-
-    A table without a headers role stores the whole message as JSON in its payload.
-    """
-    body = message.get("body")
-    properties = {k: v for k, v in message["properties"].items() if k not in DELIVERY_PROPERTIES}
-    info = message["properties"].get("delivery_info") or {}
-    properties["routing"] = {"exchange": info.get("exchange"),
-                             "routing_key": info.get("routing_key")}
-    if isinstance(body, bytes) and (table.payload_is_text or not table.spec.has(Role.HEADERS)):
-        raw: bytes = body
-        try:
-            body = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            body = base64.b64encode(raw).decode("ascii")
-            properties["body_encoding"] = "base64"
-    envelope = {
-        "headers": message.get("headers") or {},
-        "content-type": message.get("content-type"),
-        "content-encoding": message.get("content-encoding"),
-        "properties": properties,
-    }
-    if not table.spec.has(Role.HEADERS):
-        envelope["body"] = body
-        return convert_payload(json.dumps(envelope), table.payload_is_text), None
-    if body is None:
-        body = b""
-    return convert_payload(body, table.payload_is_text), json.dumps(envelope)
-
-
-def decode_row(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict[str, Any]:
-    """A claimed row as the raw message dict kombu's virtual Message takes.
-
-    Everything kombu and Celery read from the envelope is checked here, so that a row
-    written by other code fails as :class:`Undecodable` (and is parked), never later in
-    the consumer."""
-    try:
-        if table.spec.has(Role.HEADERS):
-            envelope = json.loads(row.headers) if row.headers else {}
-            body: Any = row.payload
-        else:
-            raw = row.payload.decode("utf-8") if isinstance(row.payload, bytes) else row.payload
-            envelope = json.loads(raw)
-            body = envelope.get("body") if isinstance(envelope, dict) else None
-        if not isinstance(envelope, dict):
-            raise Undecodable("the stored envelope is not a JSON object")
-        properties = envelope.get("properties") or {}
-        headers = envelope.get("headers") or {}
-        if not isinstance(properties, dict) or not isinstance(headers, dict):
-            raise Undecodable("properties and headers must be JSON objects")
-        routing = properties.pop("routing", None) or {}
-        if not isinstance(routing, dict) or not all(
-                isinstance(routing.get(k), (str, type(None))) for k in ("exchange", "routing_key")):
-            raise Undecodable("routing must be a JSON object of exchange and routing_key strings")
-        if not all(isinstance(envelope.get(k), (str, type(None)))
-                   for k in ("content-type", "content-encoding")):
-            raise Undecodable("content-type and content-encoding must be strings")
-        if not isinstance(body, (str, bytes, type(None))):
-            raise Undecodable("the stored body is not text")
-        encoding = properties.get("body_encoding")
-        if encoding == "base64":
-            body = base64.b64decode(body or b"", validate=True)
-        elif encoding not in (None, "utf-8"):
-            raise Undecodable(f"unknown body_encoding {encoding!r}")
-        properties["body_encoding"] = None
-    except (ValueError, UnicodeDecodeError, binascii.Error) as exc:
-        raise Undecodable(f"cannot decode stored message: {exc}") from exc
-    headers[ROW_HEADER] = {"queue": table.queue, "id": row.id, "attempt": row.attempt}
-    properties["delivery_tag"] = delivery_tag
-    properties["delivery_info"] = {
-        "exchange": routing.get("exchange") or "",
-        "routing_key": routing.get("routing_key") or table.queue,
-        "redelivered": row.attempt > 1,
-    }
-    return {
-        "body": body,
-        "content-type": envelope.get("content-type"),
-        "content-encoding": envelope.get("content-encoding"),
-        "headers": headers,
-        "properties": properties,
-    }
-
-
-def eta_epoch(headers: dict[str, Any]) -> float | None:
-    """Celery's ``eta`` header (ISO 8601) as epoch seconds; naive times are UTC."""
-    eta = headers.get("eta")
-    if not eta:
-        return None
-    if isinstance(eta, (int, float)):
-        return float(eta)
-    moment = datetime.fromisoformat(str(eta))
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    return moment.timestamp()
 
 
 def _driver_connection_errors() -> tuple[type[BaseException], ...]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from kombu import Connection
 
-from kombu_sqlinbox.broker import DEATH_HEADER
+from kombu_sqlinbox.codec import DEATH_HEADER
 from tests.acceptance.conftest import Acceptance, Proc, wait_until
 
 LEASE = 2

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from kombu import Connection
 
-from kombu_sqlinbox.transport import encode_message
+from kombu_sqlinbox.codec import encode_message
 from tests.acceptance.conftest import START_LIMIT, Acceptance, check_exactly_once, wait_until
 
 QUEUE = "race"

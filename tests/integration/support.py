@@ -12,7 +12,8 @@ from kombu.message import Message
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from kombu_sqlinbox.broker import DEATH_HEADER, Broker
+from kombu_sqlinbox.broker import Broker
+from kombu_sqlinbox.codec import DEATH_HEADER
 from kombu_sqlinbox.tables import table_name_for_queue
 
 T = TypeVar("T")

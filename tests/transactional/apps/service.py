@@ -43,8 +43,8 @@ from sqlalchemy.exc import DBAPIError
 
 import celery_ext
 from celery_ext.tasks import InboxTask
+from kombu_sqlinbox.codec import ROW_HEADER
 from kombu_sqlinbox.tables import TableBuilder, table_name_for_queue
-from kombu_sqlinbox.transport import ROW_HEADER
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "refunds"
 if str(EXAMPLE) not in sys.path:
