@@ -22,8 +22,7 @@ import select
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,28 +93,22 @@ class Suite:
         #: seconds any one wait of the suite may take (a lock, a wake-up)
         self.patience = patience
         self.prefix = f"conformance_{uuid.uuid4().hex[:8]}_"
-        self.made: list[str] = []
 
     def name(self, suffix: str) -> str:
-        self.made.append(self.prefix + suffix)
+        """A table name of this run (every one is dropped at its end)."""
         return self.prefix + suffix
 
     def table(self, suffix: str, build: Callable[[TableBuilder], TableBuilder]) -> TableSpec:
         """A new table of the given layout, created by the dialect's own DDL."""
         spec = build(TableBuilder(self.name(suffix)).id().payload().attempt().locked_until()
                      ).build()
-        with self.begin() as conn:
+        with self.engine.begin() as conn:
             self.dialect.ensure_table(conn, spec, create=True)
         return spec
 
-    @contextmanager
-    def begin(self) -> Iterator[Connection]:
-        with self.engine.begin() as conn:
-            yield conn
-
     def publish(self, spec: TableSpec, *rows: dict[str, Any]) -> list[int]:
         """Publish rows (keyword arguments of :meth:`Dialect.insert_params`); their ids."""
-        with self.begin() as conn:
+        with self.engine.begin() as conn:
             before = self.ids(conn, spec)
             self.dialect.publish(conn, spec, [self.dialect.insert_params(
                 **{"payload": b"body", "headers": None, "priority": 0, "eta": None, **row})
@@ -128,21 +121,21 @@ class Suite:
 
     def claim(self, spec: TableSpec, limit: int = 10, lease: float = LONG,
               **kwargs: Any) -> list[ClaimedRow]:
-        with self.begin() as conn:
+        with self.engine.begin() as conn:
             return self.dialect.claim(conn, spec, limit, lease, **kwargs)
 
     def settle(self, spec: TableSpec, statement: str, attempt: int, ids: Sequence[int],
                **extra: Any) -> int:
-        with self.begin() as conn:
+        with self.engine.begin() as conn:
             return self.dialect.settle(conn, getattr(self.dialect.statements(spec), statement),
                                        {attempt: list(ids)}, extra)
 
     def scalar(self, spec: TableSpec, statement: str) -> Any:
-        with self.begin() as conn:
+        with self.engine.begin() as conn:
             return conn.execute(getattr(self.dialect.statements(spec), statement)).scalar()
 
     def drop_all(self) -> None:
-        with self.begin() as conn:
+        with self.engine.begin() as conn:
             quote = self.dialect.quote
             for name in inspect(conn).get_table_names():
                 if name.startswith(self.prefix):
@@ -156,7 +149,7 @@ def ids_of(rows: Sequence[ClaimedRow]) -> list[int]:
 def refusal(suite: Suite, spec: TableSpec, accepted: str) -> str:
     """What ensure_table (not creating) says of a table that does not fit ``spec``; fails
     with ``accepted`` when it says nothing."""
-    with suite.begin() as conn:
+    with suite.engine.begin() as conn:
         try:
             suite.dialect.ensure_table(conn, spec, create=False)
         except SchemaMismatch as exc:
@@ -172,26 +165,26 @@ def check_ddl(suite: Suite) -> None:
         ).locked_until().attempt().group("grp").partition_key("pkey").processed_at().build()
     refused = refusal(suite, spec, "ensure_table(create=False) accepted a missing table")
     expect("does not exist" in refused, f"a missing table was reported as: {refused}")
-    with suite.begin() as conn:
+    with suite.engine.begin() as conn:
         text_payload = dialect.ensure_table(conn, spec, create=True)
     expect(not text_payload, "ensure_table: the default payload column reads as text, not binary")
-    with suite.begin() as conn:
+    with suite.engine.begin() as conn:
         dialect.ensure_table(conn, spec, create=False)  # the DDL's own types pass the check
     missing = TableBuilder(suite.name("ddl_missing")).id().payload().build()
-    with suite.begin() as conn:
+    with suite.engine.begin() as conn:
         dialect.ensure_table(conn, missing, create=True)
     more = TableBuilder(missing.table).id().payload().priority().build()
     refused = refusal(suite, more, "ensure_table accepted a table lacking a declared column")
     expect("'priority'" in refused and "is missing" in refused,
            f"a missing column was reported as: {refused}")
-    with suite.begin() as conn:
+    with suite.engine.begin() as conn:
         conn.exec_driver_sql(dialect.add_column_ddl(more, more.columns[2]))
-    with suite.begin() as conn:
+    with suite.engine.begin() as conn:
         dialect.ensure_table(conn, more, create=False)  # the column it suggested fits
     wrong = TableBuilder(suite.name("ddl_wrong")).id().payload().attempt().build()
     columns = [dialect.column_ddl(column) for column in wrong.columns[:2]]
     columns.append(f"{dialect.quote('attempt')} {dialect.column_types[Role.LOCKED_UNTIL]}")
-    with suite.begin() as conn:
+    with suite.engine.begin() as conn:
         conn.exec_driver_sql(f"CREATE TABLE {dialect.table_ref(wrong)} ({', '.join(columns)})")
     refused = refusal(suite, wrong, "type_problem: a time column was accepted for the attempt "
                       "role")
@@ -203,7 +196,7 @@ def check_ddl(suite: Suite) -> None:
             for statement in dialect.create_ddl(rolled_back):
                 conn.exec_driver_sql(statement)
             conn.rollback()
-        with suite.begin() as conn:
+        with suite.engine.begin() as conn:
             expect(not inspect(conn).has_table(rolled_back.table),
                    "transactional_ddl is declared, but a CREATE TABLE rolled back stayed")
 
@@ -300,7 +293,7 @@ def check_keys(suite: Suite) -> None:
     spec = suite.table("keys", lambda b: b.partition_key("pkey"))
     k1, k1_next, k2, keyless = suite.publish(
         spec, {"partition_key": "k1"}, {"partition_key": "k1"}, {"partition_key": "k2"}, {})
-    with suite.begin() as conn:
+    with suite.engine.begin() as conn:
         found = [tuple(row) for row in conn.execute(
             suite.dialect.statements(spec).candidates, {"limit": 10})]
     expected = [(k1, "k1"), (k2, "k2"), (keyless, None)]
@@ -332,12 +325,12 @@ def check_purge_and_drop(suite: Suite) -> None:
     spec = suite.table("purge", lambda b: b)
     suite.publish(spec, {}, {}, {})
     suite.claim(spec, limit=1)
-    with suite.begin() as conn:
+    with suite.engine.begin() as conn:
         purged = conn.execute(suite.dialect.statements(spec).purge).rowcount
     expect(purged == 2, f"purge removed {purged} rows, expected the 2 not leased")
-    with suite.begin() as conn:
+    with suite.engine.begin() as conn:
         conn.execute(suite.dialect.statements(spec).drop)
-    with suite.begin() as conn:
+    with suite.engine.begin() as conn:
         expect(not inspect(conn).has_table(spec.table), "drop left the table")
 
 
@@ -351,7 +344,7 @@ def check_errors(suite: Suite) -> None:
                            (f"INSERT INTO {table['table']} ({table['payload']}) VALUES (NULL)",
                             False)):
         try:
-            with suite.begin() as conn:
+            with suite.engine.begin() as conn:
                 conn.execute(text(sql), {"id": row_id, "payload": b"x"})
         except Exception as exc:
             what = "a duplicate id" if duplicate else "a NULL payload"
@@ -380,7 +373,7 @@ def check_row_locks(suite: Suite) -> None:
 
         def other() -> None:
             try:
-                with suite.begin() as conn:
+                with suite.engine.begin() as conn:
                     seen["lock"] = conn.execute(
                         lock_row, {"id": held_id, "attempt": held.attempt}).first()
                 seen["claim"] = ids_of(suite.claim(spec))
@@ -442,7 +435,7 @@ def check_wakeups(suite: Suite) -> None:
                f"{suite.patience:.0f}s")
         expect(not dialect.take_notifications(listener),
                "take_notifications reported the same wake-up twice")
-        with suite.begin() as conn:
+        with suite.engine.begin() as conn:
             dialect.wake(conn, spec)
         expect(woken(suite, listener), f"wake() did not wake a listener within "
                f"{suite.patience:.0f}s")
@@ -471,11 +464,11 @@ def check_outbox(suite: Suite) -> None:
     for generated in (True, False):
         scan = {"after": 0 if generated else "", "limit": 10}
         table = suite.name("outbox_generated" if generated else "outbox_given")
-        with suite.begin() as conn:
+        with suite.engine.begin() as conn:
             for statement in dialect.outbox_create_ddl(table, None, columns, generated):
                 conn.exec_driver_sql(statement)
         run = dialect.outbox_statements(table, None, columns, generated)
-        with suite.begin() as conn:
+        with suite.engine.begin() as conn:
             if generated:
                 first = dialect.outbox_insert(conn, run["insert"], record)
                 second = dialect.outbox_insert(conn, run["insert"], record)
@@ -486,7 +479,7 @@ def check_outbox(suite: Suite) -> None:
                 for given in (first, second):
                     conn.execute(run["insert"], {**record, "id": given})
         fields = dialect.outbox_fields(table, None, columns)
-        with suite.begin() as conn:  # written a minute ago, as far as due and status go
+        with suite.engine.begin() as conn:  # written a minute ago, as far as due and status go
             conn.execute(text(f"UPDATE {fields['table']} SET {fields['created_at']} = "
                               f"{dialect.outbox_ago()}"), {"older_than": 60})
             conn.execute(run["mark"], {"id": first})
@@ -495,7 +488,7 @@ def check_outbox(suite: Suite) -> None:
             due = [row[0] for row in conn.execute(run["due"], {"older_than": 30, **scan})]
             expect(due == [second], f"outbox due: got ids {due}, expected {[second]}")
             conn.execute(run["claim"], {"ids": [second]})
-        with suite.begin() as conn:
+        with suite.engine.begin() as conn:
             due = [row[0] for row in conn.execute(run["due"], {"older_than": 30, **scan})]
             expect(due == [], "outbox claim: a claimed record is still due")
             conn.execute(run["unclaim"], {"ids": [second]})
