@@ -86,7 +86,7 @@ class ClaimForm:
         """Called by the keeper once a batch of this form's settlements committed."""
 
     def refuse_without_locks(self, queue: str) -> None:
-        if not self.dialect.lock_clause:
+        if not self.dialect.capabilities.serves(self.name):
             raise ConfigurationError(
                 f"queue {queue!r}: claim={self.name!r} needs row or advisory locks, which "
                 f"{self.database.engine.dialect.name} does not have; use claim='lease'"

@@ -5,14 +5,14 @@ from __future__ import annotations
 from sqlalchemy.engine import Engine
 
 from ..errors import ConfigurationError
-from .base import ClaimedRow, Dialect, Statements, Tokens
+from .base import Capabilities, ClaimedRow, Dialect, Statements, Tokens
 from .mysql import MySQLDialect
 from .postgresql import PostgreSQLDialect
 from .sqlite import SQLiteDialect
 
 __all__ = [
-    "ClaimedRow", "Dialect", "MySQLDialect", "PostgreSQLDialect", "SQLiteDialect", "Statements",
-    "Tokens", "dialect_class", "dialect_for", "register",
+    "Capabilities", "ClaimedRow", "Dialect", "MySQLDialect", "PostgreSQLDialect",
+    "SQLiteDialect", "Statements", "Tokens", "dialect_class", "dialect_for", "register",
 ]
 
 _REGISTRY: dict[str, type[Dialect]] = {}

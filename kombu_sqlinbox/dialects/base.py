@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sqlalchemy import Connection, TextClause, bindparam, event, inspect, text
+from sqlalchemy import Connection, Row, TextClause, bindparam, event, inspect, text
 from sqlalchemy import types as sqltypes
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
@@ -26,6 +26,34 @@ from ..tables import ColumnSpec, Role, TableSpec
 
 #: attempt -> ids held with that attempt (the attempt is the lease's fencing token)
 Tokens = Mapping[int, Sequence[int]]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a database offers beyond plain SQL, declared by its dialect (never guessed
+    from its statements): the transport picks its claim forms, wake-ups and statement
+    shapes from these, and the conformance suite checks each declared one works."""
+
+    #: ``SELECT ... FOR UPDATE`` (:attr:`Dialect.lock_clause`) holds rows to the end of
+    #: the transaction; the ``row_lock`` claim form keeps a row locked while it runs
+    row_locks: bool = False
+    #: the lock clause passes over rows another transaction holds instead of waiting
+    skip_locked: bool = False
+    #: session-level advisory locks on arbitrary keys (:meth:`Dialect.try_key_locks`),
+    #: which the ``advisory`` claim form takes per partition key
+    key_locks: bool = False
+    #: publishes wake idle consumers in other processes through the database
+    #: (:meth:`Dialect.wake`, :meth:`Dialect.listen`, :meth:`Dialect.take_notifications`)
+    wakeups: bool = False
+    #: ``UPDATE``/``INSERT ... RETURNING``: a claim is one statement and the outbox reads
+    #: a generated id from its INSERT; without it a claim locks, then leases, and the id
+    #: comes from the cursor's ``lastrowid``
+    returning: bool = False
+
+    def serves(self, claim_form: str) -> bool:
+        """Whether the claim form of that name can run here (``lease`` runs everywhere)."""
+        needs = {"row_lock": self.row_locks and self.skip_locked, "advisory": self.key_locks}
+        return needs.get(claim_form, True)
 
 
 @dataclass(frozen=True)
@@ -50,6 +78,11 @@ class Statements:
     size: TextClause
     purge: TextClause
     drop: TextClause
+
+
+#: the roles a claim returns (:meth:`Dialect.returned_columns`), those a table declares
+RETURNED_ROLES = (Role.ID, Role.ATTEMPT, Role.PAYLOAD, Role.HEADERS, Role.GROUP,
+                  Role.PARTITION_KEY, Role.PRIORITY, Role.AVAILABLE_AT)
 
 
 def _plain(payload: Any) -> bytes | str:
@@ -78,9 +111,11 @@ class Dialect:
     now: ClassVar[str]
     #: ``available_at`` of a published row: the bound ``:eta`` (epoch seconds) or now
     eta_value: ClassVar[str]
-    #: how a claim's selection locks the rows it takes (empty where the database has
-    #: a single writer and needs none)
-    lock_clause: ClassVar[str] = "FOR UPDATE SKIP LOCKED"
+    #: what the database offers; a plug-in declares its own (the default: none)
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    #: how a claim's selection locks the rows it takes: set with ``row_locks`` (empty
+    #: where the database has a single writer and needs none)
+    lock_clause: ClassVar[str] = ""
     #: SQL types of the default layout, by role (``{generated}`` ids differ)
     column_types: ClassVar[Mapping[Role, str]]
     generated_id_type: ClassVar[str]
@@ -93,6 +128,9 @@ class Dialect:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        #: whether publishes wake consumers: the capability, unless the transport's
+        #: ``notify`` option turned it off for this instance
+        self.notify = self.capabilities.wakeups
         self._statements: dict[TableSpec, Statements] = {}
 
     # -- identifiers -------------------------------------------------------
@@ -165,16 +203,13 @@ class Dialect:
         return ", ".join(order)
 
     def returned_columns(self, spec: TableSpec, alias: str = "") -> str:
-        """What a claim returns, by position: id, attempt, payload, headers, group,
-        partition key, then the sort key (priority, ready time) where declared."""
+        """What a claim returns: each declared column :meth:`claimed` reads, labelled with
+        its role (id, attempt, payload, headers, group, partition key, priority, ready
+        time)."""
         f = self.fields(spec)
         col = f"{alias}." if alias else ""
-        optional = (Role.HEADERS, Role.GROUP, Role.PARTITION_KEY)
-        names = [col + f["id"], col + f["attempt"], col + f["payload"]]
-        names += [col + f[role.value] if spec.has(role) else "NULL" for role in optional]
-        names += [col + f[role.value] for role in (Role.PRIORITY, Role.AVAILABLE_AT)
-                  if spec.has(role)]
-        return ", ".join(names)
+        return ", ".join(f"{col}{f[role.value]} AS {self.quote(role.value)}"
+                         for role in RETURNED_ROLES if spec.has(role))
 
     def statements(self, spec: TableSpec) -> Statements:
         cached = self._statements.get(spec)
@@ -299,10 +334,19 @@ class Dialect:
         ids: Sequence[int] | None = None, skip: Sequence[Any] = (),
     ) -> list[ClaimedRow]:
         """Lease up to ``limit`` ready rows (or the ready ones of ``ids``; none of the
-        partition keys in ``skip``) in the caller's transaction."""
-        (statement,) = self.claim_statements_for(spec, ids, skip)
+        partition keys in ``skip``) in the caller's transaction: in one ``UPDATE ...
+        RETURNING`` where the database has it, else by locking the rows, then leasing them."""
+        statements = self.claim_statements_for(spec, ids, skip)
         params = {"limit": limit, "lease": lease, "ids": list(ids or ()), "skip": list(skip)}
-        return self.claimed(spec, conn.execute(statement, params).all())
+        if self.capabilities.returning:
+            (claim,) = statements
+            return self.claimed(spec, conn.execute(claim, params).all())
+        select, lease_rows = statements
+        rows = conn.execute(select, params).all()
+        if not rows:
+            return []
+        conn.execute(lease_rows, {"ids": [row.id for row in rows], "lease": lease})
+        return self.claimed(spec, rows, leased=False)
 
     def claim_statements_for(self, spec: TableSpec, ids: Sequence[int] | None,
                              skip: Sequence[Any]) -> tuple[TextClause, ...]:
@@ -313,13 +357,20 @@ class Dialect:
         return statements.claim_skipping if skip else statements.claim
 
     @staticmethod
-    def claimed(spec: TableSpec, rows: Iterable[Sequence[Any]]) -> list[ClaimedRow]:
-        """Rows in claim order (RETURNING gives none): -priority, ready time, id."""
-        result = [
-            ClaimedRow(row[0], row[1], _plain(row[2]), _json_text(row[3]), row[4], row[5],
-                       (*row[6:], row[0]))
-            for row in rows
-        ]
+    def claimed(spec: TableSpec, rows: Iterable[Row[Any]], leased: bool = True) -> list[ClaimedRow]:
+        """The rows of :meth:`returned_columns`, read by label, in claim order (RETURNING
+        gives none): -priority, ready time, id. Rows selected before their lease
+        (``leased=False``) carry the attempt the lease then raised."""
+        sort_roles = [role.value for role in (Role.PRIORITY, Role.AVAILABLE_AT)
+                      if spec.has(role)]
+        result = []
+        for row in rows:
+            got = row._mapping
+            result.append(ClaimedRow(
+                id=got["id"], attempt=got["attempt"] + (0 if leased else 1),
+                payload=_plain(got["payload"]), headers=_json_text(got.get("headers")),
+                group=got.get("group"), partition_key=got.get("partition_key"),
+                sort_key=(*(got[role] for role in sort_roles), got["id"])))
         if spec.has(Role.PRIORITY):
             result.sort(key=lambda r: (-r.sort_key[0], *r.sort_key[1:]))
         else:
@@ -464,10 +515,7 @@ class Dialect:
     def on_connect(self, dbapi_connection: Any) -> None:
         """Session settings every new connection gets."""
 
-    # -- wake-ups and advisory locks (databases that have them override) ----
-    #: whether publishes wake consumers through the database (PostgreSQL NOTIFY)
-    notify: bool = False
-
+    # -- wake-ups and advisory locks (databases that declare them override) ----
     def channel(self, spec: TableSpec) -> str:
         raise NotImplementedError
 
@@ -542,7 +590,7 @@ class Dialect:
 
     def outbox_returning(self, f: dict[str, str]) -> str:
         """What makes an INSERT return the generated record id (empty: read ``lastrowid``)."""
-        return f" RETURNING {f['id']}"
+        return f" RETURNING {f['id']}" if self.capabilities.returning else ""
 
     def outbox_prune_sql(self, f: dict[str, str]) -> str:
         """Delete up to ``:limit`` records processed before ``:older_than`` seconds ago."""
@@ -606,7 +654,7 @@ class Dialect:
         """Write one record and return the id the database generated for it (from RETURNING,
         or the cursor's ``lastrowid`` where the INSERT returns nothing)."""
         result = conn.execute(statement, dict(params))
-        return result.scalar_one() if result.returns_rows else result.lastrowid
+        return result.scalar_one() if self.capabilities.returning else result.lastrowid
 
     def outbox_index_name(self, table: str) -> str:
         digest = hashlib.sha1(table.encode()).hexdigest()[:10]

@@ -16,7 +16,7 @@ from sqlalchemy import types as sqltypes
 from sqlalchemy.exc import DBAPIError
 
 from ..tables import ColumnSpec, Role, TableSpec
-from .base import ClaimedRow, Dialect, _expanding
+from .base import Capabilities, Dialect, _expanding
 
 NOW = "UTC_TIMESTAMP(6)"
 #: column types that hold at most 64 KiB: too small for a Celery message
@@ -30,6 +30,8 @@ class MySQLDialect(Dialect):
     #: every transaction of ours ends in COMMIT or ROLLBACK, so the pool's extra ROLLBACK
     #: on return (a round trip with pymysql) is skipped
     engine_defaults = {"isolation_level": "READ COMMITTED", "pool_reset_on_return": None}
+    capabilities = Capabilities(row_locks=True, skip_locked=True, key_locks=True)
+    lock_clause = "FOR UPDATE SKIP LOCKED"
     now = NOW
     eta_value = f"COALESCE(FROM_UNIXTIME(:eta), {NOW})"
     generated_id_type = "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY"
@@ -55,6 +57,7 @@ class MySQLDialect(Dialect):
         return f"{NOW} + INTERVAL ({seconds} * 1000000) MICROSECOND"
 
     def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
+        """No UPDATE ... RETURNING here: lock the rows, then lease them, same transaction."""
         f = self.fields(spec)
         select = (f"SELECT {self.returned_columns(spec, 'r')} FROM {f['table']} AS r "
                   f"{selection} {self.lock_clause}")
@@ -63,19 +66,6 @@ class MySQLDialect(Dialect):
             f"{f['attempt']} = {f['attempt']} + 1 WHERE {f['id']} IN :ids"
         )
         return (_expanding(select), _expanding(lease))
-
-    def claim(
-        self, conn: Connection, spec: TableSpec, limit: int, lease: float,
-        ids: Sequence[int] | None = None, skip: Sequence[Any] = (),
-    ) -> list[ClaimedRow]:
-        """No UPDATE ... RETURNING here: lock the rows, then lease them, same transaction."""
-        select, lease_rows = self.claim_statements_for(spec, ids, skip)
-        rows = conn.execute(select, {"limit": limit, "ids": list(ids or ()),
-                                     "skip": list(skip)}).all()
-        if not rows:
-            return []
-        conn.execute(lease_rows, {"ids": [row[0] for row in rows], "lease": lease})
-        return self.claimed(spec, ((row[0], row[1] + 1, *row[2:]) for row in rows))
 
     def create_ddl(self, spec: TableSpec) -> list[str]:
         """MySQL has no CREATE INDEX IF NOT EXISTS: the claim index goes inside CREATE TABLE."""
@@ -158,10 +148,6 @@ class MySQLDialect(Dialect):
 
     def outbox_age(self, moment: str) -> str:
         return f"TIMESTAMPDIFF(MICROSECOND, {moment}, {NOW}) / 1000000.0"
-
-    def outbox_returning(self, f: dict[str, str]) -> str:
-        """No INSERT ... RETURNING on MySQL: the id comes from the cursor's lastrowid."""
-        return ""
 
     def outbox_prune_sql(self, f: dict[str, str]) -> str:
         """MySQL takes no LIMIT in an IN subquery, but DELETE itself takes one."""

@@ -8,11 +8,14 @@ from typing import Any
 from sqlalchemy import Connection, TextClause, bindparam, text
 
 from ..tables import Role, TableSpec
-from .base import Dialect, _expanding
+from .base import Capabilities, Dialect, _expanding
 
 
 class PostgreSQLDialect(Dialect):
     names = ("postgresql",)
+    #: publishes NOTIFY the table's channel so idle consumers wake at once
+    capabilities = Capabilities(row_locks=True, skip_locked=True, key_locks=True, wakeups=True,
+                                returning=True)
     lock_clause = "FOR UPDATE OF r SKIP LOCKED"
     relaxed_commit = "SET LOCAL synchronous_commit = off"
     now = "now()"
@@ -32,9 +35,6 @@ class PostgreSQLDialect(Dialect):
     }
     #: deadlock, serialization failure, lock not available
     transient_codes = frozenset({"40P01", "40001", "55P03"})
-
-    #: publishes NOTIFY the table's channel so idle consumers wake at once (C9)
-    notify = True
 
     def later(self, seconds: str) -> str:
         return f"now() + make_interval(secs => {seconds})"

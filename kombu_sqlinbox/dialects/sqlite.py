@@ -14,7 +14,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
 from ..tables import ColumnSpec, Role, TableSpec
-from .base import Dialect, _expanding
+from .base import Capabilities, Dialect, _expanding
 
 NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 
@@ -23,7 +23,8 @@ class SQLiteDialect(Dialect):
     names = ("sqlite",)
     now = NOW
     eta_value = f"COALESCE(:eta, {NOW})"
-    lock_clause = ""
+    #: a single writer: claims need no row locks
+    capabilities = Capabilities(returning=True)
     generated_id_type = "INTEGER PRIMARY KEY AUTOINCREMENT"
     column_types = {
         Role.ID: "INTEGER NOT NULL",
