@@ -11,8 +11,9 @@ FROM (SELECT r."id" FROM "crm_outbound" AS r
       LIMIT :limit
       FOR UPDATE OF r SKIP LOCKED) AS c
 WHERE q."id" = c."id"
-RETURNING q."id", q."attempt", q."payload", q."headers", q."target", NULL,
-          q."available_at";
+RETURNING q."id" AS "id", q."attempt" AS "attempt", q."payload" AS "payload",
+          q."headers" AS "headers", q."target" AS "group",
+          q."available_at" AS "available_at";
 
 -- publish: the row and its NOTIFY in one statement
 WITH published AS (INSERT INTO "crm_outbound" ("payload", "headers", "available_at",

@@ -9,8 +9,9 @@ FROM (SELECT r."id" FROM "sqlinbox_celery" AS r
       LIMIT :limit
       FOR UPDATE OF r SKIP LOCKED) AS c
 WHERE q."id" = c."id"
-RETURNING q."id", q."attempt", q."payload", q."headers", NULL, NULL,
-          q."priority", q."available_at";
+RETURNING q."id" AS "id", q."attempt" AS "attempt", q."payload" AS "payload",
+          q."headers" AS "headers", q."priority" AS "priority",
+          q."available_at" AS "available_at";
 
 -- extend: the lease keeper, once per attempt value among the rows held (a row already
 -- given back has no lease, and is not leased again)
