@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -571,6 +572,8 @@ class Dialect:
     #: autocommit mode (one round trip instead of BEGIN, INSERT, COMMIT); only where
     #: switching a pooled connection to autocommit costs no round trip of its own
     outbox_autocommit: ClassVar[bool] = False
+    #: ``engine_for`` arguments of an engine the outbox makes from a URL
+    outbox_engine_options: ClassVar[Mapping[str, Any]] = {}
 
     def outbox_fields(
         self, table: str, schema: str | None, columns: dict[str, str],
@@ -656,6 +659,46 @@ class Dialect:
         result = conn.execute(statement, dict(params))
         return result.scalar_one() if self.capabilities.returning else result.lastrowid
 
+    def outbox_insert_autocommit(self, engine: Engine, sql: str,
+                                 params: Mapping[str, Any]) -> Any:
+        """Write one record alone in autocommit mode (``sql``: the INSERT compiled for the
+        driver): one round trip instead of BEGIN, INSERT and COMMIT. Only where
+        :attr:`outbox_autocommit` says the drivers switch autocommit without a round trip
+        of their own. Returns the generated id, None where the outbox supplied it."""
+        with engine.connect() as conn:
+            dbapi = conn.connection.dbapi_connection
+            assert dbapi is not None
+            dbapi.autocommit = True
+            try:
+                result = conn.exec_driver_sql(sql, dict(params))
+                return result.scalar_one() if result.returns_rows else None
+            finally:
+                if not conn.invalidated:
+                    dbapi.autocommit = False
+
+    def outbox_reads_first(self, conn: Connection) -> Connection:
+        """``conn`` set up for a transaction that reads before it may write (the table
+        check): where beginning can take the write lock, it does not."""
+        return conn
+
+    def outbox_locks_first(self, conn: Connection) -> Connection:
+        """``conn`` set up for a transaction that must hold the write lock before it reads
+        (the republish claim): where that is a choice, two such transactions take turns
+        instead of both reading."""
+        return conn
+
+    def outbox_lock_wait(self, conn: Connection, seconds: float
+                         ) -> AbstractContextManager[None]:
+        """Around a transaction of ``conn`` (begun inside): how long it waits for the write
+        lock, where the database has a single writer that the caller's own transaction may
+        hold; unchanged elsewhere."""
+        return nullcontext()
+
+    def outbox_lock_timed_out(self, exc: BaseException) -> bool:
+        """Whether ``exc`` ended a wait for the single writer's lock
+        (:meth:`outbox_lock_wait`)."""
+        return False
+
     def outbox_index_name(self, table: str) -> str:
         digest = hashlib.sha1(table.encode()).hexdigest()[:10]
         return self.quote(f"{table[:40]}_{digest}_outbox")
@@ -666,6 +709,12 @@ class Dialect:
                 self.outbox_column_types["id"] + " PRIMARY KEY")
             return f"{self.quote(name)} {kind}"
         return f"{self.quote(name)} {self.outbox_column_types[role]}"
+
+    def outbox_add_column_ddl(self, table: str, schema: str | None, role: str, name: str,
+                              generated_id: bool) -> str:
+        """ALTER TABLE adding a missing outbox column (shown to the user, not run)."""
+        ref = self.outbox_fields(table, schema, {})["table"]
+        return f"ALTER TABLE {ref} ADD COLUMN {self.outbox_column_ddl(role, name, generated_id)}"
 
     def outbox_create_ddl(
         self, table: str, schema: str | None, columns: dict[str, str], generated_id: bool,

@@ -165,5 +165,3 @@ class MySQLDialect(Dialect):
         index = (f",\n    INDEX {self.outbox_index_name(table)} "
                  f"({f['processed_at']}, {f['id']})\n)")
         return [create[: -len("\n)")] + index + " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"]
-
-    #: as the transport's engines: pruning takes no gap locks

@@ -6,12 +6,14 @@ stable within one statement, so a claim compares every row with one instant.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import TextClause, event
+from sqlalchemy import Connection, TextClause, event
 from sqlalchemy import types as sqltypes
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from ..tables import ColumnSpec, Role, TableSpec
 from .base import Capabilities, Dialect, _expanding
@@ -111,3 +113,28 @@ class SQLiteDialect(Dialect):
         return f"{NOW} - {moment}"
 
     #: deferred: the outbox's transactions start with their write, its reads lock nothing
+    outbox_engine_options = {"sqlite_begin": "DEFERRED"}
+
+    def outbox_reads_first(self, conn: Connection) -> Connection:
+        return conn.execution_options(sqlite_begin="DEFERRED")
+
+    def outbox_locks_first(self, conn: Connection) -> Connection:
+        return conn.execution_options(sqlite_begin="IMMEDIATE")
+
+    @contextmanager
+    def outbox_lock_wait(self, conn: Connection, seconds: float) -> Iterator[None]:
+        """The busy timeout of ``conn`` set to ``seconds`` on the DBAPI connection before
+        the transaction begins, since beginning may already take the lock (BEGIN
+        IMMEDIATE), and restored after."""
+        raw = conn.connection.dbapi_connection
+        assert raw is not None
+        (previous,) = raw.execute("PRAGMA busy_timeout").fetchone()
+        raw.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
+        try:
+            yield
+        finally:
+            raw.execute(f"PRAGMA busy_timeout = {int(previous)}")
+
+    def outbox_lock_timed_out(self, exc: BaseException) -> bool:
+        return isinstance(exc, OperationalError) and (
+            "locked" in str(exc) or "busy" in str(exc))
