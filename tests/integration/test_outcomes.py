@@ -1,4 +1,4 @@
-"""Outcomes (SPEC C3): ack, requeue in place, reject, dead letters, max_attempts."""
+"""Outcomes: ack, requeue in place, reject, dead letters, max_attempts."""
 
 from __future__ import annotations
 

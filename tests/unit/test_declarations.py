@@ -1,4 +1,4 @@
-"""Table declarations (SPEC C1): both forms agree, bad declarations fail at once."""
+"""Table declarations: both forms agree, bad declarations fail at once."""
 
 from __future__ import annotations
 
