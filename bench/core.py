@@ -1,4 +1,4 @@
-"""Issue 2's section: the sqlinbox transport beside kombu sqla, raw drivers, Redis, RabbitMQ.
+"""The core section: the sqlinbox transport beside kombu sqla, raw drivers, Redis, RabbitMQ.
 
 Every registered scenario (publish, consume, latency, race, celery, raw) runs for every
 broker it applies to, on every database; Redis and RabbitMQ are measured once.
@@ -16,7 +16,7 @@ from .targets import BROKERS, SERVER_BROKERS, Context, Sizes, Target
 
 NAME = "core"
 RAW_DRIVERS = {"postgresql": "psycopg2", "mysql": "pymysql", "sqlite": "sqlite3"}
-#: (what, (broker, column) over (broker, column), target): the figures issue 2 asks for
+#: (what, (broker, column) over (broker, column), target): the ratios the section checks
 RATIOS = (
     ("sqlinbox consume pf10 ÷ kombu sqla consume pf10", ("sqlinbox", "consume_10"),
      ("sqla", "consume_10"), 20.0),
@@ -34,7 +34,7 @@ RATIOS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("core (issue 2)")
+    group = parser.add_argument_group("core")
     group.add_argument("--brokers", default=list(BROKERS), type=choices(BROKERS),
                        help=f"default all: {','.join(BROKERS)}")
     group.add_argument("--only", default=list(SCENARIOS), type=choices(list(SCENARIOS)),
@@ -122,5 +122,5 @@ def targets(rows: list[Row]) -> list[Row]:
     return found
 
 
-SECTION = Section(NAME, "Transport: kombu level and Celery end to end (issue 2)",
+SECTION = Section(NAME, "Transport: kombu level and Celery end to end",
                   add_arguments, run, markdown, targets)

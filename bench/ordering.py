@@ -1,4 +1,4 @@
-"""Ordering benchmark: FIFO groups, partition keys and wake-up latency (issue 3).
+"""Ordering benchmark: FIFO groups, partition keys and wake-up latency.
 
     python bench/ordering.py [--quick] [--databases postgresql,mysql,sqlite]
                              [--ordering fifo,partition,latency] [--json PATH]
@@ -45,12 +45,12 @@ THREADS = 4
 MEASURES = ("fifo", "partition", "latency")
 FIGURES = {"msg/s": "msg/s", "latency": "p50 / p99 ms"}
 NOTIFY, REDIS = "latency: sqlinbox NOTIFY", "latency: redis"
-#: the target issue 3 sets: PostgreSQL NOTIFY p50 at most this times Redis p50
+#: the wake-up target: PostgreSQL NOTIFY p50 at most this times Redis p50
 LATENCY_TARGET = 2.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("ordering (issue 3)")
+    group = parser.add_argument_group("ordering")
     group.add_argument("--ordering", default=list(MEASURES), type=choices(MEASURES),
                        help=f"default all: {','.join(MEASURES)}")
 
@@ -197,7 +197,7 @@ def targets(rows: list[Row]) -> list[Row]:
                  at_most=True)]
 
 
-SECTION = Section(NAME, "Ordering: FIFO groups, partition keys, wake-up latency (issue 3)",
+SECTION = Section(NAME, "Ordering: FIFO groups, partition keys, wake-up latency",
                   add_arguments, run, markdown, targets)
 
 if __name__ == "__main__":

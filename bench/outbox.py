@@ -36,12 +36,12 @@ from celery_ext.outbox import engine_from_url
 NAME = "outbox"
 FIGURES = {"per_task_ms": "ms per task (median)", "records_per_s": "records/s"}
 OVERHEAD = "overhead: on - off"
-#: the figure issue 5 sets: recording may add at most this much per task (ms)
+#: the overhead target: recording may add at most this much per task (ms)
 TARGET_MS = 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("outbox (issue 5)")
+    group = parser.add_argument_group("outbox")
     group.add_argument("--outbox-tasks", type=int, default=0,
                        help="tasks per mode and round (default 500, quick 100)")
     group.add_argument("--outbox-rounds", type=int, default=0,
@@ -137,7 +137,7 @@ def targets(rows: list[Row]) -> list[Row]:
                  found[0], TARGET_MS, at_most=True)]
 
 
-SECTION = Section(NAME, "Transactional outbox: apply_async overhead and republish (issue 5)",
+SECTION = Section(NAME, "Transactional outbox: apply_async overhead and republish",
                   add_arguments, run, markdown, targets)
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""What plugs into the benchmark: figures (:class:`Cell`), issue 2's scenarios, and sections.
+"""What plugs into the benchmark: figures (:class:`Cell`), the core scenarios, and sections.
 
-A section is one table of ``bench/run.py`` (issue 2's core, ordering, transactional,
+A section is one table of ``bench/run.py`` (core, ordering, transactional,
 outbox): a module with ``run(args) -> list[Row]`` and a :data:`Section` record naming
 its arguments, table and targets. Within the core section, a measurement is one
 function decorated with :func:`scenario`; the table shows any column that got a value.
@@ -107,7 +107,7 @@ def ratio(top: Cell | None, bottom: Cell | None) -> float | None:
 
 def goal(section: str, database: str | None, what: str, value: float | None,
          limit: float | None, *, at_most: bool = False) -> Row:
-    """A target an issue sets (``limit`` None: a figure the issue asks for, no target)."""
+    """A target row (``limit`` None: a figure reported beside the targets, none to reach)."""
     met = None
     if value is not None and limit is not None:
         met = value <= limit if at_most else value >= limit
@@ -116,7 +116,7 @@ def goal(section: str, database: str | None, what: str, value: float | None,
             "goal": wanted, "met": met}
 
 
-# -- issue 2's scenarios ------------------------------------------------------------------
+# -- the core section's scenarios --------------------------------------------------------
 Runner = Callable[["Target", "Context"], dict[str, Cell]]
 
 
@@ -164,5 +164,5 @@ class Section:
     run: Callable[[argparse.Namespace], list[Row]]
     #: the Markdown table (and its notes) of the rows ``run`` returned
     markdown: Callable[[list[Row], argparse.Namespace], str]
-    #: the issue's targets, computed from the rows (see :func:`goal`)
+    #: the section's targets, computed from the rows (see :func:`goal`)
     targets: Callable[[list[Row]], list[Row]]

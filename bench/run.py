@@ -1,13 +1,13 @@
-"""Benchmark kombu-sqlinbox: every section, one Markdown table each, then the issues' targets.
+"""Benchmark kombu-sqlinbox: every section, one Markdown table each, then the targets.
 
     python bench/run.py [--sections core,ordering,transactional,outbox]
                         [--quick [SECTIONS]] [--databases postgresql,mysql,sqlite]
                         [--json PATH] [section options: see --help]
 
-Sections: ``core`` (issue 2: publish, consume, latency, racers, Celery end to end against a
-raw driver loop, kombu sqla, Redis and RabbitMQ), ``ordering`` (issue 3: FIFO groups,
-partition keys, NOTIFY latency), ``transactional`` (issue 4: transactional vs plain
-tasks/s), ``outbox`` (issue 5: apply_async overhead, republish rate). Each section module
+Sections: ``core`` (publish, consume, latency, racers, Celery end to end against a raw
+driver loop, kombu sqla, Redis and RabbitMQ), ``ordering`` (FIFO groups, partition keys,
+NOTIFY latency), ``transactional`` (transactional vs plain tasks/s), ``outbox``
+(apply_async overhead, republish rate). Each section module
 also runs alone: ``python bench/ordering.py --help``.
 Not a test: the figures depend on the machine and on whatever else runs on it.
 """

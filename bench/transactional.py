@@ -103,7 +103,7 @@ app.task(base=InboxTask, transactional=True, bind=True, name="bench.tx.transacti
 
 # -- measuring ----------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("transactional (issue 4)")
+    group = parser.add_argument_group("transactional")
     group.add_argument("--tx-tasks", type=int, default=0,
                        help="tasks per worker run (default 1000, quick 200)")
     group.add_argument("--tx-rounds", type=int, default=0,
@@ -183,12 +183,12 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
 
 
 def targets(rows: list[Row]) -> list[Row]:
-    """Issue 4 sets no figure to reach; the ratio is reported beside the others."""
+    """No figure to reach: the ratio is reported beside the other targets."""
     return [goal(NAME, r["database"], "transactional ÷ plain tasks/s", r["value"], None)
             for r in rows if r["figure"] == "ratio" and r["value"] is not None]
 
 
-SECTION = Section(NAME, "Transactional tasks vs plain tasks (issue 4)", add_arguments, run,
+SECTION = Section(NAME, "Transactional tasks vs plain tasks", add_arguments, run,
                   markdown, targets)
 
 if __name__ == "__main__":

@@ -1,48 +1,26 @@
-"""Shared fixtures: real databases, unique queues, clean tables.
+"""Fixtures every suite shares: the database under test, unique tables, the processes a
+test starts.
 
-Server URLs come from the environment (defaults are the local services):
-``SQLINBOX_TEST_POSTGRES``, ``SQLINBOX_TEST_MYSQL``. Outside CI a database that
-does not answer skips its tests with what to start; with ``CI=true`` it fails.
+A test runs on each database when it uses ``database`` (directly or through ``db_url``,
+``engine``...), or on those it names with ``pytest.mark.parametrize("database", ...)``;
+the ``databases`` marker and the ``--databases`` option narrow that. Server URLs and
+when a server that does not answer skips or fails a test: :mod:`tests.databases`.
 """
 
 from __future__ import annotations
 
-import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, inspect, text
+from sqlalchemy import create_engine
 from sqlalchemy.engine import Engine
 
-from tests.servers import server_answers
+from tests.databases import DATABASES, database_url, drop_tables
+from tests.processes import Processes
 
-POSTGRES_URL = os.environ.get("SQLINBOX_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
-MYSQL_URL = os.environ.get("SQLINBOX_TEST_MYSQL", "mysql+pymysql://root@127.0.0.1:3306/test")
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-SERVERS = {
-    "postgresql": (POSTGRES_URL, "start PostgreSQL (pg_ctlcluster 15 main start) or set "
-                   "SQLINBOX_TEST_POSTGRES"),
-    "mysql": (MYSQL_URL, "start MariaDB/MySQL (mariadbd) or set SQLINBOX_TEST_MYSQL"),
-}
-DATABASES = ("postgresql", "mysql", "sqlite")
-
-
-_ANSWERS: dict[str, str | None] = {}
-
-
-def require_server(name: str) -> str:
-    url, hint = SERVERS[name]
-    if name not in _ANSWERS:
-        _ANSWERS[name] = server_answers(url)
-    problem = _ANSWERS[name]
-    if problem is not None:
-        message = f"{name} at {url} does not answer ({problem}): {hint}"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
-    return url
+FAILED = pytest.StashKey[bool]()
 
 
 @pytest.fixture(params=DATABASES)
@@ -54,9 +32,7 @@ def database(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def db_url(database: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A plain SQLAlchemy URL of the database under test (SQLite: a fresh file)."""
-    if database == "sqlite":
-        return f"sqlite:///{tmp_path_factory.mktemp('sqlite')}/inbox.db"
-    return require_server(database)
+    return database_url(database, tmp_path_factory.mktemp("sqlite"))
 
 
 @pytest.fixture
@@ -81,14 +57,6 @@ def table_prefix(engine: Engine) -> Iterator[str]:
     drop_tables(engine, prefix)
 
 
-def drop_tables(engine: Engine, prefix: str) -> None:
-    with engine.begin() as conn:
-        quote = conn.dialect.identifier_preparer.quote
-        for name in inspect(conn).get_table_names():
-            if name.startswith(prefix):
-                conn.execute(text(f"DROP TABLE IF EXISTS {quote(name)}"))
-
-
 @pytest.fixture(autouse=True)
 def _close_brokers() -> Iterator[None]:
     """Each test starts and ends with no pooled connections left open in this process."""
@@ -98,10 +66,36 @@ def _close_brokers() -> Iterator[None]:
     close_all()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
+    report = yield
+    if report.failed:
+        item.stash[FAILED] = True
+    return report
+
+
+@pytest.fixture(scope="session")
+def failed() -> Callable[[pytest.Item], bool]:
+    """Whether a test has failed so far (setup, call or teardown): a fixture prints the
+    output of the processes it started only for a failed test."""
+    return lambda item: item.stash.get(FAILED, False)
+
+
+@pytest.fixture
+def processes(request: pytest.FixtureRequest, tmp_path: Path,
+              failed: Callable[[pytest.Item], bool]) -> Iterator[Processes]:
+    """The processes this test starts (logs under its ``tmp_path``): killed when it ends,
+    their output printed when it failed."""
+    made = Processes(tmp_path)
+    yield made
+    assert isinstance(request.node, pytest.Item)
+    made.close(failed(request.node))
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--databases", default=",".join(DATABASES),
-        help="comma-separated databases the behaviour suite runs on (tox runs one per env)")
+        help="comma-separated databases the tests run on (tox runs one per env)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -111,13 +105,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def item_database(item: pytest.Item) -> str | None:
-    """The database a collected test runs on: its ``database`` parameter, or the first
-    half of a transactional ``service`` (database, pool) parameter."""
+    """The database a collected test runs on: its ``database`` parameter, if any."""
     callspec = getattr(item, "callspec", None)
-    if callspec is None:
-        return None
-    service = callspec.params.get("service")
-    return callspec.params.get("database") or (service[0] if service else None)
+    return None if callspec is None else callspec.params.get("database")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,6 +1,7 @@
 """Real processes for tests and the soak (``bench/soak.py``): started in a session of their
 own, so a whole worker (main process and pool) can be killed as one group, with their
-output in a log file; and the bounded wait every caller polls with."""
+output in a log file; the group of them one test starts (:class:`Processes`); and the
+bounded wait every caller polls with."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -102,3 +104,52 @@ def worker_argv(app: str, pool: str, concurrency: int) -> list[str]:
     argv = [sys.executable, "-m", "celery", "-A", app, "worker", "-P", pool,
             "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"]
     return argv if pool == "solo" else [*argv, "-c", str(concurrency)]
+
+
+class Processes:
+    """The processes a test (or a fixture shared by tests) starts, with their logs in ``tmp``:
+    every one is killed at the end, and a failed test prints their output."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[Proc] = []
+
+    def spawn(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None
+              ) -> Proc:
+        """``argv`` with ``env`` over this process's environment and the repository on the
+        import path; its output goes to ``<tmp>/<name>.log``."""
+        full = {**os.environ, **(env or {})}
+        full["PYTHONPATH"] = os.pathsep.join(
+            path for path in (full.get("PYTHONPATH", ""), str(ROOT)) if path)
+        proc = Proc(name, argv, full, self.tmp / f"{name}.log")
+        self.procs.append(proc)
+        return proc
+
+    def workers(self, app: str, names: Sequence[str], env: Mapping[str, str] | None = None,
+                pool: str = "prefork", concurrency: int = 2, args: Sequence[str] = ()
+                ) -> list[Proc]:
+        """Real ``celery -A app worker`` processes (``args``: more options) started together,
+        returned once all are ready; one that exits first fails the wait."""
+        argv = [*worker_argv(app, pool, concurrency), *args]
+        started = [self.spawn(name, [*argv, "-n", f"{name}@%h"], env) for name in names]
+        for proc in started:
+            wait_until(partial(worker_ready, proc), START_LIMIT,
+                       f"worker {proc.name} to be ready", alive=started)
+        return started
+
+    def worker(self, app: str, name: str = "w1", env: Mapping[str, str] | None = None,
+               pool: str = "prefork", concurrency: int = 2, args: Sequence[str] = ()) -> Proc:
+        """One :meth:`workers`."""
+        return self.workers(app, [name], env, pool, concurrency, args)[0]
+
+    def kill(self) -> None:
+        """``kill -9`` every group still running (before dropping what they use)."""
+        for proc in self.procs:
+            proc.kill()
+
+    def close(self, failed: bool) -> None:
+        """Kill them all; when the test ``failed``, print the end of each one's output."""
+        self.kill()
+        if failed:
+            for proc in self.procs:
+                print(f"\n===== {proc.name} ({proc.log}) =====\n{proc.tail(200)}")

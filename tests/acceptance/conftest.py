@@ -1,10 +1,9 @@
 """Acceptance fixtures: real worker processes over the real databases.
 
 Each test gets an :class:`Acceptance` bound to one database and one table
-prefix. It starts processes in their own session, so a whole worker (main
-process and pool) can be killed as one group, and every process it started is
-killed when the test ends, whatever happened. Process output goes to files
-under the test's ``tmp_path``; a failed test prints them.
+prefix. The processes it starts belong to the test's ``processes`` fixture
+(:class:`tests.processes.Processes`): each is killed when the test ends,
+whatever happened, and a failed test prints their output.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import json
 import os
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +22,9 @@ from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox.tables import table_name_for_queue
 from tests.acceptance.apps import tasks
-from tests.processes import (  # noqa: F401  (re-exported: the other suites import them here)
-    ROOT,
-    START_LIMIT,
-    STOP_LIMIT,
-    Proc,
-    wait_until,
-    worker_argv,
-    worker_ready,
-)
+from tests.processes import Proc, Processes
 
 APP = "tests.acceptance.apps.tasks"
-FAILED = pytest.StashKey[bool]()
 
 
 class Runs:
@@ -78,26 +67,26 @@ def check_exactly_once(counts: Counter[str], expected: Iterable[str]) -> None:
 class Acceptance:
     """One test's database, table prefix, transport options, processes and task records."""
 
-    def __init__(self, broker_url: str, table_prefix: str, engine: Engine, tmp: Path) -> None:
+    def __init__(self, broker_url: str, table_prefix: str, engine: Engine,
+                 processes: Processes) -> None:
         self.broker_url = broker_url
         self.table_prefix = table_prefix
         self.engine = engine
-        self.tmp = tmp
+        self.processes = processes
+        self.tmp = processes.tmp
         self.options: dict[str, Any] = {"table_prefix": table_prefix, "polling_interval": 0.1}
-        self.runs = Runs(tmp / "runs")
-        self.procs: list[Proc] = []
+        self.runs = Runs(self.tmp / "runs")
         self._app: Celery | None = None
 
     def configure(self, **options: Any) -> None:
         """Add transport options; only before the first process or app uses them."""
-        assert not self.procs and self._app is None, "configure before starting anything"
+        assert not self.processes.procs and self._app is None, (
+            "configure before starting anything")
         self.options.update(options)
 
     # -- processes -------------------------------------------------------------
     def spawn(self, name: str, argv: Sequence[str], **env: str) -> Proc:
-        proc = Proc(name, argv, {**os.environ, **env}, self.tmp / f"{name}.log")
-        self.procs.append(proc)
-        return proc
+        return self.processes.spawn(name, argv, env)
 
     def worker(self, pool: str = "prefork", concurrency: int = 2, name: str = "w1",
                broker_url: str | None = None, **conf: Any) -> Proc:
@@ -108,25 +97,19 @@ class Acceptance:
                 broker_url: str | None = None, **conf: Any) -> list[Proc]:
         """Several workers started together (``conf``: Celery settings), once all are ready;
         ``broker_url`` reaches the same database another way (through a proxy)."""
-        argv = worker_argv(APP, pool, concurrency)
         env = {tasks.BROKER_ENV: broker_url or self.broker_url,
                tasks.OPTIONS_ENV: json.dumps(self.options), tasks.CONF_ENV: json.dumps(conf),
                tasks.RUNS_ENV: str(self.runs.path)}
         if len(names) > 1:
             # the queue's table exists before they start: first use of a new table from
-            # several processes at once is racy on PostgreSQL (see /tmp/sqlinbox-bugs.md)
+            # several processes at once is racy on PostgreSQL
             self.declare("celery")
-        started = [self.spawn(name, [*argv, "-n", f"{name}@%h"], **env) for name in names]
-        for proc in started:
-            wait_until(partial(worker_ready, proc), START_LIMIT,
-                       f"worker {proc.name} to be ready", alive=started)
-        return started
+        return self.processes.workers(APP, names, env, pool, concurrency)
 
-    def cleanup(self, failed: bool) -> None:
-        for proc in self.procs:
-            proc.kill()
-            if failed:
-                print(f"\n===== {proc.name} ({proc.log}) =====\n{proc.tail(200)}")
+    def close(self) -> None:
+        """Kill the processes (before the fixtures under them drop their tables), close
+        the app."""
+        self.processes.kill()
         if self._app is not None:
             self._app.close()
 
@@ -160,19 +143,11 @@ class Acceptance:
             return int(conn.execute(text(f"SELECT COUNT(*) FROM {self.table(queue)}")).scalar_one())
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    report = yield
-    if report.failed:
-        item.stash[FAILED] = True
-    return report
-
-
 @pytest.fixture
-def acceptance(request: pytest.FixtureRequest, tmp_path: Path, broker_url: str,
-               table_prefix: str, engine: Engine) -> Iterator[Acceptance]:
-    made = Acceptance(broker_url, table_prefix, engine, tmp_path)
+def acceptance(broker_url: str, table_prefix: str, engine: Engine, processes: Processes
+               ) -> Iterator[Acceptance]:
+    made = Acceptance(broker_url, table_prefix, engine, processes)
     try:
         yield made
     finally:
-        made.cleanup(request.node.stash.get(FAILED, False))
+        made.close()

@@ -11,7 +11,8 @@ import pytest
 from kombu import Connection
 
 from kombu_sqlinbox.codec import DEATH_HEADER
-from tests.acceptance.conftest import Acceptance, Proc, wait_until
+from tests.acceptance.conftest import Acceptance
+from tests.processes import Proc, wait_until
 
 LEASE = 2
 KEY = "held"

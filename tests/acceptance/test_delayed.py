@@ -9,7 +9,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from kombu import Connection
 
-from tests.acceptance.conftest import Acceptance, wait_until
+from tests.acceptance.conftest import Acceptance
+from tests.processes import wait_until
 
 DELAY = 4.0
 

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from tests.acceptance.conftest import Acceptance, check_exactly_once, wait_until
+from tests.acceptance.conftest import Acceptance, check_exactly_once
+from tests.processes import wait_until
 
 TASKS = 1000
 POOLS = [("prefork", 2), ("threads", 4), ("solo", 1)]

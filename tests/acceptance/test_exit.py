@@ -10,8 +10,9 @@ from pathlib import Path
 
 from kombu import Connection
 
-from tests.acceptance.conftest import START_LIMIT, Acceptance, wait_until
+from tests.acceptance.conftest import Acceptance
 from tests.integration.support import rows_locked, table_of
+from tests.processes import START_LIMIT, wait_until
 
 QUEUE = "acked"
 MESSAGES = 20

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.acceptance.conftest import STOP_LIMIT, Acceptance, check_exactly_once, wait_until
+from tests.acceptance.conftest import Acceptance, check_exactly_once
+from tests.processes import STOP_LIMIT, wait_until
 
 LEASE = 2
 RUNS_FOR = 3.25 * LEASE

@@ -12,7 +12,8 @@ import pytest
 from kombu import Connection
 
 from kombu_sqlinbox.codec import encode_message
-from tests.acceptance.conftest import START_LIMIT, Acceptance, check_exactly_once, wait_until
+from tests.acceptance.conftest import Acceptance, check_exactly_once
+from tests.processes import START_LIMIT, wait_until
 
 QUEUE = "race"
 MESSAGES = 20_000

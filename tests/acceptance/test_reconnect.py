@@ -15,7 +15,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from tests.acceptance.conftest import Acceptance, check_exactly_once, wait_until
+from tests.acceptance.conftest import Acceptance, check_exactly_once
+from tests.processes import wait_until
 from tests.tcp_proxy import Proxy
 
 LEASE = 3

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.acceptance.conftest import Acceptance, wait_until
+from tests.acceptance.conftest import Acceptance
+from tests.processes import wait_until
 from tests.servers import restart_server, server_answers, start_server
 
 TASKS = 300

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 from types import ModuleType
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.processes import ROOT
+
 EXAMPLES = ROOT / "examples"
 DOCS = ROOT / "docs"
 

@@ -15,6 +15,7 @@ from sqlalchemy.engine import Engine
 from kombu_sqlinbox.broker import Broker
 from kombu_sqlinbox.codec import DEATH_HEADER
 from kombu_sqlinbox.tables import table_name_for_queue
+from tests.processes import wait_until
 
 T = TypeVar("T")
 
@@ -36,16 +37,10 @@ def publish(conn: Connection, queue: str, body: Any, **kwargs: Any) -> None:
 
 def wait_for(predicate: Callable[[], T | None], what: str, timeout: float = 10.0,
              interval: float = 0.05) -> T:
-    """Poll ``predicate`` until it returns something truthy; at the deadline fail naming
-    ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+    """:func:`tests.processes.wait_until` with the short default timeout of in-process
+    tests."""
+    value: T = wait_until(predicate, timeout, what, interval=interval)
+    return value
 
 
 def get(conn: Connection, queue: str) -> Message | None:

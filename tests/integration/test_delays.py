@@ -1,4 +1,4 @@
-"""Delays and priority (SPEC C4)."""
+"""Delays and priority."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Lease claims (SPEC C2): fencing of stale holders, extension of held rows."""
+"""Lease claims: fencing of stale holders, extension of held rows."""
 
 from __future__ import annotations
 

@@ -3,18 +3,16 @@
 :class:`Ordering` is bound to one database and one table prefix. It starts the
 kombu consumer program (:mod:`tests.ordering.apps.consumer`), ``celery worker``
 processes of the ordering app (:mod:`tests.ordering.apps.tasks`) or of an
-example app, and test-side kombu connections; everything it started is killed
-when the test ends, and a failed test prints the processes' output.
+example app, and test-side kombu connections; the processes belong to the test's
+``processes`` fixture (killed when it ends, their output printed when it failed).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +21,10 @@ from celery import Celery
 from kombu import Connection
 from sqlalchemy.engine import Engine
 
-from tests.acceptance.conftest import (  # noqa: F401  (the hook marks failed tests)
-    FAILED,
-    START_LIMIT,
-    Proc,
-    pytest_runtest_makereport,
-    wait_until,
-    worker_ready,
-)
 from tests.ordering.apps import tasks
 from tests.ordering.apps.common import WorkLog, transport_options
+from tests.processes import START_LIMIT, Proc, Processes, wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
 CONSUMER = "tests.ordering.apps.consumer"
 
 
@@ -42,32 +32,25 @@ class Ordering:
     """One test's database, table prefix, work log and processes."""
 
     def __init__(self, db_url: str, broker_url: str, prefix: str, engine: Engine,
-                 tmp: Path) -> None:
+                 processes: Processes) -> None:
         self.db_url = db_url
         self.broker_url = broker_url
         self.prefix = prefix
         self.engine = engine
-        self.tmp = tmp
+        self.processes = processes
+        self.tmp = processes.tmp
         self.log = WorkLog(db_url, prefix)
         self.log.create()
-        self.procs: list[Proc] = []
         self.connections: list[Connection] = []
         self.apps: list[Celery] = []
 
     # -- processes -------------------------------------------------------------------------
-    def spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Proc:
-        env = {**os.environ, **(env or {})}
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-        proc = Proc(name, argv, env, self.tmp / f"{name}.log")
-        self.procs.append(proc)
-        return proc
-
     def consumer(self, name: str, queue: str, kind: str, *, wait: bool = True,
                  **config: Any) -> Proc:
         """The kombu consumer program; returned once it consumes (``wait``)."""
         config = {"broker": self.broker_url, "db_url": self.db_url, "prefix": self.prefix,
                   "queue": queue, "kind": kind, "out": str(self.tmp / name), **config}
-        proc = self.spawn(name, [sys.executable, "-m", CONSUMER, json.dumps(config)])
+        proc = self.processes.spawn(name, [sys.executable, "-m", CONSUMER, json.dumps(config)])
         if wait:
             wait_until(self.marker(name, "ready").exists, START_LIMIT,
                        f"consumer {name} to consume", alive=[proc])
@@ -77,25 +60,13 @@ class Ordering:
         """A file the consumer program leaves (``ready``, ``held``) or reads (``stop``)."""
         return self.tmp / f"{name}.{what}"
 
-    def celery_workers(self, names: Iterable[str], app: str, env: dict[str, str],
-                       pool: str = "prefork", concurrency: int = 2) -> list[Proc]:
-        """Real ``celery -A app worker`` processes, returned once all are ready."""
-        argv = [sys.executable, "-m", "celery", "-A", app, "worker", "-P", pool,
-                "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"]
-        if pool != "solo":
-            argv += ["-c", str(concurrency)]
-        started = [self.spawn(name, [*argv, "-n", f"{name}@%h"], env) for name in names]
-        for proc in started:
-            wait_until(partial(worker_ready, proc), START_LIMIT,
-                       f"worker {proc.name} to be ready", alive=started)
-        return started
-
     def workers(self, names: Iterable[str], queue: str, kind: str, pool: str = "prefork",
                 concurrency: int = 2, **queue_options: Any) -> list[Proc]:
         """Workers of the ordering app consuming ``queue`` (a ``kind`` of table)."""
         env = tasks.worker_env(self.broker_url, self.db_url, self.prefix, queue, kind,
                                **queue_options)
-        return self.celery_workers(names, "tests.ordering.apps.tasks", env, pool, concurrency)
+        return self.processes.workers("tests.ordering.apps.tasks", list(names), env, pool,
+                                      concurrency)
 
     # -- the test side -----------------------------------------------------------------------
     def connect(self, queue: str, kind: str, **queue_options: Any) -> Connection:
@@ -113,13 +84,10 @@ class Ordering:
         self.apps.append(made)
         return made
 
-    def cleanup(self, failed: bool) -> None:
-        for proc in self.procs:
-            proc.kill_group()
-            if proc.popen.poll() is None:
-                proc.popen.wait(10)
-            if failed:
-                print(f"\n===== {proc.name} ({proc.log}) =====\n{proc.tail(200)}")
+    def close(self) -> None:
+        """Kill the processes (before the fixtures under them drop their tables), release
+        the test side."""
+        self.processes.kill()
         for conn in reversed(self.connections):
             conn.release()
         for app in self.apps:
@@ -160,10 +128,10 @@ def wait_for_count(count: Callable[[], int], target: int, what: str, alive: Sequ
 
 
 @pytest.fixture
-def ordering(request: pytest.FixtureRequest, db_url: str, broker_url: str,
-             table_prefix: str, engine: Engine, tmp_path: Path) -> Iterator[Ordering]:
-    made = Ordering(db_url, broker_url, table_prefix, engine, tmp_path)
+def ordering(db_url: str, broker_url: str, table_prefix: str, engine: Engine,
+             processes: Processes) -> Iterator[Ordering]:
+    made = Ordering(db_url, broker_url, table_prefix, engine, processes)
     try:
         yield made
     finally:
-        made.cleanup(request.node.stash.get(FAILED, False))
+        made.close()

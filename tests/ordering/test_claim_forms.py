@@ -14,10 +14,10 @@ import time
 import pytest
 
 from kombu_sqlinbox import ConfigurationError
-from tests.acceptance.conftest import wait_until
 from tests.integration.support import get, get_within
 from tests.ordering.apps.common import Entry, any_overlap_across, by_group, overlaps
 from tests.ordering.conftest import Ordering, interleaved, publish, wait_for_count
+from tests.processes import wait_until
 
 SERVERS = ["postgresql", "mysql"]
 #: far longer than the test waits: a row coming back in time came back without it

@@ -21,12 +21,12 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
-from tests.acceptance.conftest import Proc
-from tests.conftest import drop_tables
+from tests.databases import drop_tables
 from tests.docs.support import EXAMPLES, ROOT, load_example
 from tests.integration.support import death
 from tests.ordering.apps.common import Entry, any_overlap_across, by_group, overlaps
 from tests.ordering.conftest import Ordering, wait_for_count
+from tests.processes import Proc
 
 TARGETS = ("hubspot", "salesforce", "zendesk")
 VERSIONS = 30
@@ -64,7 +64,7 @@ def ledger(db_url: str, engine: Engine, monkeypatch: pytest.MonkeyPatch
 def example_worker(ordering: Ordering, name: str, env_var: str) -> list[Proc]:
     """One ``celery -A <name>_app worker --pool prefork --concurrency 4`` of an example."""
     env = {env_var: ordering.db_url, "PYTHONPATH": str(EXAMPLES / name)}
-    return ordering.celery_workers([name], f"{name}_app", env, "prefork", 4)
+    return ordering.processes.workers(f"{name}_app", [name], env, "prefork", 4)
 
 
 @pytest.mark.slow

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from tests.acceptance.conftest import wait_until
 from tests.integration.support import death, get, get_within, settled
 from tests.ordering.apps.common import any_overlap_across, check_serial_in_order
 from tests.ordering.conftest import Ordering, publish, wait_for_count
+from tests.processes import wait_until
 
 GROUPS, ROWS = 20, 200
 

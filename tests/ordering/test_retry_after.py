@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from tests.acceptance.conftest import wait_until
 from tests.integration.support import get, get_within, quoted, rows, settled, table_of
 from tests.ordering.conftest import Ordering, publish, wait_for_count
+from tests.processes import wait_until
 
 DELAY = 1.5
 

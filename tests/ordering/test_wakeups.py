@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from kombu import Consumer, Queue
 
-from tests.acceptance.conftest import wait_until
 from tests.ordering.conftest import Ordering, publish
+from tests.processes import wait_until
 
 MESSAGES = 3
 

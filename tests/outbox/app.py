@@ -88,7 +88,7 @@ def make_app(broker: str, db: str | None, table: str, queue: str, start_grace: s
         """Take SQLite's write lock in a transaction of this task, then send a tracked task
         (through that transaction when ``bound``); leave what happened. The producer's
         connection is opened and the queue declared first: on sqlinbox+sqlite both take
-        the write lock (see /tmp/sqlinbox-bugs.md, "ping and queue_declare")."""
+        the write lock (the connection's ping and the queue_declare)."""
         engine = create_engine(db_url)
         try:
             with app.producer_or_acquire() as producer, engine.begin() as conn:

@@ -1,19 +1,18 @@
 """Outbox fixtures: a unique outbox table and queue per test, real brokers, real workers.
 
 Brokers: RabbitMQ (``SQLINBOX_TEST_AMQP``), Redis (``SQLINBOX_TEST_REDIS``) and the
-sqlinbox transport. Outbox databases: PostgreSQL, MariaDB and SQLite files. Every
-table, queue and process a test makes is removed when it ends.
+sqlinbox transport. Outbox databases: PostgreSQL, MariaDB and SQLite files, as the
+``database`` fixture gives them. Every table, queue and process a test makes is removed
+when it ends.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,16 +24,9 @@ from celery_ext import Outbox
 from celery_ext.outbox import engine_from_url
 from kombu_sqlinbox.broker import sqlalchemy_url
 from kombu_sqlinbox.dialects import dialect_for
-from tests.acceptance.conftest import (  # the hook marks failed tests, to print logs
-    FAILED,
-    START_LIMIT,
-    Proc,
-    pytest_runtest_makereport,  # noqa: F401
-    wait_until,
-    worker_ready,
-)
-from tests.conftest import POSTGRES_URL, drop_tables, require_server
+from tests.databases import database_url, drop_tables, require_server
 from tests.outbox import app as worker_app
+from tests.processes import Proc, Processes
 
 AMQP_URL = os.environ.get("SQLINBOX_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
 REDIS_URL = os.environ.get("SQLINBOX_TEST_REDIS", "redis://127.0.0.1:6379/7")
@@ -46,12 +38,6 @@ DOWN_DB_URLS = {
     "mysql": "mysql+pymysql://root@127.0.0.1:3309/test",
     "sqlite": "sqlite:////nonexistent-directory/outbox.db",
 }
-
-
-def database_url(name: str, tmp: Path) -> str:
-    if name == "sqlite":
-        return f"sqlite:///{tmp}/outbox.db"
-    return require_server(name)
 
 
 def broker_url(name: str, db_url: str) -> str:
@@ -67,17 +53,16 @@ def broker_url(name: str, db_url: str) -> str:
 class OutboxEnv:
     """One test's outbox table, queue, broker, processes and task files."""
 
-    def __init__(self, tmp: Path, broker: str, db: str) -> None:
-        self.tmp = tmp
+    def __init__(self, processes: Processes, broker: str, db: str) -> None:
+        self.processes = processes
         self.broker = broker
         self.db = db
         tag = uuid.uuid4().hex[:8]
         self.table = f"ob{tag}"
         self.queue = f"outbox.test.{tag}"
-        self.runs = tmp / "runs"
+        self.runs = processes.tmp / "runs"
         self.runs.mkdir()
         self.engine: Engine = engine_from_url(db)
-        self.procs: list[Proc] = []
         self.apps: list[tuple[Celery, Outbox]] = []
         self.quote = self.engine.dialect.identifier_preparer.quote
         with self.engine.begin() as conn:
@@ -102,19 +87,10 @@ class OutboxEnv:
                start_grace: str = "off", db: str | None = None) -> Proc:
         """A real ``celery worker`` on this test's broker and outbox (or the outbox database
         ``db``), returned once ready."""
-        argv = [sys.executable, "-m", "celery", "-A", "tests.outbox.app", "worker", "-P", pool,
-                "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info",
-                "-n", f"{name}@%h"]
-        if pool != "solo":
-            argv += ["-c", str(concurrency)]
-        env = {**os.environ, worker_app.BROKER_ENV: self.broker, worker_app.DB_ENV: db or self.db,
+        env = {worker_app.BROKER_ENV: self.broker, worker_app.DB_ENV: db or self.db,
                worker_app.TABLE_ENV: self.table, worker_app.QUEUE_ENV: self.queue,
                worker_app.RUNS_ENV: str(self.runs), worker_app.GRACE_ENV: start_grace}
-        proc = Proc(name, argv, env, self.tmp / f"{name}.log")
-        self.procs.append(proc)
-        wait_until(lambda: worker_ready(proc), START_LIMIT,
-                   f"worker {name} to be ready", alive=[proc])
-        return proc
+        return self.processes.worker("tests.outbox.app", name, env, pool, concurrency)
 
     # -- looking -------------------------------------------------------------------
     def files(self, kind: str) -> list[dict[str, Any]]:
@@ -154,11 +130,9 @@ class OutboxEnv:
             queue.purge()
 
     # -- cleaning up -----------------------------------------------------------------
-    def cleanup(self, failed: bool) -> None:
-        for proc in self.procs:
-            proc.kill()
-            if failed:
-                print(f"\n===== {proc.name} ({proc.log}) =====\n{proc.tail(200)}")
+    def close(self) -> None:
+        """Kill the processes first: a worker still running could hold the tables."""
+        self.processes.kill()
         for app, outbox in self.apps:
             if not self.broker.startswith("sqlinbox+") and app.conf.broker_url != (
                     DOWN_AMQP_URL):
@@ -183,34 +157,32 @@ class OutboxEnv:
         self.engine.dispose()
 
 
-def make_env(request: pytest.FixtureRequest, tmp: Path, broker: str, database: str
-             ) -> Iterator[OutboxEnv]:
-    db = database_url(database, tmp)
-    made = OutboxEnv(tmp, broker_url(broker, db), db)
+def make_env(processes: Processes, broker: str, database: str) -> Iterator[OutboxEnv]:
+    """An :class:`OutboxEnv` on ``broker`` with the outbox in ``database``, closed after."""
+    db = database_url(database, processes.tmp, "outbox.db")
+    made = OutboxEnv(processes, broker_url(broker, db), db)
     try:
         yield made
     finally:
-        made.cleanup(request.node.stash.get(FAILED, False))
+        made.close()
 
 
 @pytest.fixture
-def rabbit_pg(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[OutboxEnv]:
+def rabbit_pg(processes: Processes) -> Iterator[OutboxEnv]:
     """RabbitMQ broker, PostgreSQL outbox: the most common production shape."""
-    yield from make_env(request, tmp_path, "rabbitmq", "postgresql")
+    yield from make_env(processes, "rabbitmq", "postgresql")
 
 
 @pytest.fixture
-def any_db(request: pytest.FixtureRequest, tmp_path: Path, database: str
-           ) -> Iterator[OutboxEnv]:
+def any_db(processes: Processes, database: str) -> Iterator[OutboxEnv]:
     """RabbitMQ broker, the outbox on each database in turn."""
-    yield from make_env(request, tmp_path, "rabbitmq", database)
+    yield from make_env(processes, "rabbitmq", database)
 
 
 @pytest.fixture
-def inbox_any(request: pytest.FixtureRequest, tmp_path: Path, database: str
-              ) -> Iterator[OutboxEnv]:
+def inbox_any(processes: Processes, database: str) -> Iterator[OutboxEnv]:
     """The sqlinbox broker and the outbox in one database, each database in turn."""
-    yield from make_env(request, tmp_path, "sqlinbox", database)
+    yield from make_env(processes, "sqlinbox", database)
 
 
 def age(env: OutboxEnv, column: str, ids: list[Any], seconds: float) -> None:
@@ -224,6 +196,6 @@ def age(env: OutboxEnv, column: str, ids: list[Any], seconds: float) -> None:
 
 @pytest.fixture
 def pg_engine() -> Iterator[Engine]:
-    engine = engine_from_url(POSTGRES_URL)
+    engine = engine_from_url(require_server("postgresql"))
     yield engine
     engine.dispose()

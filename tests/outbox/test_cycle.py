@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.acceptance.conftest import wait_until
 from tests.outbox.conftest import OutboxEnv, make_env
+from tests.processes import Processes, wait_until
 
 CYCLES = [
     ("rabbitmq", "postgresql"),
@@ -24,11 +23,12 @@ CYCLES = [
 ]
 
 
-@pytest.fixture(params=CYCLES, ids=[f"{b}-{d}" for b, d in CYCLES])
-def cycle(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[OutboxEnv]:
-    yield from make_env(request, tmp_path, *request.param)
+@pytest.fixture
+def cycle(processes: Processes, broker: str, database: str) -> Iterator[OutboxEnv]:
+    yield from make_env(processes, broker, database)
 
 
+@pytest.mark.parametrize(("broker", "database"), CYCLES, ids=[f"{b}-{d}" for b, d in CYCLES])
 def test_records_before_dispatch_marks_after_and_republishes_the_lost(cycle: OutboxEnv) -> None:
     env = cycle
     app, outbox = env.sender()

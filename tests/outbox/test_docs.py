@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -21,10 +19,10 @@ from sqlalchemy.orm import Session
 from celery_ext.outbox import engine_from_url
 from celery_ext.outbox_cli import main
 from kombu_sqlinbox.tables import table_name_for_queue
-from tests.acceptance.conftest import ROOT, START_LIMIT, Proc, wait_until, worker_ready
-from tests.conftest import require_server
+from tests.databases import require_server
 from tests.docs.support import EXAMPLES
 from tests.outbox.conftest import AMQP_URL, REDIS_URL
+from tests.processes import Processes, wait_until
 
 EXAMPLE = EXAMPLES / "outbox"
 
@@ -61,7 +59,7 @@ def shop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     for name, value in settings.items():
         monkeypatch.setenv(name, value)
     monkeypatch.syspath_prepend(str(EXAMPLE))
-    env = {**os.environ, "PYTHONPATH": f"{EXAMPLE}{os.pathsep}{ROOT}"}
+    env = {"PYTHONPATH": str(EXAMPLE)}  # the worker's, over this process's environment
     engine = engine_from_url(database)
     for module in ("proj", "orders"):
         sys.modules.pop(module, None)
@@ -96,7 +94,7 @@ def cleanup(shop: Shop, settings: dict[str, str], broker: str) -> None:
         sys.modules.pop(module, None)
 
 
-def test_the_shop_sends_a_receipt_for_committed_orders_only(shop: Shop, tmp_path: Path
+def test_the_shop_sends_a_receipt_for_committed_orders_only(shop: Shop, processes: Processes
                                                             ) -> None:
     shop.orders.start(shop.engine)
     with Session(shop.engine) as session:
@@ -106,30 +104,19 @@ def test_the_shop_sends_a_receipt_for_committed_orders_only(shop: Shop, tmp_path
         shop.orders.place_order(session, 2, 500)
         session.rollback()
 
-    argv = [sys.executable, "-m", "celery", "-A", "proj", "worker", "-P", "solo",
-            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info",
-            "-n", "shop@%h"]
-    worker = Proc("shop", argv, shop.env, tmp_path / "shop.log")
-    try:
-        wait_until(lambda: worker_ready(worker), START_LIMIT, "the shop worker",
-                   alive=[worker])
-        wait_until(lambda: shop.receipts() == [1], 30, "the receipt of order 1",
-                   alive=[worker])
-        status: dict[str, Any] = {}
+    worker = processes.worker("proj", "shop", shop.env, pool="solo")
+    wait_until(lambda: shop.receipts() == [1], 30, "the receipt of order 1", alive=[worker])
+    status: dict[str, Any] = {}
 
-        def processed() -> bool:
-            out = shop.cli("status")
-            for line in out.splitlines():
-                name, _, value = line.partition(": ")
-                status[name] = value
-            return status.get("processed") == "1"
+    def processed() -> bool:
+        out = shop.cli("status")
+        for line in out.splitlines():
+            name, _, value = line.partition(": ")
+            status[name] = value
+        return status.get("processed") == "1"
 
-        wait_until(processed, 30, "the record to be processed", alive=[worker])
-        assert status["unprocessed"] == "0"
-        assert shop.cli("republish", "--older-than", "0") == (
-            "republished: 0\nfailed (see the log): none\nheld back for their eta: 0\n")
-        assert shop.cli("prune", "--older-than", "0") == "pruned: 1\n"
-    finally:
-        worker.kill()
-        if worker.popen.returncode not in (0, -9):
-            print(worker.tail(100))
+    wait_until(processed, 30, "the record to be processed", alive=[worker])
+    assert status["unprocessed"] == "0"
+    assert shop.cli("republish", "--older-than", "0") == (
+        "republished: 0\nfailed (see the log): none\nheld back for their eta: 0\n")
+    assert shop.cli("prune", "--older-than", "0") == "pruned: 1\n"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from kombu import Queue
@@ -12,8 +11,8 @@ from kombu.exceptions import OperationalError
 from sqlalchemy import inspect, text
 
 import celery_ext
-from tests.acceptance.conftest import wait_until
 from tests.outbox.conftest import DOWN_AMQP_URL, OutboxEnv, make_env
+from tests.processes import Processes, wait_until
 
 
 def test_broker_down_keeps_the_record_and_republish_delivers_it(rabbit_pg: OutboxEnv) -> None:
@@ -58,9 +57,9 @@ def test_worker_killed_before_ack_effect_happens_once(rabbit_pg: OutboxEnv) -> N
 
 
 @pytest.fixture
-def sqlite_inbox(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[OutboxEnv]:
+def sqlite_inbox(processes: Processes) -> Iterator[OutboxEnv]:
     """The sqlinbox broker and the outbox in one SQLite file."""
-    yield from make_env(request, tmp_path, "sqlinbox", "sqlite")
+    yield from make_env(processes, "sqlinbox", "sqlite")
 
 
 def test_sqlite_publish_under_the_tasks_own_write_lock_fails_clearly(

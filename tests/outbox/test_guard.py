@@ -5,8 +5,8 @@ from __future__ import annotations
 from celery import Celery
 
 from celery_ext import mark_processed
-from tests.acceptance.conftest import wait_until
 from tests.outbox.conftest import DOWN_DB_URLS, OutboxEnv
+from tests.processes import wait_until
 
 
 def test_an_id_of_the_wrong_type_runs_the_task_untracked(any_db: OutboxEnv) -> None:

@@ -18,8 +18,8 @@ from celery_ext import Outbox, Republished
 from celery_ext.declaration import default_outbox_table
 from kombu_sqlinbox.dialects import dialect_for
 from kombu_sqlinbox.errors import SchemaMismatch
-from tests.acceptance.conftest import wait_until
 from tests.outbox.conftest import DOWN_AMQP_URL, OutboxEnv, age
+from tests.processes import wait_until
 
 GRACE = 600.0
 

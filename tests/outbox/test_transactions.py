@@ -10,7 +10,6 @@ import asyncio
 import threading
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,13 +19,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from celery_ext import HEADER, NotBound, after_commit, bind, current
-from tests.acceptance.conftest import wait_until
 from tests.outbox.conftest import OutboxEnv, make_env
-
-
-@pytest.fixture(params=["postgresql", "mysql", "sqlite"])
-def rabbit_any(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[OutboxEnv]:
-    yield from make_env(request, tmp_path, "rabbitmq", request.param)
+from tests.processes import Processes, wait_until
 
 
 def committed_records(env: OutboxEnv) -> int:
@@ -34,8 +28,8 @@ def committed_records(env: OutboxEnv) -> int:
     return len(env.records())
 
 
-def test_rolled_back_caller_transaction_sends_nothing(rabbit_any: OutboxEnv) -> None:
-    env = rabbit_any
+def test_rolled_back_caller_transaction_sends_nothing(any_db: OutboxEnv) -> None:
+    env = any_db
     app, _ = env.sender()
     check = app.tasks["ob.check"]
     env.purge(app)
@@ -57,8 +51,8 @@ def test_rolled_back_caller_transaction_sends_nothing(rabbit_any: OutboxEnv) -> 
     assert env.queue_depth(app) == 0
 
 
-def test_committed_caller_transaction_sends_after_commit(rabbit_any: OutboxEnv) -> None:
-    env = rabbit_any
+def test_committed_caller_transaction_sends_after_commit(any_db: OutboxEnv) -> None:
+    env = any_db
     app, _ = env.sender()
     check = app.tasks["ob.check"]
     env.purge(app)
@@ -182,8 +176,8 @@ def test_binding_is_per_thread_and_per_asyncio_task(pg_engine: Engine) -> None:
 
 
 @pytest.fixture
-def inbox_pg(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[OutboxEnv]:
-    yield from make_env(request, tmp_path, "sqlinbox", "postgresql")
+def inbox_pg(processes: Processes) -> Iterator[OutboxEnv]:
+    yield from make_env(processes, "sqlinbox", "postgresql")
 
 
 def test_on_the_sqlinbox_transport_record_and_row_share_the_transaction(

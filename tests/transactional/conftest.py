@@ -4,8 +4,9 @@ One :class:`Service` per database and pool: a database of its own (a fresh
 PostgreSQL or MariaDB database, or a SQLite file) holding the example's tables
 and queues, the fake card processor, and one ``celery worker`` of
 :mod:`tests.transactional.apps.service` consuming every queue. It is shared by
-the tests of this package (package scope), so each worker starts once; tests
-use order ids of their own and leave the queues drained. The test process's
+the tests of this package (package scope: ``database`` and ``pool`` are
+parametrised at that scope), so each worker starts once; tests use order ids of
+their own and leave the queues drained. The test process's
 side of the example app (``refund.delay``, ``web.request_refund``) is pointed at
 the service's database while its tests run.
 """
@@ -13,12 +14,9 @@ the service's database while its tests run.
 from __future__ import annotations
 
 import json
-import os
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +25,11 @@ import pytest
 from sqlalchemy import Engine, create_engine, func, select, text
 from sqlalchemy.engine import make_url
 
-from tests.acceptance.conftest import (  # the hook marks failed tests, to print logs
-    FAILED,
-    START_LIMIT,
-    Proc,
-    pytest_runtest_makereport,  # noqa: F401
-    wait_until,
-    worker_ready,
-)
-from tests.conftest import DATABASES, require_server
+from tests.databases import DATABASES, database_url, require_server
+from tests.processes import Proc, Processes, wait_until
 from tests.transactional.apps import service as service_app
 from tests.transactional.apps.service import card_processor, refunds_app
 
-ROOT = Path(__file__).resolve().parents[2]
 POOLS = ("prefork", "threads", "solo")
 #: the card client's timeout in the workers: a timed-out call costs this much, and a held
 #: one (a test looking at the open transaction) must be released within it
@@ -57,24 +47,23 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "pools(*names): run a service test only on these worker pools")
 
 
+@pytest.hookimpl(tryfirst=True)  # before the ``database`` fixture parametrises at its scope
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Each test using ``service`` runs once per database and pool (narrowed by markers);
-    tests with the same pair share one service, in package scope."""
+    """Each test using ``service`` runs once per database and pool (the ``databases`` marker
+    and option narrow the databases as everywhere, the ``pools`` marker the pools); tests
+    with the same pair share one service, in package scope."""
     if "service" not in metafunc.fixturenames:
         return
     pools = metafunc.definition.get_closest_marker("pools")
-    databases = metafunc.definition.get_closest_marker("databases")
-    pairs = [(db, pool) for db in (databases.args if databases else DATABASES)
-             for pool in (pools.args if pools else POOLS)]
-    metafunc.parametrize("service", pairs, indirect=True, scope="package",
-                         ids=[f"{db}-{pool}" for db, pool in pairs])
+    metafunc.parametrize("database", DATABASES, scope="package")
+    metafunc.parametrize("pool", pools.args if pools else POOLS, scope="package")
 
 
 @contextmanager
 def fresh_database(kind: str, tmp: Path) -> Iterator[str]:
     """An SQLAlchemy URL of an empty database, dropped afterwards (SQLite: a new file)."""
     if kind == "sqlite":
-        yield f"sqlite:///{tmp}/refunds.db"
+        yield database_url(kind, tmp, "refunds.db")
         return
     server = make_url(require_server(kind))
     if kind == "postgresql":
@@ -132,14 +121,14 @@ def queue_rows(engine: Engine, queue: str) -> int:
 class Service:
     """The refund example on one database under one worker pool."""
 
-    def __init__(self, kind: str, pool: str, db_url: str, tmp: Path) -> None:
+    def __init__(self, kind: str, pool: str, db_url: str, processes: Processes) -> None:
         self.kind = kind
         self.pool = pool
         self.db_url = db_url
-        self.tmp = tmp
-        self.runs = tmp / "runs"
+        self.processes = processes
+        self.runs = processes.tmp / "runs"
         self.runs.mkdir()
-        self.mail = tmp / "mail"
+        self.mail = processes.tmp / "mail"
         self.engine: Engine = create_engine(db_url)
         refunds_app.metadata.create_all(self.engine)
         service_app.probe_metadata.create_all(self.engine)
@@ -148,27 +137,16 @@ class Service:
 
     def start(self) -> None:
         """A ``celery worker`` on every queue of the service (pool ``-c 2``), once ready."""
-        env = {**os.environ,
-               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               "REFUNDS_DATABASE_URL": self.db_url, "REFUNDS_CARD_URL": self.card.url,
+        env = {"REFUNDS_DATABASE_URL": self.db_url, "REFUNDS_CARD_URL": self.card.url,
                "REFUNDS_CARD_TIMEOUT": str(CARD_TIMEOUT), "REFUNDS_RETRY_SECONDS": "0.1",
                "REFUNDS_MAIL_DIR": str(self.mail), service_app.RUNS_ENV: str(self.runs),
                service_app.VISIBILITY_ENV: str(VISIBILITY_TIMEOUT)}
-        argv = [sys.executable, "-m", "celery", "-A", "tests.transactional.apps.service",
-                "worker", "-P", self.pool, "-Q", ",".join(self.queues()), "-n", "w1@%h",
-                "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"]
-        if self.pool != "solo":
-            argv += ["-c", "2"]
-        self.worker = Proc("w1", argv, env, self.tmp / "w1.log")
-        wait_until(partial(worker_ready, self.worker), START_LIMIT, "the worker to be ready",
-                   alive=[self.worker])
+        self.worker = self.processes.worker(
+            "tests.transactional.apps.service", "w1", env, self.pool, 2,
+            args=["-Q", ",".join(self.queues())])
 
     def close(self, failed: bool) -> None:
-        if self.worker is not None:
-            self.worker.kill()
-            if failed:
-                print(f"\n===== {self.worker.name} ({self.worker.log}) =====\n"
-                      f"{self.worker.tail(200)}")
+        self.processes.close(failed)
         self.card.close()
         self.engine.dispose()
 
@@ -240,21 +218,22 @@ class Service:
 
 
 @pytest.fixture(scope="package")
-def service(request: pytest.FixtureRequest,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    kind, pool = request.param
-    tmp = tmp_path_factory.mktemp(f"tx-{kind}-{pool}")
-    with fresh_database(kind, tmp) as db_url:
-        made = Service(kind, pool, db_url, tmp)
+def service(request: pytest.FixtureRequest, database: str, pool: str,
+            tmp_path_factory: pytest.TempPathFactory,
+            failed: Callable[[pytest.Item], bool]) -> Iterator[Service]:
+    tmp = tmp_path_factory.mktemp(f"tx-{database}-{pool}")
+    with fresh_database(database, tmp) as db_url:
+        made = Service(database, pool, db_url, Processes(tmp))
         try:
             made.start()
             with pointed_at(db_url):
                 yield made
         finally:
             made.close(failed=any(
-                item.stash.get(FAILED, False) for item in request.session.items
-                if getattr(getattr(item, "callspec", None), "params", {}).get("service")
-                == request.param))
+                failed(item) for item in request.session.items
+                if "service" in getattr(item, "fixturenames", ())
+                and item.callspec.params["database"] == database
+                and item.callspec.params["pool"] == pool))
 
 
 @pytest.fixture

@@ -1,0 +1,64 @@
+"""The databases the tests run on: their names, the URL a test uses for each, and tables
+to drop.
+
+Server URLs come from the environment (defaults are the local services):
+``SQLINBOX_TEST_POSTGRES``, ``SQLINBOX_TEST_MYSQL``. Outside CI a server that does not
+answer skips its tests with what to start; with ``CI=true`` it fails them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from sqlalchemy import inspect, text
+from sqlalchemy.engine import Engine
+
+from tests.servers import server_answers
+
+POSTGRES_URL = os.environ.get("SQLINBOX_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
+MYSQL_URL = os.environ.get("SQLINBOX_TEST_MYSQL", "mysql+pymysql://root@127.0.0.1:3306/test")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+SERVERS = {
+    "postgresql": (POSTGRES_URL, "start PostgreSQL (pg_ctlcluster 15 main start) or set "
+                   "SQLINBOX_TEST_POSTGRES"),
+    "mysql": (MYSQL_URL, "start MariaDB/MySQL (mariadbd) or set SQLINBOX_TEST_MYSQL"),
+}
+#: every database, in the order a test parametrised over them runs
+DATABASES = ("postgresql", "mysql", "sqlite")
+
+_ANSWERS: dict[str, str | None] = {}
+
+
+def require_server(name: str) -> str:
+    """The URL of the server ``name`` once it answers (asked once per session); when it does
+    not, skip the test saying what to start, or fail it in CI."""
+    url, hint = SERVERS[name]
+    if name not in _ANSWERS:
+        _ANSWERS[name] = server_answers(url)
+    problem = _ANSWERS[name]
+    if problem is not None:
+        message = f"{name} at {url} does not answer ({problem}): {hint}"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return url
+
+
+def database_url(name: str, tmp: Path, file: str = "inbox.db") -> str:
+    """The plain SQLAlchemy URL a test uses for the database ``name``: the shared server,
+    or for SQLite a file ``file`` in the test's directory ``tmp``."""
+    if name == "sqlite":
+        return f"sqlite:///{tmp}/{file}"
+    return require_server(name)
+
+
+def drop_tables(engine: Engine, prefix: str) -> None:
+    """Drop every table whose name starts with ``prefix``."""
+    with engine.begin() as conn:
+        quote = conn.dialect.identifier_preparer.quote
+        for name in inspect(conn).get_table_names():
+            if name.startswith(prefix):
+                conn.execute(text(f"DROP TABLE IF EXISTS {quote(name)}"))
