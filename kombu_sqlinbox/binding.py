@@ -1,4 +1,4 @@
-"""The caller's own transaction, as the transport sees it (transactional enqueue, C8).
+"""The caller's own transaction, as the transport sees it (transactional enqueue).
 
 A publish made while a Connection or Session is bound writes its row in that
 transaction instead of a connection of the transport's own, so the task exists
