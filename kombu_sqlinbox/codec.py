@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .tables import Role
 
 if TYPE_CHECKING:
-    from .broker import QueueTable
-    from .dialects import ClaimedRow
+    from .rows import ClaimedRow, QueueTable
 
 #: properties that describe one delivery, rebuilt on every claim rather than stored
 DELIVERY_PROPERTIES = ("delivery_tag", "delivery_info")

@@ -11,6 +11,7 @@ from sqlalchemy import create_engine
 from kombu_sqlinbox.dialects import dialect_for
 from kombu_sqlinbox.options import CLAIM_FORMS, KOMBU_KEYS, QueueOptions, TransportOptions
 from kombu_sqlinbox.tables import default_table, table_name_for_queue
+from tests.unit.test_layers import LAYERS
 
 from .support import DOCS
 
@@ -87,3 +88,10 @@ def test_lease_statements_shown_are_what_the_transport_runs() -> None:
     shown = "\n".join(line for line in (DOCS / "sql" / "lease-postgresql.sql").read_text()
                       .splitlines() if not line.startswith("--"))
     assert [fold(s) for s in shown.split(";") if s.strip()] == [fold(s.text) for s in code]
+
+
+def test_design_page_lists_the_layers_in_the_order_the_imports_keep() -> None:
+    text = (DOCS / "design.rst").read_text()
+    listed = text.split(".. layers-start")[1].split(".. layers-end")[0]
+    shown = re.findall(r"^\d+\. ``kombu_sqlinbox\.(\w+)``", listed, re.MULTILINE)
+    assert shown == [layer[0] for layer in LAYERS]

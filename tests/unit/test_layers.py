@@ -1,5 +1,5 @@
-"""The core modules depend one way: transport, broker, claims, database, dialects, rows.
-Each is built and tested on the ones below it; none imports one above (not even for
+"""The core modules depend one way: transport, broker, claims, database, dialects, codec,
+rows. Each is built and tested on the ones below it; none imports one above (not even for
 type checking), which would bring the cycle back."""
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ LAYERS = (
     ("broker",),
     ("claims",),
     ("database",),
-    ("dialects", "dialects.base", "dialects.mysql", "dialects.postgresql", "dialects.sqlite"),
+    ("dialects", "dialects.base", "dialects.mysql", "dialects.postgresql", "dialects.sqlite",
+     "dialects.conformance"),
+    ("codec",),
     ("rows",),
 )
 
