@@ -11,9 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, ClassVar
 
 from sqlalchemy import Connection, Row, TextClause, bindparam, event, inspect, text
@@ -358,20 +359,30 @@ class Dialect:
         return statements.claim_skipping if skip else statements.claim
 
     @staticmethod
-    def claimed(spec: TableSpec, rows: Iterable[Row[Any]], leased: bool = True) -> list[ClaimedRow]:
+    def claimed(spec: TableSpec, rows: Sequence[Row[Any]], leased: bool = True) -> list[ClaimedRow]:
         """The rows of :meth:`returned_columns`, read by label, in claim order (RETURNING
         gives none): -priority, ready time, id. Rows selected before their lease
-        (``leased=False``) carry the attempt the lease then raised."""
-        sort_roles = [role.value for role in (Role.PRIORITY, Role.AVAILABLE_AT)
-                      if spec.has(role)]
-        result = []
-        for row in rows:
-            got = row._mapping
-            result.append(ClaimedRow(
-                id=got["id"], attempt=got["attempt"] + (0 if leased else 1),
-                payload=_plain(got["payload"]), headers=_json_text(got.get("headers")),
-                group=got.get("group"), partition_key=got.get("partition_key"),
-                sort_key=(*(got[role] for role in sort_roles), got["id"])))
+        (``leased=False``) carry the attempt the lease then raised. Labels are resolved
+        to positions once per claim: reading each row by name costs a tenth of a consume."""
+        if not rows:
+            return []
+        position = {label: at for at, label in enumerate(rows[0]._fields)}
+
+        def read(label: str) -> Callable[[Row[Any]], Any]:
+            at = position.get(label)
+            return (lambda row: None) if at is None else itemgetter(at)
+
+        row_id, attempt, payload, headers, group, partition_key = (read(label) for label in (
+            "id", "attempt", "payload", "headers", "group", "partition_key"))
+        sort_by = [read(role.value) for role in (Role.PRIORITY, Role.AVAILABLE_AT)
+                   if spec.has(role)]
+        raised = 0 if leased else 1
+        result = [ClaimedRow(
+            id=row_id(row), attempt=attempt(row) + raised, payload=_plain(payload(row)),
+            headers=_json_text(headers(row)), group=group(row),
+            partition_key=partition_key(row),
+            sort_key=(*(value(row) for value in sort_by), row_id(row)))
+            for row in rows]
         if spec.has(Role.PRIORITY):
             result.sort(key=lambda r: (-r.sort_key[0], *r.sort_key[1:]))
         else:
