@@ -17,7 +17,7 @@ from tests.ordering.apps.common import any_overlap_across, check_serial_in_order
 from tests.ordering.conftest import Ordering, publish, wait_for_count
 from tests.processes import wait_until
 
-GROUPS, ROWS = 20, 200
+GROUPS, ROWS = 20, 100
 
 
 @pytest.mark.slow
