@@ -56,3 +56,34 @@ def test_claim_selection_uses_the_claim_index(connect: Connect, database: str) -
         assert "type=ALL" not in row, row
         assert f"key={index}" in row, row
         assert "filesort" not in row, row
+
+
+def bulk_transient_sql(database: str, table: str) -> str:
+    """READY_ROWS transient messages spread over 1,000 queues."""
+    if database == "postgresql":
+        return (f"INSERT INTO {table} (queue, payload, headers) SELECT 'q' || (n % 1000), "
+                f"'x'::bytea, '{{}}' FROM generate_series(1, {READY_ROWS}) AS n")
+    joins = ", ".join(f"({DIGITS}) AS d{n}" for n in range(6))
+    return (f"INSERT INTO {table} (queue, payload, headers) "
+            f"SELECT CONCAT('q', d0.d, d1.d, d2.d), 'x', '{{}}' FROM {joins} LIMIT {READY_ROWS}")
+
+
+@pytest.mark.parametrize("database", ["postgresql", "mysql"], indirect=True)
+def test_transient_claim_uses_its_queue_index(connect: Connect, database: str) -> None:
+    conn = connect()
+    conn.default_channel.queue_declare("reply", durable=False, auto_delete=True)
+    routes = broker_of(conn).routes
+    table = quoted(routes.database.engine, routes.sql.names[2])
+    index = routes.sql.names[2] + "_claim"
+    with routes.database.engine.begin() as db:
+        db.execute(text(bulk_transient_sql(database, table)))
+    with routes.database.engine.begin() as db:
+        db.execute(text(f"{'ANALYZE' if database == 'postgresql' else 'ANALYZE TABLE'} {table}"))
+        claim = routes.sql.claim[0]
+        result = db.execute(text(f"EXPLAIN {claim.text}"), {"queue": "q7", "limit": 10})
+        if database == "postgresql":
+            shown = "\n".join(str(row[0]) for row in result)
+            assert index in shown and "Seq Scan" not in shown, shown
+        else:
+            rows = [dict(row._mapping) for row in result]
+            assert rows[0]["key"] == index and rows[0]["type"] != "ALL", rows
