@@ -196,8 +196,8 @@ def test_consumed_queue_outlives_its_expiry_and_comes_back_after_a_sweep_took_it
         for table in ("queues", "bindings"):
             db.execute(text(f"DELETE FROM {quoted(engine, table_prefix + table)}"))
     with caplog.at_level(logging.WARNING, logger="kombu_sqlinbox.routing"):
-        wait_for(lambda: get(consumer, "kept") is None and count(
-            engine, table_prefix, "queues") == 1 or None, "the queue registered again")
+        wait_for(lambda: (get(consumer, "kept") is None and count(
+            engine, table_prefix, "queues") == 1) or None, "the queue registered again")
     assert "expired while consumed" in caplog.text
     other(connect, 3).Producer().publish({"back": True}, exchange=FANOUT, declare=[FANOUT])
     assert get_within(consumer, "kept").payload == {"back": True}
