@@ -371,3 +371,25 @@ def test_racing_creation_of_the_routing_tables_is_retried(
     racer.join(timeout=10)
     assert outcome == [True]
     assert set(names) <= set(inspect(engine).get_table_names())
+
+
+def test_exchange_never_declared_here_routes_through_the_bindings_table(
+    connect: Connect,
+) -> None:
+    consumer = other(connect, 1)
+    declare(consumer, transient("by.name", REPLIES, "by.name"))
+    other(connect, 2).Producer().publish({"named": 1}, exchange="replies",
+                                         routing_key="by.name")
+    assert get_within(consumer, "by.name").payload == {"named": 1}
+
+
+def test_malformed_expiration_is_no_ttl(connect: Connect) -> None:
+    """kombu writes ``expiration`` as milliseconds; a raw publish may put anything there."""
+    conn = other(connect, 1, sweep_interval=0.01)
+    declare(conn, transient("odd", REPLIES, "odd"))
+    channel = conn.default_channel
+    channel.exchange_declare("replies", "direct")
+    channel.basic_publish(channel.prepare_message(
+        b"odd", properties={"expiration": "soon"}), "replies", "odd")
+    broker_of(conn).sweep()
+    assert get_within(conn, "odd").body == b"odd"
