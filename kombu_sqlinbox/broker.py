@@ -58,6 +58,8 @@ class Broker:
         self.ping = self.database.ping
         self._tables: dict[str, QueueTable] = {}
         self._tables_lock = threading.Lock()
+        #: queues declared with a message TTL (seconds; ``x-message-ttl``) in this process
+        self.message_ttls: dict[str, float] = {}
         self.dialect.notify = options.notify and self.dialect.notify
         self.wakeup = Wakeup(self.database)
         self.keeper = LeaseKeeper(self.database, wake=self.wakeup.poke)

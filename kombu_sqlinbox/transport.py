@@ -12,22 +12,25 @@ from collections import deque
 from collections.abc import Callable
 from itertools import count
 from queue import Empty
-from time import monotonic
+from time import monotonic, time
 from typing import Any
 
 import sqlalchemy
 from kombu.transport import virtual
+from kombu.transport.base import to_rabbitmq_queue_arguments
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
 from .broker import Broker, QueueTable, broker_for
 from .claims import SETTLE_LIMIT, Held, Settlement
 from .codec import (
+    EXPIRES_KEY,
     GROUP_HEADER,
     PARTITION_HEADER,
     Undecodable,
     decode_row,
     encode_message,
     eta_epoch,
+    expiry,
 )
 from .dialects import ClaimedRow
 from .errors import ConfigurationError, MessageTooLarge, SchemaMismatch
@@ -150,7 +153,8 @@ class Channel(virtual.Channel):
     # -- publish ---------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         table = self.broker.table(queue)
-        payload, headers = encode_message(message, table)
+        expires_at = expiry(message, self.broker.message_ttls.get(queue), time())
+        payload, headers = encode_message(message, table, expires_at)
         priority = message["properties"].get("priority") or 0
         try:
             priority = max(0, min(255, int(priority)))
@@ -243,8 +247,22 @@ class Channel(virtual.Channel):
         if not self.broker.admit(held, row, undecodable):
             self.key_settled(table.queue, row)
             return None
+        assert message is not None  # admitted, so it decoded
+        expires_at = message.pop(EXPIRES_KEY)
+        if expires_at is not None and expires_at <= time():
+            self._expire(held, row)
+            return None
         self.qos.track(tag, held, row)
         return message
+
+    def _expire(self, held: Held, row: ClaimedRow) -> None:
+        """An expired message is not delivered: it goes to its queue's dead-letter queue
+        when it has one (as RabbitMQ dead-letters expired messages), else it is completed."""
+        if held.table.options.dead_letter_queue:
+            self.broker.dead_letter(held, row, "expired")
+        else:
+            self.broker.settle(Settlement.COMPLETE, held)
+        self.key_settled(held.table.queue, row)
 
     def _release_buffered(self, queues: list[str]) -> None:
         """Rows claimed but never handed to kombu go back with their attempt returned."""
@@ -299,8 +317,15 @@ class Channel(virtual.Channel):
         self._delete(queue)
         self.state.queue_bindings_delete(queue)
 
+    def prepare_queue_arguments(self, arguments: dict[str, Any], **kwargs: Any) -> Any:
+        """kombu's queue options (``Queue(message_ttl=...)``) as RabbitMQ's arguments."""
+        return to_rabbitmq_queue_arguments(arguments, **kwargs)
+
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
         self.broker.table(queue)
+        ttl = (kwargs.get("arguments") or {}).get("x-message-ttl")
+        if ttl is not None:  # applies to what this process publishes to the queue next
+            self.broker.message_ttls[queue] = float(ttl) / 1000.0
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         return self.broker.known_table(queue)

@@ -28,6 +28,12 @@ SERVERS = {
 }
 #: every database, in the order a test parametrised over them runs
 DATABASES = ("postgresql", "mysql", "sqlite")
+#: kombu's own brokers, the control a kombu-level test also runs on (same test bodies)
+CONTROL_URLS = {
+    "redis": os.environ.get("SQLINBOX_TEST_REDIS", "redis://127.0.0.1:6379/7"),
+    "rabbitmq": os.environ.get("SQLINBOX_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672//"),
+}
+CONTROLS = tuple(CONTROL_URLS)
 
 _ANSWERS: dict[str, str | None] = {}
 
@@ -41,6 +47,28 @@ def require_server(name: str) -> str:
     problem = _ANSWERS[name]
     if problem is not None:
         message = f"{name} at {url} does not answer ({problem}): {hint}"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return url
+
+
+def require_control(name: str) -> str:
+    """The broker URL of the control ``name`` once it answers (asked once per session);
+    skipped or failed like :func:`require_server`."""
+    from kombu import Connection
+
+    url = CONTROL_URLS[name]
+    if name not in _ANSWERS:
+        try:
+            with Connection(url, connect_timeout=2) as conn:
+                conn.ensure_connection(max_retries=1)
+            _ANSWERS[name] = None
+        except Exception as exc:  # any failure to connect means "not there"
+            _ANSWERS[name] = str(exc).splitlines()[0]
+    problem = _ANSWERS[name]
+    if problem is not None:
+        message = f"{name} at {url} does not answer ({problem}): start it"
         if IN_CI:
             pytest.fail(message)
         pytest.skip(message)
