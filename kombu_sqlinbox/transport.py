@@ -18,6 +18,7 @@ from typing import Any
 import sqlalchemy
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
+from sqlalchemy.engine import URL
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
 from .broker import Broker, QueueTable, broker_for
@@ -52,6 +53,8 @@ def _driver_connection_errors() -> tuple[type[BaseException], ...]:
 
 
 DRIVER_CONNECTION_ERRORS = _driver_connection_errors()
+#: how a broker URL names this transport
+URL_PREFIX = "sqlinbox+"
 
 
 def _key(value: Any) -> str | None:
@@ -371,7 +374,16 @@ class Transport(virtual.Transport):
 
     @property
     def url(self) -> str:
-        hostname = self.client.hostname or ""
+        client = self.client
+        hostname = client.hostname or ""
+        scheme = str(client.transport_cls or "")
+        if "://" not in hostname and scheme.startswith(URL_PREFIX):
+            # an alternate URL kombu's failover parsed itself: put it back together
+            return URL.create(
+                scheme[len(URL_PREFIX):], username=client.userid, password=client.password,
+                host=hostname or None, port=client.port,
+                database=None if client.virtual_host in (None, "/") else client.virtual_host,
+            ).render_as_string(hide_password=False)
         if "://" not in hostname:
             raise ConfigurationError(
                 "the sqlinbox transport needs an SQLAlchemy URL: "
