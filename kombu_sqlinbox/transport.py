@@ -365,6 +365,8 @@ class Transport(virtual.Transport):
         super().__init__(client, **kwargs)
         self.polling_interval = self.options.polling_interval
         self._broker: Broker | None = None
+        if self.options.event_loop:  # Celery then runs its event loop, not the blocking one
+            self.implements = self.implements.extend(asynchronous=True)
 
     @property
     def broker(self) -> Broker:
@@ -413,6 +415,43 @@ class Transport(virtual.Transport):
                 if timeout is not None and monotonic() - started >= timeout:
                     raise TimeoutError() from None
                 self.broker.wakeup.wait(interval)
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        """Consume from kombu's event loop (Celery's, with :confval:`event_loop`): the
+        wake-up's sources (the in-process pipe, the LISTEN socket) are the hub's readers,
+        and a timer claims every polling interval, as the blocking loop's wait would."""
+        self._readers: dict[int, Any] = {}
+        loop.call_repeatedly(self.polling_interval, self._on_poll, loop)
+        self._on_poll(loop)
+
+    def _on_poll(self, loop: Any) -> None:
+        self._watch(loop)
+        self._consume_ready(loop)
+
+    def _watch(self, loop: Any) -> None:
+        """Keep the hub's readers the wake-up's current sources (the LISTEN connection
+        comes with the first consumed queue, and is new after it died)."""
+        sources = {source if isinstance(source, int) else source.fileno(): source
+                   for source in self.broker.wakeup.sources()}
+        for fd in self._readers.keys() - sources.keys():
+            loop.remove_reader(fd)
+        for fd in sources.keys() - self._readers.keys():
+            loop.add_reader(fd, self._on_readable, loop, sources[fd])
+        self._readers = sources
+
+    def _on_readable(self, loop: Any, source: Any) -> None:
+        self.broker.wakeup.take([source])
+        self._on_poll(loop)
+
+    def _consume_ready(self, loop: Any) -> None:
+        """Deliver what is ready, a claim's worth at a time; more in a later turn of the
+        loop, so timers and acks from other threads are not kept waiting."""
+        for _ in range(self.options.max_batch):
+            try:
+                self.cycle.get(self._deliver, timeout=0)
+            except Empty:
+                return
+        loop.call_soon(self._consume_ready, loop)
 
     def establish_connection(self) -> Any:
         self.broker.ping()

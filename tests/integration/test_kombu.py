@@ -162,36 +162,82 @@ def test_an_expired_message_goes_to_the_dead_letter_queue(
     assert parked.headers["x-sqlinbox-death"]["reason"] == "expired"
 
 
+class EventLoop:
+    """A kombu hub consuming one queue of a connection, run by the test, a turn at a time."""
+
+    def __init__(self, conn: Connection, queue: Queue,
+                 on_message: Callable[[Message], None] | None = None) -> None:
+        self.hub = Hub()
+        self.received: list[Message] = []
+        conn.register_with_event_loop(self.hub)
+        self.consumer = Consumer(conn, [queue], on_message=on_message or self.received.append)
+        self.consumer.consume()
+
+    def run_until(self, done: Callable[[], bool], what: str, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, f"the hub did not {what} within {timeout} s"
+            self.hub.run_once()
+
+    def close(self) -> None:
+        self.consumer.cancel()
+        self.hub.close()
+
+
 def test_event_loop_consume_with_an_ack_from_another_thread(
         connect: Connect, names: Callable[[], str]) -> None:
     conn, sender = connect(), connect()
     queue = queue_of(names())
-    hub = Hub()
     received: list[Message] = []
 
     def on_message(message: Message) -> None:
         received.append(message)
-        threading.Thread(target=hub.call_soon, args=(message.ack,)).start()
+        threading.Thread(target=loop.hub.call_soon, args=(message.ack,)).start()
 
-    def run_until(done: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + 10
-        while not done():
-            assert time.monotonic() < deadline, f"the hub did not {what} within 10 s"
-            hub.run_once()
-
+    loop = EventLoop(conn, queue, on_message)
     try:
-        conn.register_with_event_loop(hub)
-        with Consumer(conn, [queue], on_message=on_message):
-            Producer(sender).publish({"n": 1}, routing_key=queue.name, declare=[queue])
-            run_until(lambda: bool(received), "deliver the message")
-            run_until(lambda: received[0].acknowledged, "run the other thread's ack")
+        Producer(sender).publish({"n": 1}, routing_key=queue.name, declare=[queue])
+        loop.run_until(lambda: bool(received), "deliver the message")
+        loop.run_until(lambda: received[0].acknowledged, "run the other thread's ack")
     finally:
-        hub.close()
+        loop.close()
     conn.release()  # an unacked message would go back to the queue here
     assert received[0].payload == {"n": 1}
     assert count(sender, queue.name) == 0
     with pytest.raises(Empty):
         sender.SimpleQueue(queue).get(block=False)
+
+
+@pytest.mark.databases(*DATABASES)
+def test_event_loop_wakes_on_a_publish_in_the_same_process(
+        connect: Connect, names: Callable[[], str]) -> None:
+    """Polling every 30 s, the in-process wake-up (a hub reader) delivers at once."""
+    conn, sender = connect(polling_interval=30), connect(polling_interval=30)
+    queue = queue_of(names())
+    sender.SimpleQueue(queue)  # declared, so the consumer's first claim finds it empty
+    loop = EventLoop(conn, queue)
+    try:
+        Producer(sender).publish({"n": 1}, routing_key=queue.name)
+        loop.run_until(lambda: bool(loop.received), "deliver the message", timeout=5)
+    finally:
+        loop.close()
+
+
+@pytest.mark.databases("postgresql")
+def test_event_loop_wakes_on_a_notify(connect: Connect, names: Callable[[], str]) -> None:
+    """Polling every 30 s, a NOTIFY from another broker (as from another process) on the
+    LISTEN socket (a hub reader) delivers at once."""
+    conn, sender = connect(polling_interval=30), connect(polling_interval=30, max_batch=7)
+    assert conn.transport.broker is not sender.transport.broker
+    queue = queue_of(names())
+    sender.SimpleQueue(queue)
+    loop = EventLoop(conn, queue)
+    try:
+        loop.run_until(lambda: len(loop.hub.readers) == 2, "read its LISTEN socket")
+        Producer(sender).publish({"n": 1}, routing_key=queue.name)
+        loop.run_until(lambda: bool(loop.received), "deliver the message", timeout=5)
+    finally:
+        loop.close()
 
 
 def test_failover_from_a_dead_url_to_a_live_one(
