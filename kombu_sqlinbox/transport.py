@@ -298,10 +298,20 @@ class Channel(virtual.Channel):
         return message
 
     def basic_cancel(self, consumer_tag: str) -> Any:
+        """Stop consuming; rows claimed for it but not delivered are back in the queue
+        when this returns, as on Redis."""
         queue = self._tag_to_queue.get(consumer_tag)
         result = super().basic_cancel(consumer_tag)
         if queue:
             self._release_buffered([queue])
+            self.broker.keeper.flush(timeout=SETTLE_LIMIT)
+        return result
+
+    def basic_recover(self, requeue: bool = False) -> Any:
+        """Give every unacked message back (kombu's virtual channels refuse
+        ``requeue=False``); they are in the queue again when this returns, as on Redis."""
+        result = super().basic_recover(requeue)
+        self.broker.keeper.flush(timeout=SETTLE_LIMIT)
         return result
 
     def close(self) -> None:

@@ -326,3 +326,35 @@ def test_topic_routes_by_pattern_across_connections(
         connect: Connect, names: Callable[[], str]) -> None:
     exchange = Exchange(names(), type="topic")
     assert two_consumers(connect, exchange, ["a.*", "#"], names) == [["a.b"], ["a.b", "x.y"]]
+
+
+@pytest.mark.databases(*DATABASES, "redis")  # RabbitMQ's count lags behind its recover-ok
+def test_basic_recover_gives_unacked_messages_back_at_once(
+        connect: Connect, names: Callable[[], str]) -> None:
+    conn = connect()
+    name = names()
+    queue = conn.SimpleQueue(name)
+    for n in range(2):
+        queue.put(n)
+    held = conn.default_channel.basic_get(name)
+    assert held is not None and count(conn, name) == 1
+    conn.default_channel.basic_recover(requeue=True)
+    assert count(conn, name) == 2
+
+
+@pytest.mark.databases(*DATABASES, "redis")  # RabbitMQ sends an unlimited consumer all
+def test_a_cancelled_consumer_gives_back_what_it_did_not_deliver(
+        connect: Connect, names: Callable[[], str]) -> None:
+    """Without a prefetch limit one claim takes both rows; one is delivered."""
+    conn = connect()
+    queue = queue_of(names())
+    producer = Producer(conn)
+    for n in range(2):
+        producer.publish(n, routing_key=queue.name, declare=[queue], serializer="json")
+    received: list[Message] = []
+    consumer = Consumer(conn, [queue], on_message=received.append)
+    consumer.consume()
+    conn.drain_events(timeout=10)
+    consumer.cancel()
+    assert [message.payload for message in received] == [0]
+    assert count(conn, queue.name) == 1  # the delivered one stays unacked
