@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -54,10 +55,9 @@ def expiry(message: dict[str, Any], queue_ttl: float | None, now: float) -> floa
     ttls = [] if queue_ttl is None else [queue_ttl]
     expiration = message["properties"].get("expiration")
     if expiration is not None:
-        try:
+        # RabbitMQ refuses a message whose expiration is no number; Redis ignores it, as here
+        with contextlib.suppress(TypeError, ValueError):
             ttls.append(max(0.0, float(expiration) / 1000.0))
-        except (TypeError, ValueError):
-            pass  # RabbitMQ refuses such a message; Redis ignores it, and so do we
     return now + min(ttls) if ttls else None
 
 

@@ -376,7 +376,7 @@ class Transport(virtual.Transport):
         self.polling_interval = self.options.polling_interval
         self._broker: Broker | None = None
         if self.options.event_loop:  # Celery then runs its event loop, not the blocking one
-            self.implements = self.implements.extend(asynchronous=True)
+            self.implements: Any = virtual.Transport.implements.extend(asynchronous=True)
 
     @property
     def broker(self) -> Broker:

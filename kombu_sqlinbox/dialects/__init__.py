@@ -16,7 +16,8 @@ from .sqlite import SQLiteDialect
 
 __all__ = [
     "Capabilities", "ClaimedRow", "Dialect", "MySQLDialect", "PostgreSQLDialect",
-    "SQLiteDialect", "Statements", "Tokens", "dialect_class", "dialect_for", "register", "url_schemes",
+    "SQLiteDialect", "Statements", "Tokens", "dialect_class", "dialect_for", "register",
+    "url_schemes",
 ]
 
 _REGISTRY: dict[str, type[Dialect]] = {}
