@@ -375,6 +375,9 @@ class Transport(virtual.Transport):
         super().__init__(client, **kwargs)
         self.polling_interval = self.options.polling_interval
         self._broker: Broker | None = None
+        self._loop: Any = None  # the kombu hub consumed from, if any
+        self._readers: dict[int, Any] = {}
+        self._poll_timer: Any = None
         if self.options.event_loop:  # Celery then runs its event loop, not the blocking one
             self.implements: Any = virtual.Transport.implements.extend(asynchronous=True)
 
@@ -430,9 +433,23 @@ class Transport(virtual.Transport):
         """Consume from kombu's event loop (Celery's, with :confval:`event_loop`): the
         wake-up's sources (the in-process pipe, the LISTEN socket) are the hub's readers,
         and a timer claims every polling interval, as the blocking loop's wait would."""
-        self._readers: dict[int, Any] = {}
-        loop.call_repeatedly(self.polling_interval, self._on_poll, loop)
+        self._leave_event_loop()  # registered again (a reconnect): one timer, one set of readers
+        self._loop, self._readers = loop, {}
+        self._poll_timer = loop.call_repeatedly(self.polling_interval, self._on_poll, loop)
         self._on_poll(loop)
+
+    def _leave_event_loop(self) -> None:
+        """Cancel the timer and drop the readers: a closed connection must not go on
+        claiming from the hub."""
+        if self._loop is not None:
+            self._poll_timer.cancel()
+            for fd in self._readers:
+                self._loop.remove_reader(fd)
+        self._loop, self._readers = None, {}
+
+    def close_connection(self, connection: Any) -> None:
+        self._leave_event_loop()
+        super().close_connection(connection)
 
     def _on_poll(self, loop: Any) -> None:
         self._watch(loop)

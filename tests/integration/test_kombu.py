@@ -219,6 +219,10 @@ def test_event_loop_wakes_on_a_publish_in_the_same_process(
     try:
         Producer(sender).publish({"n": 1}, routing_key=queue.name)
         loop.run_until(lambda: bool(loop.received), "deliver the message", timeout=5)
+        loop.received[0].ack()
+        conn.release()  # a closed connection leaves the hub: no readers, no polling timer
+        assert not loop.hub.readers
+        assert all(scheduled.entry.canceled for scheduled in loop.hub.timer.queue)
     finally:
         loop.close()
 
