@@ -452,8 +452,9 @@ class Transport(virtual.Transport):
         super().close_connection(connection)
 
     def _on_poll(self, loop: Any) -> None:
+        """A turn of the loop that may deliver: the polling timer, or a reader woke."""
         self._watch(loop)
-        self._consume_ready(loop)
+        self._consume_ready()
 
     def _watch(self, loop: Any) -> None:
         """Keep the hub's readers the wake-up's current sources (the LISTEN connection
@@ -470,15 +471,17 @@ class Transport(virtual.Transport):
         self.broker.wakeup.take([source])
         self._on_poll(loop)
 
-    def _consume_ready(self, loop: Any) -> None:
+    def _consume_ready(self) -> None:
         """Deliver what is ready, a claim's worth at a time; more in a later turn of the
-        loop, so timers and acks from other threads are not kept waiting."""
+        loop, so timers and acks from other threads are not kept waiting. The wake-up
+        pipe brings that turn about (the hub's poll would not return for a callback
+        scheduled from one of its own callbacks)."""
         for _ in range(self.options.max_batch):
             try:
                 self.cycle.get(self._deliver, timeout=0)
             except Empty:
                 return
-        loop.call_soon(self._consume_ready, loop)
+        self.broker.wakeup.poke()
 
     def establish_connection(self) -> Any:
         self.broker.ping()

@@ -9,6 +9,7 @@ answer skips its tests with what to start; with ``CI=true`` it fails them.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,33 +43,32 @@ def require_server(name: str) -> str:
     """The URL of the server ``name`` once it answers (asked once per session); when it does
     not, skip the test saying what to start, or fail it in CI."""
     url, hint = SERVERS[name]
-    if name not in _ANSWERS:
-        _ANSWERS[name] = server_answers(url)
-    problem = _ANSWERS[name]
-    if problem is not None:
-        message = f"{name} at {url} does not answer ({problem}): {hint}"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
-    return url
+    return _require(name, url, server_answers, hint)
 
 
 def require_control(name: str) -> str:
-    """The broker URL of the control ``name`` once it answers (asked once per session);
-    skipped or failed like :func:`require_server`."""
+    """The broker URL of the control ``name`` once it answers, as :func:`require_server`."""
+    return _require(name, CONTROL_URLS[name], broker_answers, "start it")
+
+
+def broker_answers(url: str) -> str | None:
+    """None when the kombu broker answers, else the error text."""
     from kombu import Connection
 
-    url = CONTROL_URLS[name]
+    try:
+        with Connection(url, connect_timeout=2) as conn:
+            conn.ensure_connection(max_retries=1)
+        return None
+    except Exception as exc:  # any failure to connect means "not there"
+        return str(exc).splitlines()[0]
+
+
+def _require(name: str, url: str, answers: Callable[[str], str | None], hint: str) -> str:
     if name not in _ANSWERS:
-        try:
-            with Connection(url, connect_timeout=2) as conn:
-                conn.ensure_connection(max_retries=1)
-            _ANSWERS[name] = None
-        except Exception as exc:  # any failure to connect means "not there"
-            _ANSWERS[name] = str(exc).splitlines()[0]
+        _ANSWERS[name] = answers(url)
     problem = _ANSWERS[name]
     if problem is not None:
-        message = f"{name} at {url} does not answer ({problem}): start it"
+        message = f"{name} at {url} does not answer ({problem}): {hint}"
         if IN_CI:
             pytest.fail(message)
         pytest.skip(message)

@@ -227,6 +227,26 @@ def test_event_loop_wakes_on_a_publish_in_the_same_process(
         loop.close()
 
 
+@pytest.mark.databases(*DATABASES)
+def test_event_loop_delivers_a_backlog_a_claim_at_a_time(
+        connect: Connect, names: Callable[[], str]) -> None:
+    """Polling every 30 s, a backlog five times a claim's size goes out in later turns of
+    the loop, not at the next poll."""
+    conn = connect(polling_interval=30, max_batch=2)
+    queue = queue_of(names())
+    producer = Producer(conn)
+    for n in range(10):
+        producer.publish(n, routing_key=queue.name, declare=[queue], serializer="json")
+    loop = EventLoop(conn, queue)
+    try:
+        loop.run_until(lambda: len(loop.received) == 10, "deliver the backlog", timeout=5)
+        for message in loop.received:
+            message.ack()
+    finally:
+        loop.close()
+    assert sorted(message.payload for message in loop.received) == list(range(10))
+
+
 @pytest.mark.databases("postgresql")
 def test_event_loop_wakes_on_a_notify(connect: Connect, names: Callable[[], str]) -> None:
     """Polling every 30 s, a NOTIFY from another broker (as from another process) on the
