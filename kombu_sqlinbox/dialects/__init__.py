@@ -55,7 +55,11 @@ def url_schemes() -> list[str]:
     schemes = set()
     for name in _REGISTRY:
         schemes.add(name)
-        package = import_module(f"sqlalchemy.dialects.{'mysql' if name == 'mariadb' else name}")
+        try:
+            package = import_module(
+                f"sqlalchemy.dialects.{'mysql' if name == 'mariadb' else name}")
+        except ModuleNotFoundError:  # a dialect SQLAlchemy does not ship: its plugin's drivers
+            continue
         schemes.update(f"{name}+{driver}" for driver, module in vars(package).items()
                        if ismodule(module) and hasattr(module, "dialect") and driver != "base")
     for plugin in entry_points(group="sqlalchemy.dialects"):

@@ -33,3 +33,11 @@ def test_a_switched_to_alternate_gives_back_its_sqlalchemy_url(alternate: str, u
     conn.switch(conn.alt[1])
     assert isinstance(conn.transport, Transport)
     assert conn.transport.url == url
+
+
+def test_a_dialect_sqlalchemy_does_not_ship_has_its_bare_scheme(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kombu_sqlinbox import dialects
+
+    monkeypatch.setitem(dialects._REGISTRY, "nosuchdb", dialects.SQLiteDialect)
+    assert "nosuchdb" in url_schemes()
