@@ -267,14 +267,18 @@ class Channel(virtual.Channel):
             self.broker.settle(Settlement.COMPLETE, held)
         self.key_settled(held.table.queue, row)
 
-    def _release_buffered(self, queues: list[str]) -> None:
-        """Rows claimed but never handed to kombu go back with their attempt returned."""
+    def _release_buffered(self, queues: list[str]) -> int:
+        """Rows claimed but never handed to kombu go back with their attempt returned;
+        how many."""
+        released = 0
         for queue in queues:
             buffer = self._buffers.pop(queue, None) or deque()
             table = self.broker.table(queue)
             while buffer:
                 row = buffer.popleft()
                 self.broker.settle(Settlement.RELEASE_UNCOUNTED, self.broker.held_for(table, row))
+                released += 1
+        return released
 
     def basic_consume(self, queue: str, no_ack: bool, callback: Callable[[Any], Any],
                       consumer_tag: str, **kwargs: Any) -> Any:
@@ -302,8 +306,7 @@ class Channel(virtual.Channel):
         when this returns, as on Redis."""
         queue = self._tag_to_queue.get(consumer_tag)
         result = super().basic_cancel(consumer_tag)
-        if queue:
-            self._release_buffered([queue])
+        if queue and self._release_buffered([queue]):
             self.broker.keeper.flush(timeout=SETTLE_LIMIT)
         return result
 
