@@ -19,6 +19,7 @@ from celery import Celery
 import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox+ alias)
 
 TASK = "bench.tick"
+STAMP = "bench.stamp"
 _redis: redis.Redis | None = None
 
 
@@ -34,6 +35,11 @@ def tick(key: str, total: int) -> None:
     done = counter().incr(key)
     if done in (1, total):
         counter().set(f"{key}:{done}", time.time())
+
+
+def stamp(key: str, sent: float) -> None:
+    """Note how long the task waited from its sending to its start."""
+    counter().rpush(key, time.time() - sent)
 
 
 def make_app(broker_url: str, transport_options: dict[str, Any], queue: str,
@@ -56,6 +62,7 @@ def make_app(broker_url: str, transport_options: dict[str, Any], queue: str,
         broker_connection_retry_on_startup=True,
     )
     app.task(name=TASK)(tick)
+    app.task(name=STAMP)(stamp)
     return app
 
 

@@ -41,8 +41,7 @@ import celery_ext
 import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox+ alias)
 from bench.ordering import inbox_table
 from celery_ext.outbox import engine_from_url, outbox_of
-from celery_ext.tasks import InboxTask
-from kombu_sqlinbox.codec import ROW_HEADER
+from celery_ext.tasks import InboxTask, delivered_row
 from kombu_sqlinbox.tables import table_name_for_queue
 
 CONFIG_ENV = "SOAK_CONFIG"
@@ -147,7 +146,7 @@ def kind_of(task: Task) -> str:
 
 def attempt(task: Task) -> int:
     """The delivery's attempt (1 the first time its row was claimed)."""
-    return int((task.request.get(ROW_HEADER) or {}).get("attempt", 1))
+    return int((delivered_row(task.request) or {}).get("attempt", 1))
 
 
 def effect(task: Task, key: str | None) -> dict[str, Any]:

@@ -52,10 +52,10 @@ from sqlalchemy.orm import Session
 
 from kombu_sqlinbox import binding
 from kombu_sqlinbox.broker import Broker, QueueTable, same_database
-from kombu_sqlinbox.codec import ROW_HEADER
+from kombu_sqlinbox.codec import ROW_KEY
 from kombu_sqlinbox.errors import ConfigurationError
 
-__all__ = ["InboxRequest", "InboxTask", "RetryAfter", "TransactionalTaskError"]
+__all__ = ["InboxRequest", "InboxTask", "RetryAfter", "TransactionalTaskError", "delivered_row"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,18 @@ class InboxRequest(Request):  # type: ignore[misc]
                 self.send_event("task-retried", exception=repr(exc))
             return None
         return super().on_failure(exc_info, send_failed_event, return_ok)
+
+
+def delivered_row(request: Any) -> dict[str, Any] | None:
+    """Which row a task's delivery is (queue, id, attempt), or None off an inbox queue.
+
+    The transport puts it in the message's delivery_info; Celery hands the message's
+    properties, delivery_info included, to the task's request in every pool (a prefork
+    child receives a copy), while it keeps only a few fields in ``request.delivery_info``.
+    """
+    properties = getattr(request, "properties", None) or {}
+    row: dict[str, Any] | None = (properties.get("delivery_info") or {}).get(ROW_KEY)
+    return row
 
 
 _BROKERS: dict[tuple[int, int], Broker] = {}
@@ -200,7 +212,7 @@ class InboxTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.transactional:
             return super().__call__(*args, **kwargs)
-        row = self.request.get(ROW_HEADER) if self.request.id else None
+        row = delivered_row(self.request) if self.request.id else None
         if row is not None:  # retries in place are earlier deliveries of this very row
             self.request.retries = max(int(row["attempt"]) - 1, self.request.retries or 0)
         try:

@@ -59,6 +59,8 @@ class Broker:
         self.ping = self.database.ping
         self._tables: dict[str, QueueTable] = {}
         self._tables_lock = threading.Lock()
+        #: queues declared with a message TTL (seconds; ``x-message-ttl``) in this process
+        self.message_ttls: dict[str, float] = {}
         self.dialect.notify = options.notify and self.dialect.notify
         self.wakeup = Wakeup(self.database)
         self.keeper = LeaseKeeper(self.database, wake=self.wakeup.poke)
@@ -155,8 +157,10 @@ class Broker:
         expires = _seconds(arguments.get("x-expires"))
         if expires is None and transient and (auto_delete or exclusive):
             expires = self.options.idle_queue_expires
-        self.routes.declare(queue, Declared(transient, expires,
-                                            _seconds(arguments.get("x-message-ttl"))))
+        message_ttl = _seconds(arguments.get("x-message-ttl"))
+        self.routes.declare(queue, Declared(transient, expires, message_ttl))
+        if message_ttl is not None:  # what this process publishes to the queue next
+            self.message_ttls[queue] = message_ttl
         known = self._tables.get(queue)
         if known is not None and known.transient != transient:
             self.forget_table(queue)

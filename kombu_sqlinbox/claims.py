@@ -32,7 +32,7 @@ import threading
 import time
 import zlib
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -725,7 +725,9 @@ class Wakeup:
         if name in self._channels:
             return
         self._channels.add(name)
-        if self._listener is not None:
+        if self._listener is None:
+            self.poke()  # a consumer waiting in an event loop connects the listener now
+        else:
             try:
                 self.dialect.listen(self._listener, [name])
             except Exception:
@@ -747,23 +749,24 @@ class Wakeup:
                 logger.debug("closing a dead LISTEN connection failed", exc_info=True)
         self._listener = None
 
-    def wait(self, timeout: float) -> None:
-        """Return after a wake-up or ``timeout`` seconds, whichever comes first."""
+    def sources(self) -> list[Any]:
+        """What a consumer waits on: the in-process pipe, and the LISTEN connection where
+        the database has NOTIFY and a queue is consumed (connected on first need, and
+        again after it died; while the database is away, none: the consumer polls)."""
         sources: list[Any] = [self._read]
         if self._channels:
             if self._listener is None:
                 try:
                     self._listener = self._connect_listener()
                 except Exception as exc:  # the database is away: poll until it is back
-                    logger.warning("sqlinbox: LISTEN connection failed (%s); polling every "
-                                   "%.2fs until it works", exc, timeout)
+                    logger.warning("sqlinbox: LISTEN connection failed (%s); polling until "
+                                   "it works", exc)
             if self._listener is not None:
                 sources.append(self._listener)
-        try:
-            ready, _, _ = select.select(sources, [], [], timeout)
-        except (OSError, ValueError):  # the listener's socket died under us
-            self._drop_listener()
-            return
+        return sources
+
+    def take(self, ready: Collection[Any]) -> None:
+        """Consume the wake-ups of the ``ready`` sources, so that the next wait blocks."""
         if self._read in ready:
             try:
                 while os.read(self._read, 4096):
@@ -775,6 +778,16 @@ class Wakeup:
                 self.dialect.take_notifications(self._listener)
             except Exception:
                 self._drop_listener()
+
+    def wait(self, timeout: float) -> None:
+        """Return after a wake-up or ``timeout`` seconds, whichever comes first."""
+        sources = self.sources()
+        try:
+            ready, _, _ = select.select(sources, [], [], timeout)
+        except (OSError, ValueError):  # the listener's socket died under us
+            self._drop_listener()
+            return
+        self.take(ready)
 
     def close(self) -> None:
         self._drop_listener()

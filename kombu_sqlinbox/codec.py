@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -23,9 +24,14 @@ DELIVERY_PROPERTIES = ("delivery_tag", "delivery_info")
 #: message headers whose values fill the group and partition-key columns on publish
 GROUP_HEADER = "group_key"
 PARTITION_HEADER = "partition_key"
-#: header set on every delivery: which row it is, so a task's own transaction can take
-#: the row over by id and fencing token (transactional tasks)
-ROW_HEADER = "sqlinbox_row"
+#: delivery_info key set on every delivery: which row it is, so a task's own transaction
+#: can take the row over by id and fencing token (transactional tasks). In delivery_info,
+#: not the headers: a message is delivered with exactly the headers it was published with,
+#: and Celery copies headers, never delivery_info, into the messages it publishes again
+ROW_KEY = "sqlinbox_row"
+#: envelope key of a message's expiry (epoch seconds): kombu's ``expiration`` property or
+#: its queue's ``x-message-ttl``, made absolute at publish
+EXPIRES_KEY = "expires_at"
 #: header carrying why and from where a message reached a dead-letter queue
 DEATH_HEADER = "x-sqlinbox-death"
 
@@ -42,7 +48,27 @@ def convert_payload(payload: bytes | str, to_text: bool) -> bytes | str:
     return payload
 
 
-def encode_message(message: dict[str, Any], table: QueueTable) -> tuple[bytes | str, str | None]:
+def expiry(message: dict[str, Any], queue_ttl: float | None, now: float) -> float | None:
+    """When a message published at ``now`` expires (epoch seconds): the sooner of its
+    ``expiration`` property (milliseconds, as kombu writes it) and its queue's TTL (seconds),
+    as RabbitMQ takes the two; None when neither is set."""
+    ttls = [ttl for ttl in (queue_ttl, expiration_seconds(message)) if ttl is not None]
+    return now + min(ttls) if ttls else None
+
+
+def expiration_seconds(message: dict[str, Any]) -> float | None:
+    """A message's ``expiration`` property (milliseconds, as kombu writes it) in seconds;
+    None when it has none, or none that is a number (RabbitMQ refuses such a message,
+    Redis ignores the property, as here)."""
+    expiration = message["properties"].get("expiration")
+    if expiration is not None:
+        with contextlib.suppress(TypeError, ValueError):
+            return max(0.0, float(expiration) / 1000.0)
+    return None
+
+
+def encode_message(message: dict[str, Any], table: QueueTable,
+                   expires_at: float | None = None) -> tuple[bytes | str, str | None]:
     """Split a kombu message into the payload column (the body) and the headers envelope.
 
     A table without a headers role stores the whole message as JSON in its payload.
@@ -65,6 +91,8 @@ def encode_message(message: dict[str, Any], table: QueueTable) -> tuple[bytes | 
         "content-encoding": message.get("content-encoding"),
         "properties": properties,
     }
+    if expires_at is not None:
+        envelope[EXPIRES_KEY] = expires_at
     if not table.spec.has(Role.HEADERS):
         envelope["body"] = body
         return convert_payload(json.dumps(envelope), table.payload_is_text), None
@@ -74,7 +102,8 @@ def encode_message(message: dict[str, Any], table: QueueTable) -> tuple[bytes | 
 
 
 def decode_row(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict[str, Any]:
-    """A claimed row as the raw message dict kombu's virtual Message takes.
+    """A claimed row as the raw message dict kombu's virtual Message takes, plus its
+    expiry under :data:`EXPIRES_KEY` (for the transport to pop, never in the headers).
 
     Everything kombu and Celery read from the envelope is checked here, so that a row
     written by other code fails as :class:`Undecodable` (and is parked), never later in
@@ -108,16 +137,20 @@ def decode_row(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict[st
         elif encoding not in (None, "utf-8"):
             raise Undecodable(f"unknown body_encoding {encoding!r}")
         properties["body_encoding"] = None
+        expires_at = envelope.get(EXPIRES_KEY)
+        if not isinstance(expires_at, (int, float, type(None))):
+            raise Undecodable(f"{EXPIRES_KEY} must be a number of epoch seconds")
     except (ValueError, UnicodeDecodeError, binascii.Error) as exc:
         raise Undecodable(f"cannot decode stored message: {exc}") from exc
-    headers[ROW_HEADER] = {"queue": table.queue, "id": row.id, "attempt": row.attempt}
     properties["delivery_tag"] = delivery_tag
     properties["delivery_info"] = {
         "exchange": routing.get("exchange") or "",
         "routing_key": routing.get("routing_key") or table.queue,
         "redelivered": row.attempt > 1,
+        ROW_KEY: {"queue": table.queue, "id": row.id, "attempt": row.attempt},
     }
     return {
+        EXPIRES_KEY: expires_at,
         "body": body,
         "content-type": envelope.get("content-type"),
         "content-encoding": envelope.get("content-encoding"),
@@ -151,4 +184,5 @@ def dead_letter_headers(headers: str | None, death: dict[str, Any]) -> str:
         envelope = {}
         death["original_headers"] = headers
     envelope.setdefault("headers", {})[DEATH_HEADER] = death
+    envelope.pop(EXPIRES_KEY, None)  # a dead letter is kept until someone looks at it
     return json.dumps(envelope)

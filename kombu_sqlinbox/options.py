@@ -53,6 +53,8 @@ class TransportOptions:
     #: seconds an auto-delete or exclusive queue without ``x-expires`` outlives its last
     #: consumer (one that crashed cannot delete it)
     idle_queue_expires: float = 600.0
+    #: declare the transport asynchronous: Celery consumes from its event loop
+    event_loop: bool = False
     defaults: QueueOptions = QueueOptions()
     queues: Mapping[str, QueueOptions] = field(default_factory=dict)
 
@@ -150,7 +152,7 @@ def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
         if key == "polling_interval":
             # zero would claim in a busy loop whenever the queues are empty
             result[key] = float(_number(key, value, 0, above=True))
-        elif key in ("create_tables", "notify"):
+        elif key in ("create_tables", "notify", "event_loop"):
             if not isinstance(value, bool):
                 raise ConfigurationError(f"transport option {key}={value!r}: expected True/False")
             result[key] = value

@@ -12,23 +12,27 @@ from collections import deque
 from collections.abc import Callable
 from itertools import count
 from queue import Empty
-from time import monotonic
+from time import monotonic, time
 from typing import Any
 
 import sqlalchemy
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
+from sqlalchemy.engine import URL
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
 from .broker import Broker, QueueTable, broker_for
 from .claims import SETTLE_LIMIT, Held, Settlement
 from .codec import (
+    EXPIRES_KEY,
     GROUP_HEADER,
     PARTITION_HEADER,
     Undecodable,
     decode_row,
     encode_message,
     eta_epoch,
+    expiration_seconds,
+    expiry,
 )
 from .dialects import ClaimedRow
 from .errors import ConfigurationError, MessageTooLarge, SchemaMismatch
@@ -50,19 +54,14 @@ def _driver_connection_errors() -> tuple[type[BaseException], ...]:
 
 
 DRIVER_CONNECTION_ERRORS = _driver_connection_errors()
+#: how a broker URL names this transport
+URL_PREFIX = "sqlinbox+"
 
 
 def _key(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
-def _ttl(message: dict[str, Any]) -> float | None:
-    """kombu's ``expiration`` property (milliseconds, as AMQP has it) in seconds."""
-    expiration = message["properties"].get("expiration")
-    try:
-        return None if expiration is None else max(0.0, float(expiration) / 1000.0)
-    except (TypeError, ValueError):
-        return None
 
 
 class QoS(virtual.QoS):
@@ -164,7 +163,10 @@ class Channel(virtual.Channel):
     # -- publish ---------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         table = self.broker.table(queue)
-        payload, headers = encode_message(message, table)
+        # a transient message's expiry is a column its claim reads, not in the envelope
+        expires_at = None if table.transient else expiry(
+            message, self.broker.message_ttls.get(queue), time())
+        payload, headers = encode_message(message, table, expires_at)
         priority = message["properties"].get("priority") or 0
         try:
             priority = max(0, min(255, int(priority)))
@@ -174,7 +176,7 @@ class Channel(virtual.Channel):
         self.broker.publish_message(
             table, payload, headers, priority, eta_epoch(message_headers),
             _key(message_headers.get(GROUP_HEADER)), _key(message_headers.get(PARTITION_HEADER)),
-            _ttl(message))
+            expiration_seconds(message))
 
     def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str,
                       **kwargs: Any) -> None:
@@ -195,7 +197,8 @@ class Channel(virtual.Channel):
         if kind.type != "direct" or not tables:
             tables |= self.broker.routes.table_queues(exchange, routing_key)
             payload, headers = encode_message(message, self.broker.transient_template)
-            self.broker.routes.route(exchange, routing_key, payload, headers, _ttl(message))
+            self.broker.routes.route(exchange, routing_key, payload, headers,
+                                    expiration_seconds(message))
         for queue in tables:
             self._put(queue, message, **kwargs)
 
@@ -282,11 +285,27 @@ class Channel(virtual.Channel):
         if not self.broker.admit(held, row, undecodable):
             self.key_settled(table.queue, row)
             return None
+        assert message is not None  # admitted, so it decoded
+        expires_at = message.pop(EXPIRES_KEY)
+        if expires_at is not None and expires_at <= time():
+            self._expire(held, row)
+            return None
         self.qos.track(tag, held, row)
         return message
 
-    def _release_buffered(self, queues: list[str]) -> None:
-        """Rows claimed but never handed to kombu go back with their attempt returned."""
+    def _expire(self, held: Held, row: ClaimedRow) -> None:
+        """An expired message is not delivered: it goes to its queue's dead-letter queue
+        when it has one (as RabbitMQ dead-letters expired messages), else it is completed."""
+        if held.table.options.dead_letter_queue:
+            self.broker.dead_letter(held, row, "expired")
+        else:
+            self.broker.settle(Settlement.COMPLETE, held)
+        self.key_settled(held.table.queue, row)
+
+    def _release_buffered(self, queues: list[str]) -> int:
+        """Rows claimed but never handed to kombu go back with their attempt returned;
+        how many."""
+        released = 0
         for queue in queues:
             buffer = self._buffers.pop(queue, None)
             if not buffer:  # nothing to give back: the queue may be gone meanwhile
@@ -295,6 +314,8 @@ class Channel(virtual.Channel):
             while buffer:
                 row = buffer.popleft()
                 self.broker.settle(Settlement.RELEASE_UNCOUNTED, self.broker.held_for(table, row))
+                released += 1
+        return released
 
     def basic_consume(self, queue: str, no_ack: bool, callback: Callable[[Any], Any],
                       consumer_tag: str, **kwargs: Any) -> Any:
@@ -318,13 +339,23 @@ class Channel(virtual.Channel):
         return message
 
     def basic_cancel(self, consumer_tag: str) -> Any:
+        """Stop consuming; rows claimed for it but not delivered are back in the queue
+        when this returns, as on Redis."""
         queue = self._tag_to_queue.get(consumer_tag)
         result = super().basic_cancel(consumer_tag)
         if queue:
-            self._release_buffered([queue])
+            if self._release_buffered([queue]):
+                self.broker.keeper.flush(timeout=SETTLE_LIMIT)
             if queue in self._auto_delete and queue not in self._active_queues:
                 self._auto_delete.discard(queue)
                 self.queue_delete(queue)
+        return result
+
+    def basic_recover(self, requeue: bool = False) -> Any:
+        """Give every unacked message back (kombu's virtual channels refuse
+        ``requeue=False``); they are in the queue again when this returns, as on Redis."""
+        result = super().basic_recover(requeue)
+        self.broker.keeper.flush(timeout=SETTLE_LIMIT)
         return result
 
     def close(self) -> None:
@@ -400,7 +431,7 @@ class Transport(virtual.Transport):
     driver_type = "sqlinbox"
     driver_name = "sqlalchemy"
     polling_interval = 0.2
-    implements = virtual.Transport.implements.extend(
+    implements: Any = virtual.Transport.implements.extend(
         exchange_type=frozenset(["direct", "topic", "fanout"]))
 
     connection_errors = (
@@ -415,6 +446,11 @@ class Transport(virtual.Transport):
         super().__init__(client, **kwargs)
         self.polling_interval = self.options.polling_interval
         self._broker: Broker | None = None
+        self._loop: Any = None  # the kombu hub consumed from, if any
+        self._readers: dict[int, Any] = {}
+        self._poll_timer: Any = None
+        if self.options.event_loop:  # Celery then runs its event loop, not the blocking one
+            self.implements = type(self).implements.extend(asynchronous=True)
 
     @property
     def broker(self) -> Broker:
@@ -424,7 +460,16 @@ class Transport(virtual.Transport):
 
     @property
     def url(self) -> str:
-        hostname = self.client.hostname or ""
+        client = self.client
+        hostname = client.hostname or ""
+        scheme = str(client.transport_cls or "")
+        if "://" not in hostname and scheme.startswith(URL_PREFIX):
+            # an alternate URL kombu's failover parsed itself: put it back together
+            return URL.create(
+                scheme[len(URL_PREFIX):], username=client.userid, password=client.password,
+                host=hostname or None, port=client.port,
+                database=None if client.virtual_host in (None, "/") else client.virtual_host,
+            ).render_as_string(hide_password=False)
         if "://" not in hostname:
             raise ConfigurationError(
                 "the sqlinbox transport needs an SQLAlchemy URL: "
@@ -455,6 +500,60 @@ class Transport(virtual.Transport):
                     raise TimeoutError() from None
                 self.broker.sweep()
                 self.broker.wakeup.wait(interval)
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        """Consume from kombu's event loop (Celery's, with :confval:`event_loop`): the
+        wake-up's sources (the in-process pipe, the LISTEN socket) are the hub's readers,
+        and a timer claims every polling interval, as the blocking loop's wait would."""
+        self._leave_event_loop()  # registered again (a reconnect): one timer, one set of readers
+        self._loop, self._readers = loop, {}
+        self._poll_timer = loop.call_repeatedly(self.polling_interval, self._on_poll, loop)
+        self._on_poll(loop)
+
+    def _leave_event_loop(self) -> None:
+        """Cancel the timer and drop the readers: a closed connection must not go on
+        claiming from the hub."""
+        if self._loop is not None:
+            self._poll_timer.cancel()
+            for fd in self._readers:
+                self._loop.remove_reader(fd)
+        self._loop, self._readers = None, {}
+
+    def close_connection(self, connection: Any) -> None:
+        self._leave_event_loop()
+        super().close_connection(connection)
+
+    def _on_poll(self, loop: Any) -> None:
+        """A turn of the loop that may deliver: the polling timer, or a reader woke."""
+        self._watch(loop)
+        self._consume_ready()
+
+    def _watch(self, loop: Any) -> None:
+        """Keep the hub's readers the wake-up's current sources (the LISTEN connection
+        comes with the first consumed queue, and is new after it died)."""
+        sources = {source if isinstance(source, int) else source.fileno(): source
+                   for source in self.broker.wakeup.sources()}
+        for fd in self._readers.keys() - sources.keys():
+            loop.remove_reader(fd)
+        for fd in sources.keys() - self._readers.keys():
+            loop.add_reader(fd, self._on_readable, loop, sources[fd])
+        self._readers = sources
+
+    def _on_readable(self, loop: Any, source: Any) -> None:
+        self.broker.wakeup.take([source])
+        self._on_poll(loop)
+
+    def _consume_ready(self) -> None:
+        """Deliver what is ready, a claim's worth at a time; more in a later turn of the
+        loop, so timers and acks from other threads are not kept waiting. The wake-up
+        pipe brings that turn about (the hub's poll would not return for a callback
+        scheduled from one of its own callbacks)."""
+        for _ in range(self.options.max_batch):
+            try:
+                self.cycle.get(self._deliver, timeout=0)
+            except Empty:
+                return
+        self.broker.wakeup.poke()
 
     def establish_connection(self) -> Any:
         self.broker.ping()

@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import create_engine
 from sqlalchemy.engine import Engine
 
-from tests.databases import DATABASES, database_url, drop_tables
+from tests.databases import CONTROLS, DATABASES, database_url, drop_tables
 from tests.processes import Processes
 
 FAILED = pytest.StashKey[bool]()
@@ -94,8 +94,9 @@ def processes(request: pytest.FixtureRequest, tmp_path: Path,
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--databases", default=",".join(DATABASES),
-        help="comma-separated databases the tests run on (tox runs one per env)")
+        "--databases", default=",".join((*DATABASES, *CONTROLS)),
+        help="comma-separated databases the tests run on (tox runs one per env), and the "
+             "kombu brokers kombu-level tests also run on as a control")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -9,6 +9,7 @@ answer skips its tests with what to start; with ``CI=true`` it fails them.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,12 @@ SERVERS = {
 }
 #: every database, in the order a test parametrised over them runs
 DATABASES = ("postgresql", "mysql", "sqlite")
+#: kombu's own brokers, the control a kombu-level test also runs on (same test bodies)
+CONTROL_URLS = {
+    "redis": os.environ.get("SQLINBOX_TEST_REDIS", "redis://127.0.0.1:6379/7"),
+    "rabbitmq": os.environ.get("SQLINBOX_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672//"),
+}
+CONTROLS = tuple(CONTROL_URLS)
 
 _ANSWERS: dict[str, str | None] = {}
 
@@ -36,8 +43,29 @@ def require_server(name: str) -> str:
     """The URL of the server ``name`` once it answers (asked once per session); when it does
     not, skip the test saying what to start, or fail it in CI."""
     url, hint = SERVERS[name]
+    return _require(name, url, server_answers, hint)
+
+
+def require_control(name: str) -> str:
+    """The broker URL of the control ``name`` once it answers, as :func:`require_server`."""
+    return _require(name, CONTROL_URLS[name], broker_answers, "start it")
+
+
+def broker_answers(url: str) -> str | None:
+    """None when the kombu broker answers, else the error text."""
+    from kombu import Connection
+
+    try:
+        with Connection(url, connect_timeout=2) as conn:
+            conn.ensure_connection(max_retries=1)
+        return None
+    except Exception as exc:  # any failure to connect means "not there"
+        return str(exc).splitlines()[0]
+
+
+def _require(name: str, url: str, answers: Callable[[str], str | None], hint: str) -> str:
     if name not in _ANSWERS:
-        _ANSWERS[name] = server_answers(url)
+        _ANSWERS[name] = answers(url)
     problem = _ANSWERS[name]
     if problem is not None:
         message = f"{name} at {url} does not answer ({problem}): {hint}"

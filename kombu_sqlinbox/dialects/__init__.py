@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from importlib import import_module
+from importlib.metadata import entry_points
+from inspect import ismodule
+
 from sqlalchemy.engine import Engine
 
 from ..errors import ConfigurationError
@@ -21,7 +25,7 @@ from .sqlite import SQLiteDialect
 __all__ = [
     "Capabilities", "ClaimedRow", "Dialect", "MySQLDialect", "PostgreSQLDialect",
     "RoutingStatements", "SQLiteDialect", "Statements", "Tokens", "dialect_class", "dialect_for",
-    "plain_payload", "register",
+    "plain_payload", "register", "url_schemes",
 ]
 
 _REGISTRY: dict[str, type[Dialect]] = {}
@@ -51,3 +55,23 @@ def dialect_class(name: str) -> type[Dialect]:
 
 def dialect_for(engine: Engine) -> Dialect:
     return dialect_class(engine.dialect.name)(engine)
+
+
+def url_schemes() -> list[str]:
+    """Every SQLAlchemy URL scheme of a registered dialect: ``<dialect>`` and
+    ``<dialect>+<driver>`` for each driver SQLAlchemy ships or a package registers."""
+    schemes = set()
+    for name in _REGISTRY:
+        schemes.add(name)
+        try:
+            package = import_module(
+                f"sqlalchemy.dialects.{'mysql' if name == 'mariadb' else name}")
+        except ModuleNotFoundError:  # a dialect SQLAlchemy does not ship: its plugin's drivers
+            continue
+        schemes.update(f"{name}+{driver}" for driver, module in vars(package).items()
+                       if ismodule(module) and hasattr(module, "dialect") and driver != "base")
+    for plugin in entry_points(group="sqlalchemy.dialects"):
+        name, _, driver = plugin.name.partition(".")
+        if name in _REGISTRY and driver:
+            schemes.add(f"{name}+{driver}")
+    return sorted(schemes)

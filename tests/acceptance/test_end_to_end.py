@@ -31,3 +31,20 @@ def test_every_task_runs_exactly_once(acceptance: Acceptance, pool: str, concurr
     assert acceptance.rows() == 0, "acked tasks must leave the queue table"
     print(f"{pool} -c {concurrency}: sent {TASKS} in {sent - began:.1f}s, "
           f"all done after {finished - began:.1f}s ({TASKS / (finished - began):.0f} tasks/s)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_celery_event_loop_runs_every_task_exactly_once(acceptance: Acceptance, pool: str) -> None:
+    """With ``event_loop`` the transport says it is asynchronous and Celery consumes from its
+    event loop (hub readers, a polling timer, acks through the hub) instead."""
+    acceptance.options["event_loop"] = True
+    worker = acceptance.worker(pool, 2)
+    keys = [f"e{n}" for n in range(200)]
+    acceptance.send("acc.run", keys)
+    wait_until(lambda: len(acceptance.runs.done()) >= len(keys), 60,
+               f"{len(keys)} tasks to finish", alive=[worker])
+    assert worker.stop() == 0, worker.tail()
+    check_exactly_once(acceptance.runs.starts(), keys)
+    check_exactly_once(acceptance.runs.done(), keys)
+    assert acceptance.rows() == 0, "acked tasks must leave the queue table"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from queue import Empty
 from types import ModuleType
 
 import pytest
@@ -137,3 +139,26 @@ def test_all_sql_stack(db_url: str, engine: Engine, tmp_path: Path,
             conn.exec_driver_sql("SET LOCAL lock_timeout = '10s'")
             for table in ("proj_taskmeta", "proj_groupmeta", "sqlinbox_proj"):
                 conn.exec_driver_sql(f"DROP TABLE IF EXISTS {table}")
+
+
+# -- plain kombu: failover and TTL (docs/kombu.rst) ---------------------------------------
+#: a primary that is down: a port nothing listens on, a file that cannot be opened
+DOWN = {"postgresql": "sqlinbox+postgresql://postgres@127.0.0.1:5439/test",
+        "mysql": "sqlinbox+mysql+pymysql://root@127.0.0.1:3309/test",
+        "sqlite": "sqlinbox+sqlite:////nonexistent-directory/inbox.db"}
+
+
+def test_failover_to_the_standby_and_a_short_lived_queue(
+        database: str, broker_url: str, table_prefix: str) -> None:
+    example = load_example("kombu/failover.py")
+    conn = example.connect(DOWN[database], broker_url, table_prefix=table_prefix)
+    try:
+        queue = example.short_lived(conn, "quotes", seconds=0.2)
+        queue.put({"price": 1})
+        time.sleep(0.4)  # the time to pass is what is shown
+        with pytest.raises(Empty):
+            queue.get(block=False)
+        queue.put({"price": 2})
+        assert queue.get(timeout=10).payload == {"price": 2}
+    finally:
+        conn.release()

@@ -14,15 +14,17 @@ from kombu_sqlinbox.broker import QueueTable
 from kombu_sqlinbox.claims import ClaimForm
 from kombu_sqlinbox.codec import (
     DEATH_HEADER,
+    EXPIRES_KEY,
     GROUP_HEADER,
     PARTITION_HEADER,
-    ROW_HEADER,
+    ROW_KEY,
     Undecodable,
     convert_payload,
     dead_letter_headers,
     decode_row,
     encode_message,
     eta_epoch,
+    expiry,
 )
 from kombu_sqlinbox.dialects import ClaimedRow
 from kombu_sqlinbox.options import QueueOptions
@@ -110,7 +112,7 @@ def test_every_layout_gives_the_envelope_back(headers: bool, text: bool) -> None
     assert decoded["content-encoding"] == "utf-8"
     assert decoded["headers"] == {
         "eta": eta, "task": "app.send", "retries": 2, "group_key": "customer-9",
-        "partition_key": "shard-3", ROW_HEADER: {"queue": QUEUE, "id": 41, "attempt": 1},
+        "partition_key": "shard-3",
     }
     properties = decoded["properties"]
     assert {k: properties[k] for k in ("correlation_id", "reply_to", "delivery_mode",
@@ -132,10 +134,12 @@ def test_delivery_properties_are_rebuilt_on_every_claim(headers: bool, text: boo
     again = decode_row(stored(table, payload, envelope, attempt=2), table, 6)
     assert first["properties"]["delivery_tag"] == 5
     assert first["properties"]["delivery_info"] == {
-        "exchange": "tasks", "routing_key": "jobs.email", "redelivered": False}
+        "exchange": "tasks", "routing_key": "jobs.email", "redelivered": False,
+        ROW_KEY: {"queue": QUEUE, "id": 41, "attempt": 1}}
     assert again["properties"]["delivery_tag"] == 6
     assert again["properties"]["delivery_info"]["redelivered"] is True
-    assert again["headers"][ROW_HEADER] == {"queue": QUEUE, "id": 41, "attempt": 2}
+    assert again["properties"]["delivery_info"][ROW_KEY] == {
+        "queue": QUEUE, "id": 41, "attempt": 2}
 
 
 def test_a_headers_column_holds_the_envelope_and_the_payload_only_the_body() -> None:
@@ -164,7 +168,8 @@ def test_routing_defaults_to_the_queue() -> None:
     message = kombu_message(b"{}")
     message["properties"]["delivery_info"] = {}
     info = round_trip(message, queue_table())["properties"]["delivery_info"]
-    assert info == {"exchange": "", "routing_key": QUEUE, "redelivered": False}
+    assert info == {"exchange": "", "routing_key": QUEUE, "redelivered": False,
+                    ROW_KEY: {"queue": QUEUE, "id": 41, "attempt": 1}}
 
 
 def test_a_row_written_without_an_envelope_decodes_to_a_plain_message() -> None:
@@ -172,7 +177,7 @@ def test_a_row_written_without_an_envelope_decodes_to_a_plain_message() -> None:
     table = queue_table()
     decoded = decode_row(stored(table, b"hello", None), table, 1)
     assert decoded["body"] == b"hello"
-    assert decoded["headers"] == {ROW_HEADER: {"queue": QUEUE, "id": 41, "attempt": 1}}
+    assert decoded["headers"] == {}
     assert (decoded["content-type"], decoded["content-encoding"]) == (None, None)
 
 
@@ -313,3 +318,42 @@ def test_a_dead_letter_decodes_with_its_death_record(text: bool) -> None:
 ])
 def test_convert_payload(payload: bytes | str, to_text: bool, converted: bytes | str) -> None:
     assert convert_payload(payload, to_text) == converted
+
+
+# -- expiry ------------------------------------------------------------------------
+
+
+def with_expiration(expiration: str | None) -> dict[str, Any]:
+    message = kombu_message(b"{}")
+    if expiration is not None:
+        message["properties"]["expiration"] = expiration
+    return message
+
+
+@pytest.mark.parametrize("expiration, queue_ttl, expires", [
+    (None, None, None), ("1500", None, 101.5), (None, 3.0, 103.0), ("1500", 0.5, 100.5),
+    ("not-a-number", None, None), ("-5", None, 100.0)])
+def test_a_message_expires_at_the_sooner_of_its_ttl_and_its_queues(
+        expiration: str | None, queue_ttl: float | None, expires: float | None) -> None:
+    assert expiry(with_expiration(expiration), queue_ttl, now=100.0) == expires
+
+
+@pytest.mark.parametrize("headers, text", LAYOUTS)
+def test_the_expiry_is_stored_but_never_delivered_as_a_header(headers: bool, text: bool) -> None:
+    table = queue_table(headers, text)
+    payload, envelope = encode_message(kombu_message(b"{}", k1="v1"), table, expires_at=123.5)
+    decoded = decode_row(stored(table, payload, envelope), table, 5)
+    assert decoded[EXPIRES_KEY] == 123.5
+    assert decoded["headers"] == {"k1": "v1"}
+
+
+def test_an_expiry_that_is_not_a_number_is_undecodable() -> None:
+    table = queue_table()
+    envelope = json.dumps({"headers": {}, "properties": {}, EXPIRES_KEY: "soon"})
+    with pytest.raises(Undecodable, match=EXPIRES_KEY):
+        decode_row(stored(table, b"{}", envelope), table, 5)
+
+
+def test_a_dead_letter_does_not_expire() -> None:
+    envelope = json.dumps({"headers": {}, "properties": {}, EXPIRES_KEY: 1.0})
+    assert EXPIRES_KEY not in json.loads(dead_letter_headers(envelope, {"reason": "expired"}))

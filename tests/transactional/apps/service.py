@@ -42,8 +42,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 import celery_ext
-from celery_ext.tasks import InboxTask
-from kombu_sqlinbox.codec import ROW_HEADER
+from celery_ext.tasks import InboxTask, delivered_row
 from kombu_sqlinbox.tables import TableBuilder, table_name_for_queue
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "refunds"
@@ -247,7 +246,7 @@ def effect_held(self: InboxTask, key: str) -> None:
 @app.task(base=InboxTask, bind=True, name="probe.retry_later")
 def retry_later(self: InboxTask, key: str, seconds: float) -> None:
     """The first delivery retries in place after ``seconds``; the next notes it ran."""
-    if int(self.request.get(ROW_HEADER)["attempt"]) == 1:
+    if int((delivered_row(self.request) or {})["attempt"]) == 1:
         raise self.retry_after(seconds)
     note(key, "ran again")
 

@@ -1,0 +1,43 @@
+"""kombu's failover parses an alternate URL itself and looks its whole scheme up as a
+transport name: every ``sqlinbox+<dialect>[+<driver>]`` scheme resolves to the transport,
+which puts the parsed URL back together."""
+
+from __future__ import annotations
+
+import pytest
+from kombu import Connection
+from kombu.transport import resolve_transport
+
+import kombu_sqlinbox  # noqa: F401  (registers the aliases)
+from kombu_sqlinbox.dialects import url_schemes
+from kombu_sqlinbox.transport import Transport
+
+
+@pytest.mark.parametrize("scheme", ["postgresql", "postgresql+psycopg", "postgresql+psycopg2",
+                                    "mysql+pymysql", "mariadb+pymysql", "sqlite+pysqlite"])
+def test_every_dialect_and_driver_scheme_names_the_transport(scheme: str) -> None:
+    assert scheme in url_schemes()
+    assert resolve_transport(f"sqlinbox+{scheme}") is Transport
+
+
+@pytest.mark.parametrize("alternate, url", [
+    ("sqlinbox+postgresql+psycopg://app:p%40ss@db-b:5439/jobs",
+     "postgresql+psycopg://app:p%40ss@db-b:5439/jobs"),
+    ("sqlinbox+mysql+pymysql://root@127.0.0.1/test", "mysql+pymysql://root@127.0.0.1/test"),
+    ("sqlinbox+sqlite:////var/lib/app/jobs.db", "sqlite:////var/lib/app/jobs.db"),
+    ("sqlinbox+postgresql://db-b", "postgresql://db-b"),
+])
+def test_a_switched_to_alternate_gives_back_its_sqlalchemy_url(alternate: str, url: str) -> None:
+    conn = Connection(f"sqlinbox+postgresql://db-a/jobs;{alternate}")
+    assert conn.transport.url == "postgresql://db-a/jobs"
+    conn.switch(conn.alt[1])
+    assert isinstance(conn.transport, Transport)
+    assert conn.transport.url == url
+
+
+def test_a_dialect_sqlalchemy_does_not_ship_has_its_bare_scheme(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kombu_sqlinbox import dialects
+
+    monkeypatch.setitem(dialects._REGISTRY, "nosuchdb", dialects.SQLiteDialect)
+    assert "nosuchdb" in url_schemes()
