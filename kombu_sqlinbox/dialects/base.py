@@ -606,20 +606,22 @@ class Dialect:
                 f"WHERE {live} AND EXISTS (SELECT 1 FROM {f['table']} AS b "
                 f"WHERE b.{f['group']} = r.{f['group']} AND b.{f['id']} > r.{f['id']}"
                 f"{behind}))")
-        return text(
-            f"SELECT COALESCE(SUM(CASE WHEN {ready} THEN 1 ELSE 0 END), 0) AS ready, "
-            f"COALESCE(SUM(CASE WHEN {free} AND NOT ({due}) THEN 1 ELSE 0 END), 0) "
-            "AS delayed, "
-            f"COALESCE(SUM(CASE WHEN {live} THEN 1 ELSE 0 END), 0) AS in_work, "
-            f"COALESCE(SUM(CASE WHEN {free} AND {due} AND NOT ({head}) THEN 1 ELSE 0 END), 0) "
-            "AS blocked, "
-            f"COALESCE(SUM(CASE WHEN r.{f['locked_until']} < {self.now} THEN 1 ELSE 0 END), 0) "
-            "AS lapsed, "
-            f"{oldest_ready} AS oldest_ready_age, "
-            f"-({self.age(soonest_end)}) "
-            "AS lease_left, "
-            f"{blocked_groups} AS blocked_groups "
-            f"FROM {f['table']} AS r WHERE {unfinished}")
+        figures = {
+            "ready": f"COALESCE(SUM(CASE WHEN {ready} THEN 1 ELSE 0 END), 0)",
+            "delayed": f"COALESCE(SUM(CASE WHEN {free} AND NOT ({due}) THEN 1 ELSE 0 END), 0)",
+            "in_work": f"COALESCE(SUM(CASE WHEN {live} THEN 1 ELSE 0 END), 0)",
+            "blocked": (f"COALESCE(SUM(CASE WHEN {free} AND {due} AND NOT ({head}) "
+                        "THEN 1 ELSE 0 END), 0)"),
+            "lapsed": (f"COALESCE(SUM(CASE WHEN r.{f['locked_until']} < {self.now} "
+                       "THEN 1 ELSE 0 END), 0)"),
+            "oldest_ready_age": oldest_ready,
+            "lease_left": f"-({self.age(soonest_end)})",
+            "blocked_groups": blocked_groups,
+        }
+        # labels quoted: "delayed" is a reserved word in MySQL
+        return text("SELECT " + ", ".join(f"{sql} AS {self.quote(name)}"
+                                          for name, sql in figures.items())
+                    + f" FROM {f['table']} AS r WHERE {unfinished}")
 
     def stored_columns(self, spec: TableSpec) -> str:
         """A stored message's columns as operations read it: id, payload, headers (NULL
