@@ -25,6 +25,7 @@ import click
 from celery.app.utils import find_app
 from celery.bin.base import CeleryCommand, CeleryOption
 
+from kombu_sqlinbox.codec import DEATH_HEADER, DELIVERY_PROPERTIES
 from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.operations import DeadFilter, DeadLetter, Operations, QueueFigures
 from kombu_sqlinbox.options import parse_options
@@ -82,13 +83,15 @@ def _age(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s"
 
 
-def _rows(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain text table: the first column left-aligned, the rest right-aligned."""
+def _rows(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> str:
+    """A plain text table; ``align`` has a ``<`` (left) or ``>`` per column (default: the
+    first left, the rest right)."""
+    align = align or "<" + ">" * (len(header) - 1)
     cells = [list(header), *[[str(value) for value in row] for row in rows]]
     widths = [max(len(row[n]) for row in cells) for n in range(len(header))]
     def line(row: list[str]) -> str:
-        return "  ".join(cell.ljust(width) if n == 0 else cell.rjust(width)
-                         for n, (cell, width) in enumerate(zip(row, widths, strict=True)))
+        return "  ".join(cell.ljust(width) if side == "<" else cell.rjust(width)
+                         for cell, width, side in zip(row, widths, align, strict=True))
 
     return "\n".join(line(row).rstrip() for row in cells)
 
@@ -247,7 +250,7 @@ def dead_list(ctx: click.Context, /, dlq: tuple[str, ...], limit: int | None, as
         [(d.id, d.dead_letter_queue, d.queue or "-", d.task or "-",
           "-" if d.attempts is None else d.attempts,
           _age(None if d.at is None else now - d.at), d.reason or d.undecodable or "-")
-         for d in found]))
+         for d in found], align="><<<>><"))
 
 
 def decoded_arguments(message: dict[str, Any]) -> str:
@@ -285,6 +288,10 @@ def dead_show(ctx: click.Context, row_id: int, dlq: tuple[str, ...]) -> None:
         click.echo(f"arguments: {decoded_arguments(message)}")
         click.echo("death record:\n" + json.dumps(dead_letter.death, indent=2))
         shown = {key: value for key, value in message.items() if key != "body"}
+        shown["headers"] = {key: value for key, value in message["headers"].items()
+                            if key != DEATH_HEADER}
+        shown["properties"] = {key: value for key, value in message["properties"].items()
+                               if key not in DELIVERY_PROPERTIES}
         click.echo("message:\n" + json.dumps(shown, indent=2, default=str))
 
 
