@@ -30,7 +30,7 @@ from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.operations import DeadFilter, DeadLetter, Operations, QueueFigures
 from kombu_sqlinbox.options import parse_options
 
-from .outbox_cli import outbox
+from .outbox_cli import outbox, progress
 
 __all__ = ["main", "sqlinbox"]
 
@@ -286,18 +286,13 @@ def dead_show(ctx: click.Context, row_id: int, dlq: tuple[str, ...]) -> None:
         message = dead_letter.message
         click.echo(f"task: {dead_letter.task} [{dead_letter.task_id}]")
         click.echo(f"arguments: {decoded_arguments(message)}")
-        click.echo("death record:\n" + json.dumps(dead_letter.death, indent=2))
+        click.echo(f"death record ({DEATH_HEADER}):\n" + json.dumps(dead_letter.death, indent=2))
         shown = {key: value for key, value in message.items() if key != "body"}
         shown["headers"] = {key: value for key, value in message["headers"].items()
                             if key != DEATH_HEADER}
         shown["properties"] = {key: value for key, value in message["properties"].items()
                                if key not in DELIVERY_PROPERTIES}
         click.echo("message:\n" + json.dumps(shown, indent=2, default=str))
-
-
-def _progress(label: str, length: int) -> Any:
-    return click.progressbar(length=length, label=label, file=sys.stderr,
-                             show_pos=True)
 
 
 @dead.command(name="requeue", cls=CeleryCommand)
@@ -317,7 +312,7 @@ def dead_requeue(ctx: click.Context, /, dlq: tuple[str, ...], keep_attempts: boo
     with operations(ctx) as ops:
         ops.batch = batch
         total = sum(1 for _ in ops.dead_letters(chosen, dlq))
-        with _progress("requeue", total) as bar:
+        with progress("requeue", total) as bar:
             moved = ops.requeue(chosen, dlq, keep_attempts, progress=bar.update)
     click.echo(f"requeued: {moved}")
 
@@ -333,7 +328,7 @@ def dead_purge(ctx: click.Context, /, dlq: tuple[str, ...], yes: bool, **filters
         total = sum(1 for _ in ops.dead_letters(chosen, dlq))
         if not yes:
             click.confirm(f"delete {total} dead letter(s)? There is no undo", abort=True)
-        with _progress("purge", total) as bar:
+        with progress("purge", total) as bar:
             removed = ops.purge(chosen, dlq, progress=bar.update)
     click.echo(f"purged: {removed}")
 

@@ -22,7 +22,7 @@ from celery.app.utils import find_app
 
 from .outbox import Outbox, outbox_of
 
-__all__ = ["main", "outbox"]
+__all__ = ["main", "outbox", "progress"]
 
 
 def _outbox(ctx: click.Context) -> Outbox:
@@ -32,8 +32,23 @@ def _outbox(ctx: click.Context) -> Outbox:
     return outbox_of(app)
 
 
-def _progress(label: str, length: int) -> Any:
-    """A progress bar on stderr (stdout keeps the counts)."""
+class _Quiet:
+    """Progress not shown: stderr is no terminal (a pipe, a log file, a cron job)."""
+
+    def __enter__(self) -> _Quiet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, steps: int) -> None:
+        """Nothing to draw."""
+
+
+def progress(label: str, length: int) -> Any:
+    """A progress bar on stderr when it is a terminal (stdout keeps the counts)."""
+    if not sys.stderr.isatty():
+        return _Quiet()
     return click.progressbar(length=length, label=label, file=sys.stderr, show_pos=True)
 
 
@@ -58,7 +73,7 @@ def status(ctx: click.Context) -> None:
 @click.pass_context
 def republish(ctx: click.Context, older_than: float | None, limit: int | None) -> None:
     found = _outbox(ctx)
-    with _progress("republish", found.status().unprocessed) as bar:
+    with progress("republish", found.status().unprocessed) as bar:
         done = found.republish(older_than, limit, progress=bar.update)
     failed = ", ".join(map(str, done.failed)) or "none"
     click.echo(f"republished: {done.sent}\nfailed (see the log): {failed}\n"
@@ -71,7 +86,7 @@ def republish(ctx: click.Context, older_than: float | None, limit: int | None) -
 @click.pass_context
 def prune(ctx: click.Context, older_than: float | None) -> None:
     found = _outbox(ctx)
-    with _progress("prune", found.status().processed) as bar:
+    with progress("prune", found.status().processed) as bar:
         pruned = found.prune(older_than, progress=bar.update)
     click.echo(f"pruned: {pruned}")
 

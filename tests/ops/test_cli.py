@@ -108,5 +108,19 @@ def test_dead_letters_listed_shown_requeued_purged(cli: Cli, seeded: Seeded, eng
     assert refused.returncode == 1 and "Aborted" in refused.stderr
     assert len(json.loads(cli("dead", "list", "--json").stdout)) == 1
     assert cli("dead", "purge", "--yes").stdout.strip() == "purged: 1"
-    assert figures(cli)["jobs.dead"]["ready"] == 0
-    assert figures(cli)["jobs"]["ready"] == 4 + 3
+    after = figures(cli)
+    assert (after["jobs.dead"]["ready"], after["jobs"]["ready"]) == (0, 4 + 3)
+
+    # a row written by other code, which does not decode: listed with why, never
+    # requeued (no death record says where from), purged by that reason
+    dead_table = str(after["jobs.dead"]["table"])
+    with engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {quoted(engine, dead_table)} (payload, headers) "
+                          "VALUES (:payload, 'not json')"), {"payload": b"x"})
+    (odd,) = json.loads(cli("dead", "list", "--json").stdout)
+    assert odd["queue"] is None and odd["reason"].startswith("cannot decode stored message")
+    assert cli("dead", "show", str(odd["id"])).stdout.startswith(
+        f"dead letter {odd['id']} in jobs.dead\nundecodable: cannot decode stored message")
+    assert cli("dead", "requeue").stdout.strip() == "requeued: 0"
+    assert cli("dead", "purge", "--reason", "cannot decode", "--yes").stdout.strip() == (
+        "purged: 1")

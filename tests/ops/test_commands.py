@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -29,9 +31,11 @@ def test_outbox_commands_under_sqlinbox_with_progress(tmp_path: Path) -> None:
         assert sent.returncode == 0, sent.stderr
     status = run([*celery, "sqlinbox", "outbox", "status"], env)
     assert status.stdout.startswith("unprocessed: 2\nprocessed: 0\n"), status.stderr
-    again = run([*celery, "sqlinbox", "outbox", "republish", "--older-than", "0"], env)
-    assert again.stdout.startswith("republished: 2\n"), again.stderr
-    assert "republish" in again.stderr  # the progress bar, on stderr
+    # on a terminal (script(1) gives it one), with its progress bar
+    again = run(["script", "-qec", shlex.join(
+        [*celery, "sqlinbox", "outbox", "republish", "--older-than", "0"]), "/dev/null"], env)
+    assert re.search(r"republish +\[#+\] +2/2", again.stdout), again.stdout
+    assert "\nrepublished: 2\n" in again.stdout.replace("\r", ""), again.stdout
     alias = run([*celery, "outbox", "status"], env)
     assert alias.stdout.startswith("unprocessed: 2\n"), alias.stderr
     pruned = run([*celery, "sqlinbox", "outbox", "prune", "--older-than", "0"], env)
