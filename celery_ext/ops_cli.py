@@ -57,18 +57,18 @@ def metric_name(figure: str) -> str:
 def operations(ctx: click.Context) -> Iterator[Operations]:
     """The operations on the database of the app (``celery -A proj``) or of ``--url``."""
     obj = ctx.obj
-    url, raw, app = getattr(obj, "url", None), getattr(obj, "transport_options", None), \
-        getattr(obj, "app", None)
+    url, raw, app = obj.url, obj.transport_options, obj.app
     queues: list[str] = []
     if app is not None:
-        url = url or app.conf.broker_url
+        broker_url = str(app.conf.broker_url or "")
+        if url is None and not broker_url.startswith("sqlinbox+"):
+            raise click.UsageError(
+                f"the app's broker is not sqlinbox ({broker_url!r}): pass --url")
+        url = url or broker_url
         raw = app.conf.broker_transport_options if raw is None else raw
         queues = list(app.amqp.queues)
-    if not url or not str(url).startswith(("sqlinbox+", "postgresql", "mysql", "mariadb",
-                                           "sqlite")):
-        raise click.UsageError(
-            f"no sqlinbox database: the app's broker is {url!r}; pass --url "
-            "(sqlinbox --url URL ..., or celery -A proj sqlinbox --url URL ...)")
+    if not url:
+        raise click.UsageError("no sqlinbox database: pass --url URL, or -A proj")
     try:
         made = Operations(str(url), parse_options(raw), queues)
     except ConfigurationError as exc:

@@ -55,3 +55,8 @@ def test_bad_input_is_refused_naming_it(tmp_path: Path) -> None:
     for message, argv in refusals.items():
         done = run([SQLINBOX, *argv], {})
         assert done.returncode in (1, 2) and message in done.stderr, (argv, done.stderr)
+    # an app on another broker (tests.ops.apps without its broker URL: memory://)
+    done = run([sys.executable, "-m", "celery", "-A", "tests.ops.apps", "sqlinbox", "queues"],
+               {"PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2 and "the app's broker is not sqlinbox ('memory://')" in (
+        done.stderr), done.stderr
