@@ -192,10 +192,9 @@ class Operations:
             for name, _ in queues:
                 figures = by_name[name]
                 dead = self.options.for_queue(name).dead_letter_queue
-                if dead is not None:
-                    target = by_name[dead]
+                if dead in by_name:
                     figures = dataclasses.replace(
-                        figures, dead_letter_queue=dead, dead_letters=target.total)
+                        figures, dead_letter_queue=dead, dead_letters=by_name[dead].total)
                 result.append(figures)
             return result
 
