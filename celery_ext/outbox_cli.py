@@ -7,23 +7,49 @@ registers :data:`outbox` under the ``celery.commands`` entry point, or standalon
     python -m celery_ext.outbox_cli -A proj republish --older-than 0
     python -m celery_ext.outbox_cli -A proj prune --older-than 86400
 
-The app module must install the outbox (``celery_ext.install(app, ...)``).
+The app module must install the outbox (``celery_ext.install(app, ...)``). The same
+commands are ``celery -A proj sqlinbox outbox ...`` (:mod:`celery_ext.ops_cli`).
 """
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
+from typing import Any
 
 import click
 from celery.app.utils import find_app
 
 from .outbox import Outbox, outbox_of
 
-__all__ = ["main", "outbox"]
+__all__ = ["main", "outbox", "progress"]
 
 
 def _outbox(ctx: click.Context) -> Outbox:
-    return outbox_of(ctx.obj.app)
+    app = getattr(ctx.obj, "app", None)
+    if app is None:
+        raise click.UsageError("the outbox commands need the app: -A proj")
+    return outbox_of(app)
+
+
+class _Quiet:
+    """Progress not shown: stderr is no terminal (a pipe, a log file, a cron job)."""
+
+    def __enter__(self) -> _Quiet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, steps: int) -> None:
+        """Nothing to draw."""
+
+
+def progress(label: str, length: int) -> Any:
+    """A progress bar on stderr when it is a terminal (stdout keeps the counts)."""
+    if not sys.stderr.isatty():
+        return _Quiet()
+    return click.progressbar(length=length, label=label, file=sys.stderr, show_pos=True)
 
 
 @click.group(name="outbox", help="The transactional outbox: status, republish, prune.")
@@ -46,7 +72,9 @@ def status(ctx: click.Context) -> None:
 @click.option("--limit", type=int, default=None, help="at most this many records")
 @click.pass_context
 def republish(ctx: click.Context, older_than: float | None, limit: int | None) -> None:
-    done = _outbox(ctx).republish(older_than, limit)
+    found = _outbox(ctx)
+    with progress("republish", found.status().unprocessed) as bar:
+        done = found.republish(older_than, limit, progress=bar.update)
     failed = ", ".join(map(str, done.failed)) or "none"
     click.echo(f"republished: {done.sent}\nfailed (see the log): {failed}\n"
                f"held back for their eta: {done.held}")
@@ -57,7 +85,10 @@ def republish(ctx: click.Context, older_than: float | None, limit: int | None) -
               help="seconds since processed (default: the outbox's retention)")
 @click.pass_context
 def prune(ctx: click.Context, older_than: float | None) -> None:
-    click.echo(f"pruned: {_outbox(ctx).prune(older_than)}")
+    found = _outbox(ctx)
+    with progress("prune", found.status().processed) as bar:
+        pruned = found.prune(older_than, progress=bar.update)
+    click.echo(f"pruned: {pruned}")
 
 
 @click.group(help=__doc__.splitlines()[0] if __doc__ else None)

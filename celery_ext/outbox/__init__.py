@@ -15,7 +15,7 @@ the app and undoing it).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -152,16 +152,17 @@ class Outbox:
         return self.guard.transaction()
 
     # -- maintenance -----------------------------------------------------------------
-    def republish(self, older_than: float | None = None, limit: int | None = None
-                  ) -> Republished:
+    def republish(self, older_than: float | None = None, limit: int | None = None,
+                  progress: Callable[[int], None] | None = None) -> Republished:
         """Send again the records unprocessed for ``older_than`` seconds (default: the grace
         period); see :meth:`PublishHook.republish`."""
-        return self.hook.republish(older_than, limit)
+        return self.hook.republish(older_than, limit, progress)
 
-    def prune(self, older_than: float | None = None) -> int:
+    def prune(self, older_than: float | None = None,
+              progress: Callable[[int], None] | None = None) -> int:
         """Delete records processed more than ``older_than`` seconds ago (default: the
-        retention), in batches; returns how many."""
-        return self.store.prune(older_than)
+        retention), in batches (``progress`` is told each one's count); returns how many."""
+        return self.store.prune(older_than, progress)
 
     def status(self) -> OutboxStatus:
         return self.store.status()

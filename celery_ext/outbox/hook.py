@@ -152,8 +152,8 @@ class PublishHook:
             logger.exception("outbox: record %s is committed but its message could not be "
                              "sent now; republish will send it", record_id)
 
-    def republish(self, older_than: float | None = None, limit: int | None = None
-                  ) -> Republished:
+    def republish(self, older_than: float | None = None, limit: int | None = None,
+                  progress: Callable[[int], None] | None = None) -> Republished:
         """Send again the records unprocessed, and not sent, for ``older_than`` seconds
         (default: the grace period), oldest id first, with their task id and record id.
 
@@ -163,7 +163,8 @@ class PublishHook:
         that cannot be sent (say, its stored headers are not JSON) is logged and skipped
         until its next period; the others go on. A task whose eta is still ahead is held
         back (claimed, not sent) until a period after it. A broker error ends the run,
-        and the records it kept from being sent are due again at once.
+        and the records it kept from being sent are due again at once. ``progress`` is
+        told how many records each batch handled.
         """
         store = self.store
         grace = self.grace if older_than is None else older_than
@@ -195,6 +196,8 @@ class PublishHook:
                                      "republish tries it again after the grace period",
                                      row[0], type(exc).__name__, exc)
                         failed.append(row[0])
+                if progress is not None:
+                    progress(len(rows))
                 if len(rows) < size:
                     break
         if sent or failed or held:

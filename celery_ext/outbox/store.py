@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -365,9 +365,10 @@ class RecordStore:
             conn.execute(self.prepared(engine).statements["unclaim"], {"ids": list(ids)})
 
     # -- maintenance -----------------------------------------------------------------
-    def prune(self, older_than: float | None = None) -> int:
+    def prune(self, older_than: float | None = None,
+              progress: Callable[[int], None] | None = None) -> int:
         """Delete records processed more than ``older_than`` seconds ago (default: the
-        retention), in batches; returns how many."""
+        retention), in batches (``progress`` is told each one's count); returns how many."""
         engine = self.engine
         statement = self.prepared(engine).statements["prune"]
         age = self.retention if older_than is None else older_than
@@ -376,6 +377,8 @@ class RecordStore:
             with engine.begin() as conn:
                 count = conn.execute(statement, {"older_than": age, "limit": self.batch}).rowcount
             removed += count
+            if progress is not None:
+                progress(count)
             if count < self.batch:
                 return removed
 

@@ -90,6 +90,7 @@ class RoutingStatements:
 
     names: tuple[str, str, str]
     ddl: list[str]
+    drop: list[str]
     declare: TextClause
     kind: TextClause
     touch: TextClause
@@ -162,7 +163,8 @@ class Dialect:
     #: the largest statement the server accepts, when it has such a limit
     max_statement_bytes: int | None = None
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine | None = None) -> None:
+        #: None where only the statements' text is wanted (DDL for a migration)
         self.engine = engine
         #: whether publishes wake consumers: the capability, unless the transport's
         #: ``notify`` option turned it off for this instance
@@ -271,6 +273,11 @@ class Dialect:
         """SQL for the database's now plus the bound number of seconds ``seconds``."""
         raise NotImplementedError
 
+    def age(self, moment: str) -> str:
+        """SQL for the seconds from ``moment`` (a time expression) until now; negative for
+        a moment ahead (a lease's end)."""
+        raise NotImplementedError
+
     def assemble(self, spec: TableSpec, claim: tuple[TextClause, ...],
                  claim_ids: tuple[TextClause, ...],
                  claim_skipping: tuple[TextClause, ...]) -> Statements:
@@ -326,7 +333,7 @@ class Dialect:
             release_uncounted=_expanding(uncounted),
             size=text(f"SELECT COUNT(*) FROM {f['table']} {waiting}"),
             purge=text(f"DELETE FROM {f['table']} {waiting}"),
-            drop=text(f"DROP TABLE IF EXISTS {f['table']}"),
+            drop=text(self.drop_ddl(spec)),
         )
 
     # -- operations --------------------------------------------------------
@@ -463,13 +470,50 @@ class Dialect:
             for suffix, columns in self.index_columns(spec).items()
         ]
 
+    #: what asks the database for a statement's plan without running it
+    explain_prefix: ClassVar[str] = "EXPLAIN"
+    #: run before :meth:`explain` by :meth:`claim_plan_problem`: the planner then takes any
+    #: index that serves the claim, however few rows the table has today
+    plan_settings: ClassVar[tuple[str, ...]] = ()
+
     def explain(self, spec: TableSpec) -> TextClause:
         """EXPLAIN of the claim's row selection: the part an index must serve."""
         f = self.fields(spec)
         return text(
-            f"EXPLAIN SELECT r.{f['id']} FROM {f['table']} AS r WHERE {self.ready_filter(spec)} "
+            f"{self.explain_prefix} SELECT r.{f['id']} FROM {f['table']} AS r "
+            f"WHERE {self.ready_filter(spec)} "
             f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit {self.lock_clause}"
         )
+
+    def explained(self, statement: TextClause) -> TextClause:
+        """``statement`` under :attr:`explain_prefix`, with its bound parameters: planned
+        against the live schema (a missing column, an impossible type fails), not run."""
+        return text(f"{self.explain_prefix} {statement.text}").bindparams(
+            *statement._bindparams.values())
+
+    def plan_lines(self, conn: Connection, statement: TextClause,
+                   params: Mapping[str, Any]) -> list[str]:
+        """The plan of an EXPLAIN, one line per row (``key=value | ...`` for a tabular
+        plan)."""
+        result = conn.execute(statement, dict(params))
+        return [" | ".join(f"{key}={value}" for key, value in row._mapping.items())
+                for row in result]
+
+    def claim_plan_problem(self, conn: Connection, spec: TableSpec) -> str | None:
+        """Why the claim's row selection would not walk the claim index in claim order
+        (read from the plan, see :meth:`plan_problem`), or None when it would."""
+        for setting in self.plan_settings:
+            conn.exec_driver_sql(setting)
+        plan = self.plan_lines(conn, self.explain(spec), {"limit": 10})
+        index = self.index_name(spec).strip('"`')
+        problem = self.plan_problem("\n".join(plan), index)
+        return None if problem is None else f"{problem}; the plan:\n" + "\n".join(plan)
+
+    def plan_problem(self, plan: str, index: str) -> str | None:
+        """What in a claim's ``plan`` shows it does not use ``index`` for its order."""
+        if index not in plan:
+            return f"the claim does not use its index {index}"
+        return None
 
     def create_ddl(self, spec: TableSpec) -> list[str]:
         """CREATE TABLE (and its claim index) for a declaration, in this database's types."""
@@ -481,6 +525,10 @@ class Dialect:
             key = f",\n    PRIMARY KEY ({self.quote(id_column.name)})"
         create = f"CREATE TABLE IF NOT EXISTS {self.table_ref(spec)} (\n    {columns}{key}\n)"
         return [create, *self.index_ddl(spec)]
+
+    def drop_ddl(self, spec: TableSpec) -> str:
+        """DROP TABLE of a declaration (its indexes go with it)."""
+        return f"DROP TABLE IF EXISTS {self.table_ref(spec)}"
 
     def add_column_ddl(self, spec: TableSpec, column: ColumnSpec) -> str:
         return f"ALTER TABLE {self.table_ref(spec)} ADD COLUMN {self.column_ddl(column)}"
@@ -561,6 +609,100 @@ class Dialect:
 
     def on_connect(self, dbapi_connection: Any) -> None:
         """Session settings every new connection gets."""
+
+    # -- operations (``celery sqlinbox``) ---------------------------------------
+    def queue_stats(self, spec: TableSpec) -> TextClause:
+        """One pass over a queue table's unfinished rows, each counted in exactly one
+        state: ``in_work`` (a live lease), ``delayed`` (not due yet), ``ready`` (claimable
+        now), ``blocked`` (due, behind an unfinished earlier row of its FIFO group). Also
+        ``lapsed`` (leases that ran out unsettled: a dead worker's rows, claimable again
+        and counted ready or blocked), ``oldest_ready_age`` (seconds), ``lease_left``
+        (seconds until the soonest live lease ends) and ``blocked_groups`` (FIFO groups
+        whose head is in work with rows behind it)."""
+        f = self.fields(spec)
+        live = f"r.{f['locked_until']} >= {self.now}"
+        free = f"(r.{f['locked_until']} IS NULL OR r.{f['locked_until']} < {self.now})"
+        due = (f"r.{f['available_at']} <= {self.now}" if spec.has(Role.AVAILABLE_AT)
+               else "1 = 1")
+        group = spec.column(Role.GROUP)
+        fifo = group is not None and group.fifo
+        head = self.head_of(spec, Role.GROUP) if fifo else "1 = 1"
+        unfinished = (f"r.{f['processed_at']} IS NULL" if spec.has(Role.PROCESSED_AT)
+                      else "1 = 1")
+        ready = f"{free} AND {due} AND {head}"
+        soonest_end = f"MIN(CASE WHEN {live} THEN r.{f['locked_until']} END)"
+        oldest_ready = (self.age(f"MIN(CASE WHEN {ready} THEN r.{f['available_at']} END)")
+                        if spec.has(Role.AVAILABLE_AT) else "NULL")
+        blocked_groups = "0"
+        if fifo:
+            behind = (f" AND b.{f['processed_at']} IS NULL" if spec.has(Role.PROCESSED_AT)
+                      else "")
+            blocked_groups = (
+                f"(SELECT COUNT(DISTINCT r.{f['group']}) FROM {f['table']} AS r "
+                f"WHERE {live} AND EXISTS (SELECT 1 FROM {f['table']} AS b "
+                f"WHERE b.{f['group']} = r.{f['group']} AND b.{f['id']} > r.{f['id']}"
+                f"{behind}))")
+        figures = {
+            "ready": f"COALESCE(SUM(CASE WHEN {ready} THEN 1 ELSE 0 END), 0)",
+            "delayed": f"COALESCE(SUM(CASE WHEN {free} AND NOT ({due}) THEN 1 ELSE 0 END), 0)",
+            "in_work": f"COALESCE(SUM(CASE WHEN {live} THEN 1 ELSE 0 END), 0)",
+            "blocked": (f"COALESCE(SUM(CASE WHEN {free} AND {due} AND NOT ({head}) "
+                        "THEN 1 ELSE 0 END), 0)"),
+            "lapsed": (f"COALESCE(SUM(CASE WHEN r.{f['locked_until']} < {self.now} "
+                       "THEN 1 ELSE 0 END), 0)"),
+            "oldest_ready_age": oldest_ready,
+            "lease_left": f"-({self.age(soonest_end)})",
+            "blocked_groups": blocked_groups,
+        }
+        # labels quoted: "delayed" is a reserved word in MySQL
+        return text("SELECT " + ", ".join(f"{sql} AS {self.quote(name)}"
+                                          for name, sql in figures.items())
+                    + f" FROM {f['table']} AS r WHERE {unfinished}")
+
+    def stored_columns(self, spec: TableSpec) -> str:
+        """A stored message's columns as operations read it: id, payload, headers (NULL
+        where the table keeps its envelope in the payload), attempt."""
+        f = self.fields(spec)
+        headers = f"r.{f['headers']}" if spec.has(Role.HEADERS) else "NULL"
+        return (f"r.{f['id']} AS id, r.{f['payload']} AS payload, {headers} AS headers, "
+                f"r.{f['attempt']} AS attempt")
+
+    def stored_page(self, spec: TableSpec, lock: bool) -> TextClause:
+        """Up to ``:limit`` stored messages not in work, by id, after ``:after`` and up to
+        ``:upto``; ``lock`` locks them for a move (skipping rows another move holds)."""
+        f = self.fields(spec)
+        unfinished = (f" AND r.{f['processed_at']} IS NULL" if spec.has(Role.PROCESSED_AT)
+                      else "")
+        return text(
+            f"SELECT {self.stored_columns(spec)} FROM {f['table']} AS r "
+            f"WHERE r.{f['id']} > :after AND r.{f['id']} <= :upto "
+            f"AND (r.{f['locked_until']} IS NULL OR r.{f['locked_until']} < {self.now})"
+            f"{unfinished} ORDER BY r.{f['id']} LIMIT :limit {self.lock_clause if lock else ''}")
+
+    def stored_one(self, spec: TableSpec) -> TextClause:
+        """The stored message with id ``:id``, whatever its state."""
+        f = self.fields(spec)
+        return text(f"SELECT {self.stored_columns(spec)} FROM {f['table']} AS r "
+                    f"WHERE r.{f['id']} = :id")
+
+    def last_id(self, spec: TableSpec) -> TextClause:
+        f = self.fields(spec)
+        return text(f"SELECT MAX({f['id']}) FROM {f['table']}")
+
+    def remove(self, spec: TableSpec) -> TextClause:
+        """Delete the rows ``:ids`` (a move's first half)."""
+        f = self.fields(spec)
+        return _expanding(f"DELETE FROM {f['table']} WHERE {f['id']} IN :ids")
+
+    def restore(self, spec: TableSpec) -> TextClause:
+        """The publish statement with the attempt count bound too (``:attempt``): a dead
+        letter put back keeps its deliveries, or starts again from 0."""
+        sql = self.insert_sql(spec)
+        if not spec.has(Role.ATTEMPT):
+            return text(sql)
+        columns, _, values = sql.partition(") VALUES (")
+        return text(f"{columns}, {self.quote(spec.name_of(Role.ATTEMPT))}) VALUES ("
+                    f"{values[:-1]}, :attempt)")
 
     # -- wake-ups and advisory locks (databases that declare them override) ----
     def channel(self, spec: TableSpec) -> str:
@@ -673,6 +815,7 @@ class Dialect:
         return RoutingStatements(
             names=names,
             ddl=self.routing_ddl(queues, bindings, messages, names),
+            drop=[f"DROP TABLE IF EXISTS {table}" for table in (messages, bindings, queues)],
             declare=text(self.upsert(queues, ["name"], ["transient", "expires", "message_ttl",
                                                         "expires_at"]).replace(
                 ":expires_at", f"{now} + {expires}")),
@@ -772,10 +915,6 @@ class Dialect:
         """The database's time ``:older_than`` seconds ago, comparable with its time columns."""
         raise NotImplementedError
 
-    def outbox_age(self, moment: str) -> str:
-        """Seconds from ``moment`` (a time column expression) until now."""
-        raise NotImplementedError
-
     def outbox_returning(self, f: dict[str, str]) -> str:
         """What makes an INSERT return the generated record id (empty: read ``lastrowid``)."""
         return f" RETURNING {f['id']}" if self.capabilities.returning else ""
@@ -833,7 +972,7 @@ class Dialect:
             "status": text(
                 f"SELECT COALESCE(SUM(CASE WHEN {unprocessed} THEN 1 ELSE 0 END), 0), "
                 f"COALESCE(SUM(CASE WHEN {unprocessed} THEN 0 ELSE 1 END), 0), "
-                f"{self.outbox_age(oldest)} FROM {f['table']}"),
+                f"{self.age(oldest)} FROM {f['table']}"),
             "drop": text(f"DROP TABLE IF EXISTS {f['table']}"),
         }
 

@@ -102,6 +102,12 @@ class MySQLDialect(Dialect):
         )
         return (_expanding(select), _expanding(lease))
 
+    def plan_problem(self, plan: str, index: str) -> str | None:
+        """A full scan (``type=ALL``) or a filesort: the claim index does not serve it."""
+        if "type=ALL" in plan or "filesort" in plan:
+            return f"the claim's plan scans the table or sorts (its index {index} is missing)"
+        return super().plan_problem(plan, index)
+
     def create_ddl(self, spec: TableSpec) -> list[str]:
         """MySQL has no CREATE INDEX IF NOT EXISTS: the claim index goes inside CREATE TABLE."""
         create = super().create_ddl(spec)[0]
@@ -181,7 +187,7 @@ class MySQLDialect(Dialect):
     def outbox_ago(self) -> str:
         return f"{NOW} - INTERVAL (:older_than * 1000000) MICROSECOND"
 
-    def outbox_age(self, moment: str) -> str:
+    def age(self, moment: str) -> str:
         return f"TIMESTAMPDIFF(MICROSECOND, {moment}, {NOW}) / 1000000.0"
 
     def outbox_prune_sql(self, f: dict[str, str]) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import Connection, TextClause, bindparam, text
@@ -35,6 +35,20 @@ class PostgreSQLDialect(Dialect):
     }
     #: deadlock, serialization failure, lock not available
     transient_codes = frozenset({"40P01", "40001", "55P03"})
+
+    plan_settings = ("SET LOCAL enable_seqscan = off", "SET LOCAL enable_sort = off")
+
+    def plan_problem(self, plan: str, index: str) -> str | None:
+        """With scans and sorts priced out, a plan still scanning or sorting has no
+        index that serves the claim."""
+        for node in ("Seq Scan", "Sort"):
+            if node in plan:
+                return f"the claim's plan has a {node} (its index {index} is missing or unusable)"
+        return super().plan_problem(plan, index)
+
+    def plan_lines(self, conn: Connection, statement: TextClause,
+                   params: Mapping[str, Any]) -> list[str]:
+        return [str(row[0]) for row in conn.execute(statement, dict(params))]
 
     def later(self, seconds: str) -> str:
         return f"now() + make_interval(secs => {seconds})"
@@ -140,5 +154,5 @@ class PostgreSQLDialect(Dialect):
     def outbox_ago(self) -> str:
         return "now() - make_interval(secs => :older_than)"
 
-    def outbox_age(self, moment: str) -> str:
+    def age(self, moment: str) -> str:
         return f"EXTRACT(EPOCH FROM (now() - {moment}))"

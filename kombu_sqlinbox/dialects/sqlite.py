@@ -7,7 +7,7 @@ stable within one statement, so a claim compares every row with one instant.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -46,6 +46,18 @@ class SQLiteDialect(Dialect):
         Role.PRIORITY: "INTEGER NOT NULL DEFAULT 0",
         Role.PROCESSED_AT: "REAL",
     }
+
+    explain_prefix = "EXPLAIN QUERY PLAN"
+
+    def plan_lines(self, conn: Connection, statement: TextClause,
+                   params: Mapping[str, Any]) -> list[str]:
+        return [str(row.detail) for row in conn.execute(statement, dict(params))]
+
+    def plan_problem(self, plan: str, index: str) -> str | None:
+        """A plan that sorts in a temporary tree does not read the index in claim order."""
+        if "TEMP B-TREE" in plan:
+            return f"the claim's plan sorts (its index {index} is missing or unusable)"
+        return super().plan_problem(plan, index)
 
     def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
         f = self.fields(spec)
@@ -121,7 +133,7 @@ class SQLiteDialect(Dialect):
     def outbox_ago(self) -> str:
         return f"{NOW} - :older_than"
 
-    def outbox_age(self, moment: str) -> str:
+    def age(self, moment: str) -> str:
         return f"{NOW} - {moment}"
 
     #: deferred: the outbox's transactions start with their write, its reads lock nothing

@@ -1,6 +1,6 @@
-"""The core modules depend one way: transport, broker, claims, database, dialects, codec,
-rows. Each is built and tested on the ones below it; none imports one above (not even for
-type checking), which would bring the cycle back."""
+"""The core modules depend one way: transport (operations beside it), broker, claims,
+database, dialects, codec, rows. Each is built and tested on the ones below it; none
+imports one above (not even for type checking), which would bring the cycle back."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import kombu_sqlinbox
 PACKAGE = Path(kombu_sqlinbox.__file__).parent
 #: from the top down
 LAYERS = (
-    ("transport",),
+    ("transport", "operations"),
     ("broker",),
     ("claims", "routing"),
     ("database",),

@@ -1,0 +1,396 @@
+"""``celery sqlinbox``: queue health, dead letters, DDL, the schema check, the outbox.
+
+As a Celery sub-command (``celery -A proj sqlinbox queues``), registered under the
+``celery.commands`` entry point, or standalone where the app is not installed::
+
+    sqlinbox --url postgresql://app@db/app queues --format prometheus
+    sqlinbox --url sqlite:///jobs.db --transport-options '{"queues": {...}}' dead list
+
+With the app, the broker URL, the transport options and the queue names are the
+app's; ``--url`` and ``--transport-options`` stand in for them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from types import SimpleNamespace
+from typing import Any
+
+import click
+from celery.app.utils import find_app
+from celery.bin.base import CeleryCommand, CeleryOption
+
+from kombu_sqlinbox.codec import DEATH_HEADER, DELIVERY_PROPERTIES
+from kombu_sqlinbox.errors import ConfigurationError
+from kombu_sqlinbox.operations import DeadFilter, DeadLetter, Operations, QueueFigures
+from kombu_sqlinbox.options import parse_options
+
+from .outbox_cli import outbox, progress
+
+__all__ = ["main", "sqlinbox"]
+
+#: Prometheus metric names and help, by figure
+METRICS = {
+    "ready": "Messages claimable now.",
+    "delayed": "Messages not due yet (eta, countdown, retry delay).",
+    "in_work": "Messages held under a live lease.",
+    "blocked": "Due messages waiting behind an unfinished earlier message of their FIFO group.",
+    "blocked_groups": "FIFO groups whose head is in work with messages behind it.",
+    "lapsed": "Leases that ran out unsettled (a dead worker's messages, claimable again).",
+    "oldest_ready_age": "Seconds the oldest claimable message has been ready.",
+    "oldest_lease_age": "Seconds since the oldest live lease was taken or last extended.",
+    "dead_letters": "Messages in the queue's dead-letter queue.",
+}
+SECONDS = ("oldest_ready_age", "oldest_lease_age")
+
+
+def metric_name(figure: str) -> str:
+    return f"sqlinbox_queue_{figure}" + ("_seconds" if figure in SECONDS else "")
+
+
+@contextmanager
+def operations(ctx: click.Context) -> Iterator[Operations]:
+    """The operations on the database of the app (``celery -A proj``) or of ``--url``."""
+    obj = ctx.obj
+    url, raw, app = obj.url, obj.transport_options, obj.app
+    queues: list[str] = []
+    if app is not None:
+        broker_url = str(app.conf.broker_url or "")
+        if url is None and not broker_url.startswith("sqlinbox+"):
+            raise click.UsageError(
+                f"the app's broker is not sqlinbox ({broker_url!r}): pass --url")
+        url = url or broker_url
+        raw = app.conf.broker_transport_options if raw is None else raw
+        queues = list(app.amqp.queues)
+    if not url:
+        raise click.UsageError("no sqlinbox database: pass --url URL, or -A proj")
+    try:
+        made = Operations(str(url), parse_options(raw), queues)
+    except ConfigurationError as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def _age(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}s"
+
+
+def _rows(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> str:
+    """A plain text table; ``align`` has a ``<`` (left) or ``>`` per column (default: the
+    first left, the rest right)."""
+    align = align or "<" + ">" * (len(header) - 1)
+    cells = [list(header), *[[str(value) for value in row] for row in rows]]
+    widths = [max(len(row[n]) for row in cells) for n in range(len(header))]
+    def line(row: list[str]) -> str:
+        return "  ".join(cell.ljust(width) if side == "<" else cell.rjust(width)
+                         for cell, width, side in zip(row, widths, align, strict=True))
+
+    return "\n".join(line(row).rstrip() for row in cells)
+
+
+def render_text(figures: Sequence[QueueFigures]) -> str:
+    return _rows(
+        ("queue", "ready", "delayed", "in work", "lease age", "blocked", "groups", "lapsed",
+         "oldest ready", "dead letters"),
+        [(f.queue, f.ready, f.delayed, f.in_work, _age(f.oldest_lease_age), f.blocked,
+          f.blocked_groups, f.lapsed, _age(f.oldest_ready_age),
+          "-" if f.dead_letters is None else f"{f.dead_letters} ({f.dead_letter_queue})")
+         for f in figures])
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_prometheus(figures: Sequence[QueueFigures]) -> str:
+    """Prometheus text exposition: one gauge per figure, labelled by queue and table; an
+    age with nothing to measure, and the dead letters of a queue without a dead-letter
+    queue, have no sample."""
+    lines = []
+    for figure, help_text in METRICS.items():
+        name = metric_name(figure)
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+        for found in figures:
+            value = getattr(found, figure)
+            if value is None:
+                continue
+            labels = f'queue="{_label(found.queue)}",table="{_label(found.table)}"'
+            if figure == "dead_letters":
+                labels += f',dead_letter_queue="{_label(str(found.dead_letter_queue))}"'
+            lines.append(f"{name}{{{labels}}} {value}")
+    return "\n".join(lines) + "\n"
+
+
+def database_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--url`` and ``--transport-options``: the database without the app's settings."""
+    command = click.option(
+        "--transport-options", cls=CeleryOption, help_group="Database",
+        help="the transport options as JSON; default: the app's")(command)
+    return click.option(
+        "--url", cls=CeleryOption, help_group="Database",
+        help="the database (an SQLAlchemy URL, with or without sqlinbox+); default: the "
+             "app's broker URL")(command)
+
+
+def configure(ctx: click.Context, app: Any, url: str | None,
+              transport_options: str | None) -> None:
+    """``ctx.obj``: the app (or None), the URL and the transport options given."""
+    try:
+        options = None if transport_options is None else json.loads(transport_options)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--transport-options") \
+            from None
+    ctx.obj = SimpleNamespace(app=app, url=url, transport_options=options)
+
+
+@click.group(name="sqlinbox", help=__doc__.splitlines()[0] if __doc__ else None)
+@database_options
+@click.pass_context
+def sqlinbox(ctx: click.Context, url: str | None, transport_options: str | None) -> None:
+    """Under ``celery``: the app is the one Celery found (``ctx.obj.app``)."""
+    configure(ctx, getattr(ctx.obj, "app", None), url, transport_options)
+
+
+@sqlinbox.command(cls=CeleryCommand)
+@click.option("--format", "form", type=click.Choice(["text", "json", "prometheus"]),
+              default="text", cls=CeleryOption, help_group="Output", help="how to print")
+@click.option("--json", "as_json", is_flag=True, cls=CeleryOption, help_group="Output",
+              help="same as --format json")
+@click.option("--watch", type=float, default=None, metavar="SECONDS", cls=CeleryOption,
+              help_group="Output", help="print again every SECONDS")
+@click.option("--times", type=int, default=None, cls=CeleryOption, help_group="Output",
+              help="with --watch: stop after this many prints")
+@click.pass_context
+def queues(ctx: click.Context, form: str, as_json: bool, watch: float | None,
+           times: int | None) -> None:
+    """Per queue: ready, delayed, in work (and the oldest lease's age), FIFO rows and
+    groups blocked behind a head in work, lapsed leases, oldest ready age, dead letters."""
+    form = "json" if as_json else form
+    printed = 0
+    with operations(ctx) as ops:
+        while True:
+            figures = ops.figures()
+            if form == "json":
+                click.echo(json.dumps([f.as_dict() for f in figures], indent=2))
+            elif form == "prometheus":
+                click.echo(render_prometheus(figures), nl=False)
+            else:
+                if watch is not None:
+                    click.echo(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))
+                click.echo(render_text(figures))
+            printed += 1
+            if watch is None or (times is not None and printed >= times):
+                return
+            sys.stdout.flush()
+            time.sleep(watch)
+
+
+# -- dead letters ------------------------------------------------------------------
+def dead_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The filters every ``dead`` command takes."""
+    for option in reversed([
+        click.option("--dead-letter-queue", "-D", "dlq", multiple=True, cls=CeleryOption,
+                     help_group="Filters",
+                     help="the dead-letter queue(s) to look in (default: every one configured)"),
+        click.option("--queue", "-Q", default=None, cls=CeleryOption, help_group="Filters",
+                     help="only dead letters of this queue"),
+        click.option("--task", "-T", default=None, cls=CeleryOption, help_group="Filters",
+                     help="only tasks of this name (a glob: 'billing.*')"),
+        click.option("--reason", default=None, cls=CeleryOption, help_group="Filters",
+                     help="only those whose reason contains this text"),
+        click.option("--older-than", type=float, default=None, cls=CeleryOption,
+                     help_group="Filters", help="only those dead for at least SECONDS"),
+        click.option("--newer-than", type=float, default=None, cls=CeleryOption,
+                     help_group="Filters", help="only those dead for at most SECONDS"),
+    ]):
+        command = option(command)
+    return command
+
+
+def _filter(queue: str | None, task: str | None, reason: str | None,
+            older_than: float | None, newer_than: float | None) -> DeadFilter:
+    return DeadFilter(queue, task, reason, older_than, newer_than)
+
+
+def _dead_row(dead: DeadLetter) -> dict[str, Any]:
+    return {"dead_letter_queue": dead.dead_letter_queue, "id": dead.id, "queue": dead.queue,
+            "task": dead.task, "task_id": dead.task_id, "reason": dead.reason or dead.undecodable,
+            "attempts": dead.attempts, "at": dead.at}
+
+
+@sqlinbox.group()
+def dead() -> None:
+    """Dead letters: list, show, requeue, purge."""
+
+
+@dead.command(name="list", cls=CeleryCommand)
+@dead_options
+@click.option("--limit", type=int, default=None, help="at most this many")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@click.pass_context
+def dead_list(ctx: click.Context, /, dlq: tuple[str, ...], limit: int | None, as_json: bool,
+              **filters: Any) -> None:
+    """The dead letters, oldest first: id, queue, task, attempts, age, reason."""
+    with operations(ctx) as ops:
+        found = list(ops.dead_letters(_filter(**filters), dlq, limit))
+    if as_json:
+        click.echo(json.dumps([_dead_row(dead) for dead in found], indent=2))
+        return
+    now = time.time()
+    click.echo(_rows(
+        ("id", "dead-letter queue", "queue", "task", "attempts", "age", "reason"),
+        [(d.id, d.dead_letter_queue, d.queue or "-", d.task or "-",
+          "-" if d.attempts is None else d.attempts,
+          _age(None if d.at is None else now - d.at), d.reason or d.undecodable or "-")
+         for d in found], align="><<<>><"))
+
+
+def decoded_arguments(message: dict[str, Any]) -> str:
+    """A Celery message's arguments (JSON bodies only: nothing else is deserialised)."""
+    if message.get("content-type") != "application/json":
+        return f"not decoded ({message.get('content-type')} body)"
+    body = message.get("body")
+    try:
+        loaded = json.loads(body.decode() if isinstance(body, bytes) else body or "")
+    except ValueError as exc:
+        return f"not decoded (the body is not JSON: {exc})"
+    if isinstance(loaded, list) and len(loaded) == 3:  # Celery's message protocol 2
+        return f"args={json.dumps(loaded[0])} kwargs={json.dumps(loaded[1])}"
+    return json.dumps(loaded)
+
+
+@dead.command(name="show", cls=CeleryCommand)
+@click.argument("row_id", type=int)
+@click.option("--dead-letter-queue", "-D", "dlq", multiple=True,
+              help="the dead-letter queue(s) to look in (default: every one configured)")
+@click.pass_context
+def dead_show(ctx: click.Context, row_id: int, dlq: tuple[str, ...]) -> None:
+    """One dead letter: its message, its death record and its decoded arguments."""
+    with operations(ctx) as ops:
+        found = ops.dead_letter(row_id, dlq)
+    if not found:
+        raise click.ClickException(f"no dead letter {row_id}")
+    for dead_letter in found:
+        click.echo(f"dead letter {dead_letter.id} in {dead_letter.dead_letter_queue}")
+        if dead_letter.message is None:
+            click.echo(f"undecodable: {dead_letter.undecodable}")
+            continue
+        message = dead_letter.message
+        click.echo(f"task: {dead_letter.task} [{dead_letter.task_id}]")
+        click.echo(f"arguments: {decoded_arguments(message)}")
+        click.echo(f"death record ({DEATH_HEADER}):\n" + json.dumps(dead_letter.death, indent=2))
+        shown = {key: value for key, value in message.items() if key != "body"}
+        shown["headers"] = {key: value for key, value in message["headers"].items()
+                            if key != DEATH_HEADER}
+        shown["properties"] = {key: value for key, value in message["properties"].items()
+                               if key not in DELIVERY_PROPERTIES}
+        click.echo("message:\n" + json.dumps(shown, indent=2, default=str))
+
+
+@dead.command(name="requeue", cls=CeleryCommand)
+@dead_options
+@click.option("--keep-attempts/--reset-attempts", default=False, cls=CeleryOption,
+              help_group="Requeue",
+              help="keep each message's delivery count (it may then die again at once when "
+                   "it reached max_attempts), or start it from 0 (the default)")
+@click.option("--batch", type=int, default=500, cls=CeleryOption, help_group="Requeue",
+              help="messages moved per transaction")
+@click.pass_context
+def dead_requeue(ctx: click.Context, /, dlq: tuple[str, ...], keep_attempts: bool, batch: int,
+                 **filters: Any) -> None:
+    """Move dead letters back to the queues they died in, in order, a batch per
+    transaction."""
+    chosen = _filter(**filters)
+    with operations(ctx) as ops:
+        ops.batch = batch
+        total = sum(1 for _ in ops.dead_letters(chosen, dlq))
+        with progress("requeue", total) as bar:
+            moved = ops.requeue(chosen, dlq, keep_attempts, progress=bar.update)
+    click.echo(f"requeued: {moved}")
+
+
+@dead.command(name="purge", cls=CeleryCommand)
+@dead_options
+@click.option("--yes", "-y", is_flag=True, help="do not ask for confirmation")
+@click.pass_context
+def dead_purge(ctx: click.Context, /, dlq: tuple[str, ...], yes: bool, **filters: Any) -> None:
+    """Delete dead letters (there is no undo)."""
+    chosen = _filter(**filters)
+    with operations(ctx) as ops:
+        total = sum(1 for _ in ops.dead_letters(chosen, dlq))
+        if not yes:
+            click.confirm(f"delete {total} dead letter(s)? There is no undo", abort=True)
+        with progress("purge", total) as bar:
+            removed = ops.purge(chosen, dlq, progress=bar.update)
+    click.echo(f"purged: {removed}")
+
+
+# -- schema ---------------------------------------------------------------------------
+@sqlinbox.command(cls=CeleryCommand)
+@click.argument("names", nargs=-1)
+@click.pass_context
+def ddl(ctx: click.Context, names: tuple[str, ...]) -> None:
+    """CREATE TABLE and CREATE INDEX for the queues named (default: every queue of the app
+    and the options, with their dead-letter queues, and the routing tables), for the
+    database of the URL."""
+    with operations(ctx) as ops:
+        chosen = names or ops.names
+        for name in chosen:
+            spec = ops.broker.spec_for(name)
+            click.echo(f"-- queue {name}")
+            click.echo(";\n".join(ops.dialect.create_ddl(spec)) + ";")
+        if not names:
+            routing = ops.dialect.routing_statements(ops.broker.options.table_prefix)
+            click.echo("-- routing tables (bindings, queue registry, transient messages)")
+            click.echo(";\n".join(routing.ddl) + ";")
+
+
+@sqlinbox.command(cls=CeleryCommand)
+@click.pass_context
+def check(ctx: click.Context) -> None:
+    """Plan every statement the transport runs on each queue against the live schema
+    (nothing is run): missing tables or columns, wrong types, a claim that does not use
+    its index. Exits 1 on any problem."""
+    with operations(ctx) as ops:
+        planned, problems = ops.check()
+        count = len(ops.queues())
+    for problem in problems:
+        click.echo(f"PROBLEM {problem.queue} ({problem.table}): {problem.what}")
+    click.echo(f"checked {planned} statements on {count} queues: {len(problems)} problem(s)")
+    if problems:
+        ctx.exit(1)
+
+
+sqlinbox.add_command(outbox)
+
+
+@click.group(name="sqlinbox", help=sqlinbox.help)
+@click.option("-A", "--app", "app_name", default=None,
+              help="the Celery app, e.g. proj (optional with --url)")
+@database_options
+@click.pass_context
+def main(ctx: click.Context, app_name: str | None, url: str | None,
+         transport_options: str | None) -> None:
+    """Standalone: the app is optional where ``--url`` names the database."""
+    configure(ctx, find_app(app_name) if app_name else None, url, transport_options)
+
+
+for _name, _command in sqlinbox.commands.items():
+    main.add_command(_command, _name)
+
+
+def run() -> None:
+    """The ``sqlinbox`` console script."""
+    main(prog_name="sqlinbox")
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,430 @@
+"""Operations on a live inbox: queue figures, dead letters, the schema check.
+
+What ``celery sqlinbox`` runs, usable without a command line. Queues resolve to
+tables as the transport resolves them (a :class:`~.broker.Broker` of its own), every
+statement comes from the dialect, and each move of a dead letter is one transaction:
+a row is never in both tables, nor in neither. It sits beside the transport, at the
+top of the layers; nothing in the core imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from sqlalchemy import Connection, TextClause, inspect
+
+from .broker import Broker, QueueTable
+from .codec import (
+    DEATH_HEADER,
+    EXPIRES_KEY,
+    GROUP_HEADER,
+    PARTITION_HEADER,
+    Undecodable,
+    decode_row,
+    encode_message,
+    eta_epoch,
+)
+from .errors import SchemaMismatch
+from .options import TransportOptions
+from .rows import ClaimedRow
+from .tables import TableSpec, default_table, table_name_for_queue
+
+#: the columns that make a table under the prefix a queue table of the default layout
+#: (other tables sharing the prefix are left alone)
+DEFAULT_COLUMNS = frozenset(column.name for column in default_table("probe").columns)
+#: values the schema check binds to every statement it plans
+PLAN_PARAMS: Mapping[str, Any] = {
+    "limit": 1, "lease": 30.0, "delay": 0.0, "ids": [0], "skip": ["-"], "attempt": 0, "id": 0,
+    "payload": b"", "headers": "{}", "priority": 0, "eta": None, "group": None,
+    "partition_key": None, "after": 0, "upto": 0,
+}
+
+
+@dataclass(frozen=True)
+class QueueFigures:
+    """One queue's figures (see :meth:`~.dialects.Dialect.queue_stats`). Ages are in
+    seconds; ``oldest_lease_age`` is the time since the oldest live lease was taken or
+    last extended (a live worker extends every third of ``visibility_timeout``)."""
+
+    queue: str
+    table: str
+    exists: bool
+    ready: int = 0
+    delayed: int = 0
+    in_work: int = 0
+    blocked: int = 0
+    blocked_groups: int = 0
+    lapsed: int = 0
+    oldest_ready_age: float | None = None
+    oldest_lease_age: float | None = None
+    dead_letter_queue: str | None = None
+    dead_letters: int | None = None
+
+    @property
+    def total(self) -> int:
+        return self.ready + self.delayed + self.in_work + self.blocked
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A message in a dead-letter queue, read from its death record."""
+
+    dead_letter_queue: str
+    id: int
+    #: the queue it died in, and why
+    queue: str | None
+    reason: str | None
+    attempts: int | None
+    at: float | None
+    task: str | None
+    task_id: str | None
+    #: the kombu message as a consumer would get it; None when it does not decode
+    message: dict[str, Any] | None
+    undecodable: str | None = None
+
+    @property
+    def death(self) -> dict[str, Any]:
+        headers = (self.message or {}).get("headers") or {}
+        found = headers.get(DEATH_HEADER)
+        return found if isinstance(found, dict) else {}
+
+
+@dataclass(frozen=True)
+class DeadFilter:
+    """Which dead letters an operation takes: by origin queue, task name (a glob),
+    reason (a substring, any case) and age of the death in seconds."""
+
+    queue: str | None = None
+    task: str | None = None
+    reason: str | None = None
+    older_than: float | None = None
+    newer_than: float | None = None
+
+    def __call__(self, dead: DeadLetter, now: float) -> bool:
+        age = None if dead.at is None else now - dead.at
+        return ((self.queue is None or dead.queue == self.queue)
+                and (self.task is None or fnmatch.fnmatchcase(dead.task or "", self.task))
+                and (self.reason is None
+                     or self.reason.lower() in (dead.reason or dead.undecodable or "").lower())
+                and (self.older_than is None or (age is not None and age >= self.older_than))
+                and (self.newer_than is None or (age is not None and age <= self.newer_than)))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something in the live schema the transport's statements cannot run on."""
+
+    queue: str
+    table: str
+    what: str
+
+
+Progress = Callable[[int], None]
+
+
+def _plain_url(url: str) -> str:
+    return url[len("sqlinbox+"):] if url.startswith("sqlinbox+") else url
+
+
+class Operations:
+    """Operations on one database. ``queues`` are the queue names known from the app
+    (its task queues); those of the transport options and their dead-letter queues
+    are added, and so are tables of the default layout found under the table prefix."""
+
+    def __init__(self, url: str, options: TransportOptions, queues: Iterable[str] = (),
+                 batch: int = 500) -> None:
+        self.options = options
+        self.broker = Broker(_plain_url(url), options)
+        self.dialect = self.broker.dialect
+        self.batch = batch
+        names = dict.fromkeys([*queues, *options.queues])
+        for name in list(names):
+            dead = options.for_queue(name).dead_letter_queue
+            while dead is not None and dead not in names:
+                names[dead] = None
+                dead = options.for_queue(dead).dead_letter_queue
+        self.names = list(names)
+
+    def close(self) -> None:
+        self.broker.close()
+
+    # -- queues --------------------------------------------------------------------
+    def queues(self) -> list[tuple[str, TableSpec]]:
+        """Every queue: the known names, then tables of the default layout under the
+        table prefix that none of them maps to (named by their queue where the table
+        name gives it back, else by the table)."""
+        found = [(name, self.broker.spec_for(name)) for name in self.names]
+        known = {spec.table for _, spec in found}
+        prefix = self.options.table_prefix
+
+        def look(conn: Connection) -> list[str]:
+            inspector = inspect(conn)
+            return [table for table in sorted(inspector.get_table_names())
+                    if table.startswith(prefix) and table not in known
+                    and {c["name"] for c in inspector.get_columns(table)} >= DEFAULT_COLUMNS]
+
+        for table in self.broker.run(look, read_only=True):
+            name = table[len(prefix):]
+            if table_name_for_queue(name, prefix) != table:
+                name = table
+            found.append((name, default_table(table)))
+        return found
+
+    def figures(self) -> list[QueueFigures]:
+        """The figures of every queue (:meth:`queues`), read in one transaction."""
+        queues = self.queues()
+
+        def read(conn: Connection) -> list[QueueFigures]:
+            existing = set(inspect(conn).get_table_names())
+            by_name: dict[str, QueueFigures] = {}
+            for name, spec in queues:
+                by_name[name] = self._figures(conn, name, spec, spec.table in existing)
+            result = []
+            for name, _ in queues:
+                figures = by_name[name]
+                dead = self.options.for_queue(name).dead_letter_queue
+                if dead in by_name:
+                    figures = dataclasses.replace(
+                        figures, dead_letter_queue=dead, dead_letters=by_name[dead].total)
+                result.append(figures)
+            return result
+
+        return self.broker.run(read, read_only=True, repeatable=True)
+
+    def _figures(self, conn: Connection, name: str, spec: TableSpec,
+                 exists: bool) -> QueueFigures:
+        if not exists:
+            return QueueFigures(name, spec.table, False)
+        row = conn.execute(self.dialect.queue_stats(spec)).one()._mapping
+        lease = self.options.for_queue(name).visibility_timeout
+        lease_left = row["lease_left"]
+        return QueueFigures(
+            name, spec.table, True, int(row["ready"]), int(row["delayed"]),
+            int(row["in_work"]), int(row["blocked"]), int(row["blocked_groups"]),
+            int(row["lapsed"]), _seconds(row["oldest_ready_age"]),
+            None if lease_left is None else max(0.0, lease - float(lease_left)))
+
+    # -- dead letters ----------------------------------------------------------------
+    def dead_letter_queues(self, only: Sequence[str] = ()) -> list[QueueTable]:
+        """The dead-letter queues named (default: every one the options configure) whose
+        tables exist."""
+        names = list(only) or list(dict.fromkeys(
+            dead for name in self.names
+            if (dead := self.options.for_queue(name).dead_letter_queue) is not None))
+        return [self.broker.table(name) for name in names if self.broker.known_table(name)]
+
+    def dead_letters(self, chosen: DeadFilter = DeadFilter(), only: Sequence[str] = (),
+                     limit: int | None = None) -> Iterator[DeadLetter]:
+        """The dead letters that ``chosen`` takes, by dead-letter queue, oldest first."""
+        now, given = time.time(), 0
+        for table in self.dead_letter_queues(only):
+            for page in self._pages(table):
+                for dead in page:
+                    if chosen(dead, now):
+                        yield dead
+                        given += 1
+                        if limit is not None and given >= limit:
+                            return
+
+    def dead_letter(self, row_id: int, only: Sequence[str] = ()) -> list[DeadLetter]:
+        """The dead letter of that id in each dead-letter queue holding one."""
+        found = []
+        for table in self.dead_letter_queues(only):
+            statement = self.dialect.stored_one(table.spec)
+            rows = self.broker.run(partial(_rows, statement, {"id": row_id}), read_only=True)
+            found += [self._read(table, row) for row in rows]
+        return found
+
+    def _pages(self, table: QueueTable) -> Iterator[list[DeadLetter]]:
+        """The table's stored messages not in work, a page at a time, by id."""
+        statement = self.dialect.stored_page(table.spec, lock=False)
+        upto = self._last_id(table)
+        after = 0
+        while True:
+            rows = self.broker.run(partial(_rows, statement, {
+                "after": after, "upto": upto, "limit": self.batch}), read_only=True)
+            if not rows:
+                return
+            after = rows[-1].id
+            yield [self._read(table, row) for row in rows]
+
+    def _last_id(self, table: QueueTable) -> int:
+        statement = self.dialect.last_id(table.spec)
+        found = self.broker.run(lambda conn: conn.execute(statement).scalar(), read_only=True)
+        return int(found or 0)
+
+    def _read(self, table: QueueTable, row: Any) -> DeadLetter:
+        stored = ClaimedRow(id=int(row.id), attempt=int(row.attempt), payload=row.payload,
+                            headers=row.headers, group=None, partition_key=None, sort_key=())
+        try:
+            message = decode_row(stored, table, 0)
+            message.pop(EXPIRES_KEY, None)
+        except Undecodable as exc:
+            return DeadLetter(table.queue, stored.id, None, None, None, None, None, None,
+                              None, str(exc))
+        headers = message["headers"]
+        death = headers.get(DEATH_HEADER)
+        death = death if isinstance(death, dict) else {}
+        return DeadLetter(
+            table.queue, stored.id, death.get("queue"), death.get("reason"),
+            death.get("attempts"), death.get("at"), headers.get("task"), headers.get("id"),
+            message)
+
+    def requeue(self, chosen: DeadFilter = DeadFilter(), only: Sequence[str] = (),
+                keep_attempts: bool = False, progress: Progress | None = None) -> int:
+        """Move the chosen dead letters back to the queues they died in, a batch per
+        transaction, in their order; their attempts start again from 0 unless
+        ``keep_attempts``. Dead letters whose death record names no queue stay. Returns
+        how many moved."""
+        return self._move(chosen, only, progress, requeue=True, keep_attempts=keep_attempts)
+
+    def purge(self, chosen: DeadFilter = DeadFilter(), only: Sequence[str] = (),
+              progress: Progress | None = None) -> int:
+        """Delete the chosen dead letters, a batch per transaction; how many went."""
+        return self._move(chosen, only, progress, requeue=False)
+
+    def _move(self, chosen: DeadFilter, only: Sequence[str], progress: Progress | None,
+              requeue: bool, keep_attempts: bool = False) -> int:
+        """Each page is read first (the origin tables are resolved then, outside the
+        move's transaction), then locked again and moved in one transaction: a row
+        another run moved or purged meanwhile is simply not found."""
+        moved = 0
+        now = time.time()
+        for table in self.dead_letter_queues(only):
+            locked = self.dialect.stored_page(table.spec, lock=True)
+            for page in self._pages(table):
+                wanted = {dead.id for dead in page if chosen(dead, now)
+                          and (not requeue or dead.queue is not None)}
+                if not wanted:
+                    continue
+                targets = {dead.queue: self.broker.table(dead.queue) for dead in page
+                           if requeue and dead.id in wanted and dead.queue is not None}
+                bounds = {"after": page[0].id - 1, "upto": page[-1].id, "limit": len(page)}
+                done = self.broker.run(partial(
+                    self._move_page, table, locked, bounds, wanted, targets if requeue else None,
+                    keep_attempts))
+                moved += done
+                if progress is not None:
+                    progress(done)
+        return moved
+
+    def _move_page(self, table: QueueTable, locked: TextClause, bounds: dict[str, int],
+                   wanted: set[int], targets: Mapping[str, QueueTable] | None,
+                   keep_attempts: bool, conn: Connection) -> int:
+        """One transaction of a move: the page's rows locked again, those still wanted
+        deleted and (``targets`` given) inserted into their queues."""
+        rows = [self._read(table, row) for row in conn.execute(locked, bounds)]
+        taken = [dead for dead in rows if dead.id in wanted]
+        if not taken:
+            return 0
+        conn.execute(self.dialect.remove(table.spec), {"ids": [dead.id for dead in taken]})
+        if targets is not None:
+            self._restore(conn, taken, targets, keep_attempts)
+        return len(taken)
+
+    def _restore(self, conn: Connection, taken: list[DeadLetter],
+                 targets: Mapping[str, QueueTable], keep_attempts: bool) -> None:
+        """Insert the dead letters into their queues, in order, without their death
+        record; a PostgreSQL queue's idle consumers are woken at the commit."""
+        by_target: dict[str, list[dict[str, Any]]] = {}
+        for dead in taken:
+            assert dead.message is not None and dead.queue is not None
+            target = targets[dead.queue]
+            message = dead.message
+            headers = message["headers"]
+            headers.pop(DEATH_HEADER, None)
+            payload, envelope = encode_message(message, target)
+            properties = message["properties"]
+            params = self.dialect.insert_params(
+                payload, envelope, _priority(properties.get("priority")), eta_epoch(headers),
+                _key(headers.get(GROUP_HEADER)), _key(headers.get(PARTITION_HEADER)))
+            params["attempt"] = int(dead.attempts or 0) if keep_attempts else 0
+            by_target.setdefault(dead.queue, []).append(params)
+        for name, rows in by_target.items():
+            target = targets[name]
+            conn.execute(self.dialect.restore(target.spec), rows)
+            self.dialect.wake(conn, target.spec)
+
+    # -- the schema check --------------------------------------------------------------
+    def check(self) -> tuple[int, list[Problem]]:
+        """Plan every statement the transport and these operations run against each
+        queue on the live schema, without running any; also check each table's columns
+        and that the claim walks its index. A missing table is a problem only where the
+        transport does not create tables (``create_tables=False``). Returns how many
+        statements were planned, and the problems."""
+        planned = 0
+        problems: list[Problem] = []
+        for name, spec in self.queues():
+            if self.options.create_tables and not self.broker.database.has_table(spec):
+                continue  # the transport creates it on first use, as the DDL says
+
+            def problem(what: str, name: str = name, spec: TableSpec = spec) -> None:
+                problems.append(Problem(name, spec.table, what))
+
+            try:
+                self.broker.run(partial(self._ensure, spec), read_only=True)
+            except SchemaMismatch as exc:
+                problem(str(exc))
+                continue
+            for _, statement in self.statements(spec):
+                explained = self.dialect.explained(statement)
+                # the columns and their types passed: a statement that still does not
+                # plan is a bug of the dialect, raised with its SQL
+                self.broker.run(partial(_rows, explained, PLAN_PARAMS), attempts=1,
+                                read_only=True)
+                planned += 1
+            plan = self.broker.run(partial(self.dialect.claim_plan_problem, spec=spec),
+                                   read_only=True)
+            if plan is not None:
+                problem(plan)
+        return planned, problems
+
+    def _ensure(self, spec: TableSpec, conn: Connection) -> bool:
+        return self.dialect.ensure_table(conn, spec, create=False)
+
+    def statements(self, spec: TableSpec) -> list[tuple[str, TextClause]]:
+        """Every statement run on a queue table, by name: the transport's and these
+        operations' (DDL aside)."""
+        found: list[tuple[str, TextClause]] = []
+        statements = self.dialect.statements(spec)
+        for field in dataclasses.fields(statements):
+            value = getattr(statements, field.name)
+            if field.name == "drop" or value is None:
+                continue
+            parts = value if isinstance(value, tuple) else (value,)
+            found += [(f"{field.name}[{n}]" if len(parts) > 1 else field.name, part)
+                      for n, part in enumerate(parts)]
+        found += [
+            ("queue_stats", self.dialect.queue_stats(spec)),
+            ("stored_page", self.dialect.stored_page(spec, lock=True)),
+            ("stored_one", self.dialect.stored_one(spec)),
+            ("remove", self.dialect.remove(spec)),
+            ("restore", self.dialect.restore(spec)),
+        ]
+        return found
+
+
+def _rows(statement: TextClause, params: Mapping[str, Any], conn: Connection) -> list[Any]:
+    return list(conn.execute(statement, dict(params)).all())
+
+
+def _seconds(value: Any) -> float | None:
+    return None if value is None else max(0.0, float(value))
+
+
+def _key(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _priority(value: Any) -> int:
+    """The row's priority from the message's (what the transport stored: 0..255)."""
+    return max(0, min(255, value)) if isinstance(value, int) else 0

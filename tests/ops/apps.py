@@ -1,0 +1,84 @@
+"""The Celery app the operations tests run as a real ``celery worker`` and as the app of
+``celery -A tests.ops.apps sqlinbox ...``.
+
+Everything a test varies comes from the environment: the broker URL, the table prefix
+(each test's own) and the directory where each task run leaves a file.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from celery.exceptions import Reject
+from kombu import Queue
+
+from kombu_sqlinbox.tables import TableBuilder, TableSpec
+
+BROKER_ENV = "SQLINBOX_OPS_BROKER"
+PREFIX_ENV = "SQLINBOX_OPS_PREFIX"
+RUNS_ENV = "SQLINBOX_OPS_RUNS"
+
+
+def fifo_table(prefix: str) -> TableSpec:
+    """The FIFO queue's declared table: its group column makes it FIFO."""
+    return (TableBuilder(f"{prefix}fifo_jobs").id().payload().headers().group("grp", fifo=True)
+            .priority().available_at().locked_until().attempt().build())
+
+
+def transport_options(prefix: str) -> dict[str, Any]:
+    """``jobs`` and ``fifo`` park their dead letters in ``jobs.dead``."""
+    return {
+        "table_prefix": prefix,
+        "polling_interval": 0.05,
+        "queues": {
+            "jobs": {"dead_letter_queue": "jobs.dead", "max_attempts": 5},
+            "fifo": {"dead_letter_queue": "jobs.dead", "table": fifo_table(prefix)},
+        },
+    }
+
+
+def make_app(broker_url: str, prefix: str) -> Celery:
+    import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox alias)
+
+    made = Celery("ops", broker=broker_url, set_as_current=False)
+    made.conf.update(
+        broker_transport_options=transport_options(prefix),
+        broker_connection_retry_on_startup=True,
+        task_queues=[Queue("jobs"), Queue("fifo")],
+        task_default_queue="jobs",
+        task_ignore_result=True,
+        task_acks_late=True,
+        worker_redirect_stdouts=False,
+    )
+    made.task(name="ops.add")(add)
+    made.task(name="ops.fail")(fail)
+    made.task(name="ops.record")(record)
+    return made
+
+
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+def fail() -> None:
+    raise Reject("ops.fail always fails", requeue=False)
+
+
+def record(key: int, poisoned: str) -> None:
+    """Leave ``<key>.<run>`` in the runs directory, unless poisoned: ``always`` rejects
+    every run, ``cured`` rejects until the file ``cured`` exists there. A rejected run
+    leaves no file; its message goes to the dead-letter queue."""
+    runs = Path(os.environ[RUNS_ENV])
+    if poisoned == "always" or (poisoned == "cured" and not (runs / "cured").exists()):
+        raise Reject(f"poisoned ({poisoned})", requeue=False)
+    (runs / f"{key}.{uuid.uuid4().hex}").touch()
+
+
+app = make_app(os.environ.get(BROKER_ENV, "memory://"), os.environ.get(PREFIX_ENV, "ops_"))
+
+#: the FIFO table of this process's prefix, for ``--transport-options`` given as JSON
+FIFO = fifo_table(os.environ.get(PREFIX_ENV, "ops_"))

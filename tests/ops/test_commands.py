@@ -1,0 +1,62 @@
+"""The group's plumbing, run as a user runs it: the outbox commands under ``sqlinbox``
+(the old ``celery outbox`` still works), and the refusals of bad input."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.docs.support import EXAMPLES
+from tests.ops.conftest import CLI_LIMIT, SQLINBOX
+from tests.processes import ROOT
+
+
+def run(argv: list[str], env: dict[str, str], cwd: Path = ROOT
+        ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=CLI_LIMIT,
+                          env={**os.environ, **env})
+
+
+def test_outbox_commands_under_sqlinbox_with_progress(tmp_path: Path) -> None:
+    database = f"sqlite:///{tmp_path}/shop.db"
+    env = {"BROKER_URL": f"sqlinbox+{database}", "DATABASE_URL": database,
+           "PYTHONPATH": os.pathsep.join((str(EXAMPLES / "outbox"), str(ROOT)))}
+    celery = [sys.executable, "-m", "celery", "-A", "proj"]
+    for order in (1, 2):
+        sent = run([*celery, "call", "proj.send_receipt", "--args", f"[{order}]"], env)
+        assert sent.returncode == 0, sent.stderr
+    status = run([*celery, "sqlinbox", "outbox", "status"], env)
+    assert status.stdout.startswith("unprocessed: 2\nprocessed: 0\n"), status.stderr
+    # on a terminal (script(1) gives it one), with its progress bar
+    again = run(["script", "-qec", shlex.join(
+        [*celery, "sqlinbox", "outbox", "republish", "--older-than", "0"]), "/dev/null"], env)
+    assert re.search(r"republish +\[#+\] +2/2", again.stdout), again.stdout
+    assert "\nrepublished: 2\n" in again.stdout.replace("\r", ""), again.stdout
+    alias = run([*celery, "outbox", "status"], env)
+    assert alias.stdout.startswith("unprocessed: 2\n"), alias.stderr
+    pruned = run([*celery, "sqlinbox", "outbox", "prune", "--older-than", "0"], env)
+    assert pruned.stdout == "pruned: 0\n", pruned.stderr
+
+
+def test_bad_input_is_refused_naming_it(tmp_path: Path) -> None:
+    url = ["--url", f"sqlite:///{tmp_path}/inbox.db"]
+    refusals = {
+        "not JSON": [*url, "--transport-options", "{queues", "queues"],
+        "unknown transport option 'max_attempt'": [
+            *url, "--transport-options", '{"max_attempt": 3}', "queues"],
+        "no sqlinbox database": ["queues"],
+        "the outbox commands need the app": [*url, "outbox", "status"],
+        "no dead letter 7": [*url, "dead", "show", "7"],
+    }
+    for message, argv in refusals.items():
+        done = run([SQLINBOX, *argv], {})
+        assert done.returncode in (1, 2) and message in done.stderr, (argv, done.stderr)
+    # an app on another broker (tests.ops.apps without its broker URL: memory://)
+    done = run([sys.executable, "-m", "celery", "-A", "tests.ops.apps", "sqlinbox", "queues"],
+               {"PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2 and "the app's broker is not sqlinbox ('memory://')" in (
+        done.stderr), done.stderr
