@@ -77,9 +77,29 @@ def test_wrong_payload_type_fails_at_declaration_with_the_fixing_ddl(
     assert get_within(conn, "jobs").decode() == {"fixed": True}
 
 
+def test_create_tables_off_and_no_routing_tables_gives_their_create_ddl(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    conn = connect(create_tables=False)
+    with pytest.raises(SchemaMismatch) as failure:
+        conn.default_channel.queue_declare("jobs")
+    message = str(failure.value)
+    for table in ("queues", "bindings", "transient"):
+        assert table_prefix + table in message
+    run_ddl(engine, [message.split("create them with:\n", 1)[1].rstrip(";")])
+    assert set(inspect(engine).get_table_names()) >= {
+        table_prefix + table for table in ("queues", "bindings", "transient")}
+
+
+def create_routing_tables(engine: Engine, table_prefix: str) -> None:
+    """What a service that owns its schema runs before its queues' own DDL."""
+    run_ddl(engine, dialect_for(engine).routing_statements(table_prefix).ddl)
+
+
 def test_create_tables_off_and_no_table_gives_the_create_ddl(
     connect: Connect, engine: Engine, table_prefix: str,
 ) -> None:
+    create_routing_tables(engine, table_prefix)
     conn = connect(create_tables=False)
     with pytest.raises(SchemaMismatch) as failure:
         conn.default_channel.queue_declare("jobs")
