@@ -155,6 +155,11 @@ class Cluster:
         """Send the task ``monitor.<name>``; its id."""
         return str(self.app.send_task(f"monitor.{name}", args=args, **options).id)
 
+    def queue_size(self, queue: str) -> int:
+        """The messages in ``queue``, as the broker counts them."""
+        with self.app.connection_for_write() as conn:
+            return int(conn.default_channel.queue_declare(queue, passive=True).message_count)
+
     def marker(self, key: str, suffix: str) -> dict[str, Any] | None:
         """The record a task left in ``<key>.<suffix>``, or None."""
         path = self.marks / f"{key}.{suffix}"
@@ -177,6 +182,14 @@ class Cluster:
             self.events.stop()
         self.processes.close(failed)
         self.app.close()
+
+
+@pytest.fixture(autouse=True)
+def _close_brokers() -> Iterator[None]:
+    """Replaces the suite's per-test closing of this process's broker connections: the
+    module's event receiver and sender keep theirs from test to test, and
+    :func:`cluster` closes them when the module ends."""
+    yield
 
 
 def broker_url_for(broker: str, tmp: Path) -> str:
