@@ -9,6 +9,7 @@ runs the ``celery`` command line as a user does, and records every event the wor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -121,10 +122,12 @@ class Cluster:
                        START_LIMIT, f"worker {proc.name} to be ready", alive=started)
         return started
 
-    def spawn(self, name: str, *args: str) -> Proc:
-        """``celery -A monitor_app <args>`` running alongside the test."""
+    def spawn(self, name: str, *args: str, **env: str) -> Proc:
+        """``celery -A monitor_app <args>`` running alongside the test (``env``: more
+        variables)."""
         return self.processes.spawn(
-            name, [sys.executable, "-m", "celery", "-A", "monitor_app", *args], self.env)
+            name, [sys.executable, "-m", "celery", "-A", "monitor_app", *args],
+            {**self.env, **env})
 
     def celery(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run ``celery -A monitor_app <args>`` in the example's directory, as a user does,
@@ -196,25 +199,21 @@ def broker_url_for(broker: str, tmp: Path) -> str:
     return REDIS_URL if broker == "redis" else "sqlinbox+" + database_url(broker, tmp)
 
 
-@pytest.fixture(scope="module", params=BROKERS)
-def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[Cluster]:
-    """Two workers on one broker for every test of a module; their output is printed
-    when a test of the module failed."""
-    broker = str(request.param)
-    tmp = tmp_path_factory.mktemp(f"remote-{broker}")
+@contextlib.contextmanager
+def cluster_on(broker: str, tmp: Path, failed: Callable[[], bool]) -> Iterator[Cluster]:
+    """A :class:`Cluster` on ``broker`` (nothing started yet) with a table prefix of its
+    own; afterwards its processes are killed (their output printed when ``failed()``),
+    its connections closed and its tables dropped."""
     made = Cluster(broker, broker_url_for(broker, tmp), f"r{uuid.uuid4().hex[:8]}_", tmp)
-    failed_before = request.session.testsfailed
     if broker == "redis":
         # this database number is the suite's own: no task or reply of an earlier run
         # that was cut short reaches these workers
         with Connection(made.broker_url) as conn:
             conn.default_channel.client.flushdb()
     try:
-        made.start()
         yield made
     finally:
-        made.close(request.session.testsfailed > failed_before)
+        made.close(failed())
         if broker != "redis":
             from kombu_sqlinbox.broker import close_all, sqlalchemy_url
 
@@ -223,3 +222,15 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             drop_tables(engine, made.table_prefix)
             engine.dispose()
 
+
+@pytest.fixture(scope="module", params=BROKERS)
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[Cluster]:
+    """Two workers on one broker for every test of a module; their output is printed
+    when a test of the module failed."""
+    broker = str(request.param)
+    failed_before = request.session.testsfailed
+    with cluster_on(broker, tmp_path_factory.mktemp(f"remote-{broker}"),
+                    lambda: request.session.testsfailed > failed_before) as made:
+        made.start()
+        yield made

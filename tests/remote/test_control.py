@@ -7,9 +7,16 @@ it, in the example app's directory, with its default one-second reply timeout.
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
+import socket
 import time
+import urllib.error
+import urllib.request
+from typing import Any
 
+from tests.processes import START_LIMIT, Proc, wait_until
 from tests.remote.conftest import HOST, Cluster
 
 A, B = f"a@{HOST}", f"b@{HOST}"
@@ -48,7 +55,7 @@ def test_inspect_registered_stats_scheduled_queues_conf(cluster: Cluster) -> Non
     queues = cluster.inspect("active_queues")
     conf = cluster.inspect("conf")
     for node in (A, B):
-        assert TASKS <= set(registered[node]), registered
+        assert set(registered[node]) >= TASKS, registered
         assert stats[node]["pool"]["max-concurrency"] == 2, stats
         assert stats[node]["broker"]["transport"] == cluster.transport, stats
         assert [queue["name"] for queue in queues[node]] == ["celery"], queues
@@ -60,7 +67,7 @@ def test_inspect_registered_stats_scheduled_queues_conf(cluster: Cluster) -> Non
         scheduled = cluster.wait(lambda: {
             node: entry for node, entries in cluster.inspect("scheduled").items()
             for entry in entries if entry["request"]["id"] == later}, "the countdown task")
-        assert list(scheduled.values())[0]["request"]["name"] == "monitor.add"
+        assert next(iter(scheduled.values()))["request"]["name"] == "monitor.add"
     else:
         # sqlinbox keeps it a row of the queue's table until it is due: no worker holds it
         assert cluster.queue_size("celery") == 1
@@ -88,7 +95,7 @@ def test_events_follow_tasks_and_heartbeats_reach_the_monitor(cluster: Cluster) 
                      >= 3, f"three heartbeats of {node}")
         received = [event["local_received"]
                     for event in events.of(type="worker-heartbeat", hostname=node)]
-        gaps = [after - before for before, after in zip(received, received[1:])]
+        gaps = [after - before for before, after in itertools.pairwise(received)]
         assert max(gaps) < HEARTBEAT_LIMIT, (node, gaps)
 
 
@@ -169,6 +176,58 @@ def test_pool_grow_adds_a_process(cluster: Cluster) -> None:
     cluster.control("pool_shrink", "1", destination=[A])
 
 
+def test_celery_events_dump_shows_heartbeats_and_a_task(cluster: Cluster) -> None:
+    dump = cluster.spawn("events", "events", "--dump")
+    try:
+        # on start it asks the workers for a heartbeat: once both came, it consumes
+        cluster.wait(lambda: all(f"{node} [" in line and "heartbeat" in line
+                                 for node in (A, B) for line in [dump.output()]),
+                     "both workers' heartbeats in celery events --dump")
+        task_id = cluster.send("add", 4, 5)
+        for kind in ("task sent", "task received", "task started", "task succeeded"):
+            cluster.wait(lambda kind=kind: any(
+                kind in line and f"monitor.add({task_id})" in line
+                for line in dump.output().splitlines()), f"'{kind}' in the dump")
+    finally:
+        dump.kill()
+
+
+def test_flower_lists_workers_and_tasks(cluster: Cluster) -> None:
+    port = free_port()
+    flower = cluster.spawn("flower", "flower", f"--port={port}", "--address=127.0.0.1",
+                           FLOWER_UNAUTHENTICATED_API="true")
+    base = f"http://127.0.0.1:{port}/api"
+    try:
+        def both() -> Any:
+            workers = get_json(f"{base}/workers?refresh=1", flower)
+            return workers if workers and {A, B} <= set(workers) else None
+
+        workers = cluster.wait(both, "Flower to list both workers", timeout=60)
+        assert all(workers[node]["registered"] for node in (A, B)), workers
+        task_id = cluster.send("add", 20, 22)
+
+        def succeeded() -> Any:
+            task = (get_json(f"{base}/tasks", flower) or {}).get(task_id)
+            return task if task and task["state"] == "SUCCESS" else None
+
+        task = cluster.wait(succeeded, "Flower to show the task succeeded")
+        assert task["name"] == "monitor.add" and task["result"] == "42", task
+        assert task["worker"] in (A, B), task
+    finally:
+        flower.kill()
+
+
+def test_beat_answers_ping(cluster: Cluster) -> None:
+    beat = cluster.spawn("beat", "beat", "-s", str(cluster.tmp / "beat-schedule"), "-l", "info")
+    try:
+        wait_until(lambda: "beat pidbox: Connected to" in beat.output(), START_LIMIT,
+                   "beat's remote-control thread to connect", alive=[beat])
+        out = cluster.celery("inspect", "ping", "-d", f"celerybeat@{HOST}").stdout
+        assert f"celerybeat@{HOST}: OK" in out and "1 node online." in out, out
+    finally:
+        assert beat.stop() == 0, beat.tail()
+
+
 def test_shutdown_ends_a_worker(cluster: Cluster) -> None:
     # a worker shutting down sends no reply: the command says no node replied
     cluster.celery("control", "shutdown", "-d", B, check=False)
@@ -176,6 +235,23 @@ def test_shutdown_ends_a_worker(cluster: Cluster) -> None:
     assert worker_b.wait(30) == 0, worker_b.tail()
     out = cluster.celery("inspect", "ping").stdout
     assert f"{A}: OK" in out and B not in out, out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def get_json(url: str, server: Proc) -> Any:
+    """The JSON ``url`` answers with, or None while the server does not answer yet (it
+    must still be running)."""
+    assert server.popen.poll() is None, server.tail()
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return json.loads(response.read())
+    except (ConnectionError, urllib.error.URLError):
+        return None
 
 
 def pid_exists(pid: int) -> bool:
