@@ -72,7 +72,7 @@ def test_inspect_registered_stats_scheduled_queues_conf(cluster: Cluster) -> Non
         # sqlinbox keeps it a row of the queue's table until it is due: no worker holds it
         assert cluster.queue_size("celery") == 1
         assert cluster.inspect("scheduled") == {A: [], B: []}
-    cluster.control("revoke", later)
+    cluster.app.control.revoke(later)  # tidying up, through the API: no reply awaited
 
 
 def test_events_follow_tasks_and_heartbeats_reach_the_monitor(cluster: Cluster) -> None:
@@ -103,7 +103,8 @@ def test_revoked_task_never_runs_and_consumers_come_and_go(cluster: Cluster) -> 
     """A task revoked while it waits in a queue nobody consumes is dropped when a worker
     starts consuming that queue (``add_consumer``), while a later one runs; after
     ``cancel_consumer`` the queue's next message stays put until another worker takes it."""
-    assert cluster.events is not None
+    events = cluster.events
+    assert events is not None
     queue = f"{cluster.table_prefix}extra"
     revoked = cluster.send("mark", "revoked", queue=queue)
     out = cluster.control("revoke", revoked)
@@ -111,7 +112,7 @@ def test_revoked_task_never_runs_and_consumers_come_and_go(cluster: Cluster) -> 
 
     out = cluster.control("add_consumer", queue, destination=[A])
     assert f"add consumer {queue}" in out, out
-    cluster.wait(lambda: "task-revoked" in cluster.events.types_of(revoked),  # type: ignore[union-attr]
+    cluster.wait(lambda: "task-revoked" in events.types_of(revoked),
                  "the revoked task to be dropped")
     cluster.send("mark", "after-revoke", queue=queue)
     assert cluster.wait_marker("after-revoke", "ran", "a later task")["worker"] == A
@@ -127,7 +128,7 @@ def test_revoked_task_never_runs_and_consumers_come_and_go(cluster: Cluster) -> 
         time.sleep(0.1)
     cluster.control("add_consumer", queue, destination=[B])
     assert cluster.wait_marker("after-cancel", "ran", "the waiting task")["worker"] == B
-    cluster.control("cancel_consumer", queue, destination=[B])
+    cluster.app.control.cancel_consumer(queue, destination=[B])
 
 
 def test_terminate_ends_a_running_task(cluster: Cluster) -> None:
@@ -173,7 +174,7 @@ def test_pool_grow_adds_a_process(cluster: Cluster) -> None:
     assert "pool will grow" in out, out
     cluster.wait(lambda: len(cluster.inspect("stats")[A]["pool"]["processes"]) == 3,
                  "a third pool process")
-    cluster.control("pool_shrink", "1", destination=[A])
+    cluster.app.control.pool_shrink(1, destination=[A])
 
 
 def test_celery_events_dump_shows_heartbeats_and_a_task(cluster: Cluster) -> None:
