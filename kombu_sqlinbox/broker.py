@@ -35,7 +35,7 @@ from .options import TransportOptions
 from .routing import Declared, Routes
 from .rows import ClaimedRow, Held, Settlement
 from .rows import QueueTable as QueueTable
-from .tables import Role, TableSpec, default_table, table_name_for_queue
+from .tables import Role, TableSpec, check_name, default_table, table_name_for_queue
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -149,6 +149,7 @@ class Broker:
         auto-delete or exclusive) is transient; ``x-expires`` and ``x-message-ttl``
         (milliseconds) are registered. An auto-delete or exclusive queue gets
         ``idle_queue_expires`` when it sets no expiry, so a crashed owner's queue goes."""
+        check_name(queue)
         arguments = arguments or {}
         transient = not self.has_own_table(queue) and (not durable or auto_delete or exclusive)
         expires = _seconds(arguments.get("x-expires"))

@@ -34,7 +34,7 @@ from .database import Database
 from .dialects import RoutingStatements, plain_payload
 from .errors import SchemaMismatch
 from .rows import ClaimedRow, Held, QueueTable, Settlement
-from .tables import TableBuilder, TableSpec
+from .tables import TableBuilder, TableSpec, check_name
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -95,29 +95,38 @@ class Routes:
         self._next_sweep = 0.0
 
     # -- tables ----------------------------------------------------------------
-    def ensure_tables(self) -> None:
-        """Create the routing tables once per process (or check they exist when
-        ``create_tables`` is off: the service's migrations own them)."""
-        if self._ready:
-            return
-        with self._lock:
-            if self._ready:
-                return
-            missing = self.database.run(lambda conn: [
-                name for name in self.sql.names if not inspect(conn).has_table(name)],
-                read_only=True)
-            if missing and not self.create:
-                raise SchemaMismatch(
-                    f"routing tables {', '.join(missing)} do not exist (create_tables is "
-                    "off); create them with:\n" + ";\n".join(self.sql.ddl) + ";")
-            if missing:
-                try:
-                    self.database.run(self._create)
-                except DBAPIError:
-                    # another process created them at the same moment; the second run
-                    # finds them
-                    self.database.run(self._create)
-            self._ready = True
+    def available(self) -> bool:
+        """Whether the routing tables exist: created once per process, or, when
+        ``create_tables`` is off, looked for once (the service's migrations own them).
+        Without them exchanges route within each process only, as in kombu's other
+        virtual transports, and no queue can be transient (looked for again each time:
+        they may be created while the process runs)."""
+        if not self._ready:
+            with self._lock:
+                if not self._ready:
+                    self._ready = self._find_or_create()
+        return self._ready
+
+    def _find_or_create(self) -> bool:
+        missing = self.database.run(lambda conn: [
+            name for name in self.sql.names if not inspect(conn).has_table(name)],
+            read_only=True)
+        if missing and not self.create:
+            return False
+        if missing:
+            try:
+                self.database.run(self._create)
+            except DBAPIError:
+                # another process created them at the same moment; the second run finds them
+                self.database.run(self._create)
+        return True
+
+    def require(self, what: str) -> None:
+        if not self.available():
+            raise SchemaMismatch(
+                f"{what} needs the routing tables {', '.join(self.sql.names)}, which do not "
+                "exist (create_tables is off); create them with:\n"
+                + ";\n".join(self.sql.ddl) + ";")
 
     def _create(self, conn: Connection) -> None:
         for statement in self.sql.ddl:
@@ -127,7 +136,6 @@ class Routes:
         """Run ``work`` in the bound caller's transaction when there is one on this
         database (SQLite has one writer: our own would wait for the caller's), else in
         a transaction of our own."""
-        self.ensure_tables()
         caller = self.database.bound_caller()
         if caller is not None:
             return work(caller)
@@ -136,13 +144,13 @@ class Routes:
     # -- the queue registry ----------------------------------------------------
     def declare(self, queue: str, declared: Declared) -> None:
         """Register a queue that is transient or expires (others need no row)."""
-        self.ensure_tables()
         self._transient[queue] = declared.transient
         if not declared.transient and declared.expires is None and declared.message_ttl is None:
             self._declared.pop(queue, None)
-            if self._ready and self._registered([queue]):
+            if self.available() and self._registered([queue]):
                 self.forget(queue)  # declared durable now: no transient row of it stays
             return
+        self.require(f"queue {queue!r} (transient, or with x-expires or x-message-ttl)")
         self._declared[queue] = declared
         self._write(lambda conn: conn.execute(self.sql.declare, self._declare_params(
             queue, declared)))
@@ -157,7 +165,8 @@ class Routes:
         whichever process declared it)."""
         found = self._transient.get(queue)
         if found is None:
-            self.ensure_tables()
+            if not self.available():
+                return False
             kind = self.database.run(
                 lambda conn: conn.execute(self.sql.kind, {"name": queue}).scalar(),
                 read_only=True)
@@ -195,7 +204,8 @@ class Routes:
         self._declared.pop(queue, None)
         self._bound.pop(queue, None)
         self._transient.pop(queue, None)
-        self._write(lambda conn: self._forget(conn, [queue]))
+        if self.available():
+            self._write(lambda conn: self._forget(conn, [queue]))
 
     def _forget(self, conn: Connection, queues: list[str]) -> None:
         for statement in self.sql.forget:
@@ -203,8 +213,12 @@ class Routes:
 
     # -- bindings --------------------------------------------------------------
     def bind(self, exchange: str, kind: str, queue: str, routing_key: str, pattern: str) -> None:
+        check_name(exchange, "exchange name")
+        check_name(routing_key, "routing key", empty=True)
         self._bound.setdefault(queue, set()).add((exchange, kind, queue, routing_key, pattern))
         self._tables_of.pop(exchange, None)
+        if not self.available():
+            return
         self._write(lambda conn: conn.execute(self.sql.bind, {
             "exchange": exchange, "type": kind, "queue": queue, "routing_key": routing_key,
             "pattern": pattern}))
@@ -213,12 +227,16 @@ class Routes:
         self._bound[queue] = {b for b in self._bound.get(queue, ())
                               if (b[0], b[3]) != (exchange, routing_key)}
         self._tables_of.pop(exchange, None)
+        if not self.available():
+            return
         self._write(lambda conn: conn.execute(self.sql.unbind, {
             "exchange": exchange, "queue": queue, "routing_key": routing_key}))
 
     def delete_exchange(self, exchange: str) -> None:
         self._tables_of.pop(exchange, None)
-        self._write(lambda conn: conn.execute(self.sql.unbind_exchange, {"exchange": exchange}))
+        if self.available():
+            self._write(lambda conn: conn.execute(self.sql.unbind_exchange,
+                                                  {"exchange": exchange}))
 
     def table_queues(self, exchange: str, routing_key: str) -> set[str]:
         """The table-backed queues bound to ``exchange`` that take ``routing_key``, by the
@@ -226,7 +244,8 @@ class Routes:
         now = time.monotonic()
         cached = self._tables_of.get(exchange)
         if cached is None or cached[0] < now:
-            self.ensure_tables()
+            if not self.available():
+                return set()
             rows = self.database.run(lambda conn: [tuple(row) for row in conn.execute(
                 self.sql.bound, {"exchange": exchange})], read_only=True)
             cached = self._tables_of[exchange] = (now + BINDINGS_CACHE, rows)
@@ -238,6 +257,10 @@ class Routes:
               headers: str | None, ttl: float | None) -> None:
         """Publish to every transient queue bound to ``exchange`` that takes
         ``routing_key``: one statement, whatever the number of queues."""
+        check_name(exchange, "exchange name")
+        check_name(routing_key, "routing key", empty=True)
+        if not self.available():
+            return
         self._publish(self.sql.route, {"exchange": exchange, "routing_key": routing_key,
                                        "payload": payload, "headers": headers, "ttl": ttl})
 
@@ -256,7 +279,6 @@ class Routes:
         return self.dialect.transient_channel(self.prefix, queue)
 
     def size(self, queue: str) -> int:
-        self.ensure_tables()
         return int(self.database.run(
             lambda conn: conn.execute(self.sql.size, {"queue": queue}).scalar_one(),
             read_only=True))

@@ -172,6 +172,16 @@ def default_table(table: str) -> TableSpec:
 ROUTING_TABLES = ("queues", "bindings", "transient")
 
 
+def check_name(name: str, what: str = "queue name", empty: bool = False) -> str:
+    """Refuse a queue name (exchange, routing key) no table, registry row or binding can
+    hold."""
+    if not isinstance(name, str) or not (name or empty):
+        raise ConfigurationError(f"{what} {name!r} is empty or not a string")
+    if "\x00" in name or len(name) > 255:
+        raise ConfigurationError(f"{what} {name!r} has a NUL byte or exceeds 255 characters")
+    return name
+
+
 def table_name_for_queue(queue: str, prefix: str = "sqlinbox_") -> str:
     """Map any kombu queue name onto a safe, stable table name.
 
@@ -180,10 +190,7 @@ def table_name_for_queue(queue: str, prefix: str = "sqlinbox_") -> str:
     hash of the original so that two different queues never share a table; so is a name
     the routing tables take (a queue named ``queues``).
     """
-    if not isinstance(queue, str) or not queue:
-        raise ConfigurationError(f"queue name {queue!r} is empty or not a string")
-    if "\x00" in queue or len(queue) > 255:
-        raise ConfigurationError(f"queue name {queue!r} has a NUL byte or exceeds 255 characters")
+    check_name(queue)
     folded = re.sub(r"[^a-z0-9_]", "_", queue.lower())
     name = prefix + folded
     if folded != queue or len(name) > 63 or folded in ROUTING_TABLES:

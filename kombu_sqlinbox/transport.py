@@ -288,7 +288,9 @@ class Channel(virtual.Channel):
     def _release_buffered(self, queues: list[str]) -> None:
         """Rows claimed but never handed to kombu go back with their attempt returned."""
         for queue in queues:
-            buffer = self._buffers.pop(queue, None) or deque()
+            buffer = self._buffers.pop(queue, None)
+            if not buffer:  # nothing to give back: the queue may be gone meanwhile
+                continue
             table = self.broker.table(queue)
             while buffer:
                 row = buffer.popleft()
