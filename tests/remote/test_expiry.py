@@ -67,6 +67,7 @@ def test_reply_and_event_queues_expire(broker: str, tmp_path: Path) -> None:
                      "the monitor to receive a heartbeat")
         during = leftovers(cluster, kept)
         assert any(name.startswith("celeryev.") for name in during["queues"]), during
+        assert any(name.startswith("celeryev.") for name in during["bindings"]), during
         assert any(name.endswith(".reply.celery.pidbox") for name in during["queues"]), during
 
         waiting.kill()  # kill -9: their queues are left to expire
