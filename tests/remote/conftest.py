@@ -148,6 +148,13 @@ class Cluster:
         assert sorted(replies) == sorted(self.names), done.stdout
         return replies
 
+    def ask(self, command: str, *args: Any) -> dict[str, Any]:
+        """The same question through the Python API (no process to start): for the checks
+        that follow a command rather than test it."""
+        inspect = self.app.control.inspect(destination=self.names, timeout=COMMAND_LIMIT)
+        replies: dict[str, Any] = getattr(inspect, command)(*args) or {}
+        return replies
+
     def control(self, *args: str, destination: Sequence[str] = ()) -> str:
         """``celery control <args>`` (to ``destination`` or every worker); its output."""
         target = ["-d", ",".join(destination)] if destination else []
