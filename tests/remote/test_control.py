@@ -1,8 +1,9 @@
 """``celery inspect``, ``celery control`` and events against two real workers per broker.
 
 The tests share the module's two workers (``a`` and ``b``) and run in file order; the
-last one shuts a worker down. Every command is the ``celery`` command line as a user runs
-it, in the example app's directory, with its default one-second reply timeout.
+last one shuts a worker down. Every command under test is the ``celery`` command line as a
+user runs it, in the example app's directory, with its default one-second reply timeout;
+the checks that follow a command ask through the Python API.
 """
 
 from __future__ import annotations
