@@ -209,7 +209,8 @@ def broker_url_for(broker: str, tmp: Path) -> str:
 @contextlib.contextmanager
 def cluster_on(broker: str, tmp: Path, failed: Callable[[], bool]) -> Iterator[Cluster]:
     """A :class:`Cluster` on ``broker`` (nothing started yet) with a table prefix of its
-    own; afterwards its processes are killed (their output printed when ``failed()``),
+    own; afterwards its processes are killed (their output printed when the block raised
+    or ``failed()``),
     its connections closed and its tables dropped."""
     made = Cluster(broker, broker_url_for(broker, tmp), f"r{uuid.uuid4().hex[:8]}_", tmp)
     if broker == "redis":
@@ -217,10 +218,14 @@ def cluster_on(broker: str, tmp: Path, failed: Callable[[], bool]) -> Iterator[C
         # that was cut short reaches these workers
         with Connection(made.broker_url) as conn:
             conn.default_channel.client.flushdb()
+    raised = False
     try:
         yield made
+    except BaseException:
+        raised = True
+        raise
     finally:
-        made.close(failed())
+        made.close(raised or failed())
         if broker != "redis":
             from kombu_sqlinbox.broker import close_all, sqlalchemy_url
 
