@@ -9,12 +9,21 @@ from __future__ import annotations
 from kombu.transport import TRANSPORT_ALIASES
 
 from .errors import ConfigurationError, MessageTooLarge, SchemaMismatch, SqlInboxError
-from .tables import Column, InboxTable, Role, TableBuilder, TableSpec, default_table
+from .tables import Column, InboxTable, Role, RowTask, TableBuilder, TableSpec, default_table
 
 TRANSPORT_ALIASES.setdefault("sqlinbox", "kombu_sqlinbox.transport:Transport")
 
 __version__ = "0.1.0"
 __all__ = [
-    "Column", "ConfigurationError", "InboxTable", "MessageTooLarge", "Role", "SchemaMismatch",
-    "SqlInboxError", "TableBuilder", "TableSpec", "default_table",
+    "Column",
+    "ConfigurationError",
+    "InboxTable",
+    "MessageTooLarge",
+    "Role",
+    "RowTask",
+    "SchemaMismatch",
+    "SqlInboxError",
+    "TableBuilder",
+    "TableSpec",
+    "default_table",
 ]

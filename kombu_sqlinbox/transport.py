@@ -25,9 +25,11 @@ from .codec import (
     GROUP_HEADER,
     PARTITION_HEADER,
     Undecodable,
-    decode_row,
+    decode_stored,
     encode_message,
+    encode_plain,
     eta_epoch,
+    stores_plain,
 )
 from .dialects import ClaimedRow
 from .errors import ConfigurationError, MessageTooLarge, SchemaMismatch
@@ -150,7 +152,11 @@ class Channel(virtual.Channel):
     # -- publish ---------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         table = self.broker.table(queue)
-        payload, headers = encode_message(message, table)
+        columns: tuple[Any, ...] = ()
+        if stores_plain(table.spec):  # the payload and row columns alone, no envelope
+            payload, columns, headers = (*encode_plain(message, table), None)
+        else:
+            payload, headers = encode_message(message, table)
         priority = message["properties"].get("priority") or 0
         try:
             priority = max(0, min(255, int(priority)))
@@ -159,7 +165,8 @@ class Channel(virtual.Channel):
         message_headers = message.get("headers") or {}
         self.broker.publish_message(
             table, payload, headers, priority, eta_epoch(message_headers),
-            _key(message_headers.get(GROUP_HEADER)), _key(message_headers.get(PARTITION_HEADER)))
+            _key(message_headers.get(GROUP_HEADER)), _key(message_headers.get(PARTITION_HEADER)),
+            (message_headers.get("task"), message_headers.get("id")), columns)
 
     # -- consume ---------------------------------------------------------------
     def _claim_size(self) -> int:
@@ -237,7 +244,7 @@ class Channel(virtual.Channel):
         message: dict[str, Any] | None = None
         undecodable: str | None = None
         try:
-            message = decode_row(row, table, tag)
+            message = decode_stored(row, table, tag)
         except Undecodable as exc:
             undecodable = str(exc)
         if not self.broker.admit(held, row, undecodable):
