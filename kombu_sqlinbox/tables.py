@@ -122,10 +122,6 @@ class TableSpec(RoleTable[Role, ColumnSpec]):
     def __post_init__(self) -> None:
         super().__post_init__()
         where = f"table {self.table!r}"
-        if self.rows is not None and not self.rows.from_columns and not self.has(Role.PAYLOAD):
-            raise ConfigurationError(
-                f"{where}: row mode with arguments={self.rows.arguments!r} reads them from "
-                "the payload column; declare one")
         if self.publish is not None:
             if not isinstance(self.publish, str) or not re.match(
                     r"\s*INSERT\s", self.publish, re.IGNORECASE):
