@@ -237,9 +237,9 @@ def _task_arguments(message: dict[str, Any], queue: str) -> tuple[list[Any], dic
         raise ConfigurationError(
             f"queue {queue!r}: a row holds JSON arguments; the task was serialized as "
             f"{message.get('content-type')!r} (set serializer='json')")
-    body = message.get("body")
+    body = message.get("body") or ""
     try:
-        args, kwargs, _ = json.loads(body.decode("utf-8") if isinstance(body, bytes) else body or "")
+        args, kwargs, _ = json.loads(body.decode("utf-8") if isinstance(body, bytes) else body)
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(f"queue {queue!r}: not a Celery task body: {exc}") from None
     return list(args), dict(kwargs)

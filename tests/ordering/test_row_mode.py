@@ -36,7 +36,8 @@ def test_row_mode_fifo_groups_hold_order_across_racing_workers(ordering: Orderin
         with ordering.engine.begin() as conn:
             conn.execute(insert, rows)
         # the next round is written while this one is in work
-        wait_until(lambda: ordering.log.done() >= round_no * GROUPS * per_round + 1, 60,
+        started = round_no * GROUPS * per_round + 1
+        wait_until(lambda: ordering.log.done() >= started, 60,  # noqa: B023 (called here)
                    f"round {round_no} to start", alive=workers)
     wait_for_count(ordering.log.done, GROUPS * ROWS, "rows done", workers, limit=180)
 
