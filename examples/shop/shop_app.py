@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 
 from celery import Celery
-from sqlalchemy import Boolean, Column, Integer, MetaData, String, Table, create_engine, select
+from sqlalchemy import Boolean, Column, Integer, MetaData, String, Table, select
 from sqlalchemy.engine import Engine, make_url
 
 import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox+ broker URLs)
@@ -118,12 +118,11 @@ def send_mail(to: str, template: str, order_id: int) -> None:
     raise NotImplementedError("the mailer service sends mail")
 
 
-@app.task(base=InboxTask, bind=True, name="shop.rebuild_report")
+@app.task(base=InboxTask, bind=True, transactional=True, name="shop.rebuild_report")
 def rebuild_report(self: InboxTask, day: str) -> None:
-    with engine().begin() as conn:
-        conn.execute(handled.insert(), {
-            "task": "shop.rebuild_report", "subject": day, "task_id": self.request.id,
-            "redelivered": self.request.delivery_info.get("redelivered")})
+    self.connection.execute(handled.insert(), {
+        "task": "shop.rebuild_report", "subject": day, "task_id": self.request.id,
+        "redelivered": self.request.delivery_info.get("redelivered")})
 
 
 # -- the shop's own data ------------------------------------------------------------------
@@ -139,16 +138,8 @@ handled = Table(
     Column("task_id", String(64), nullable=False),
     Column("redelivered", Boolean),
 )
-_engine: tuple[int, Engine] | None = None
 
 
-def engine() -> Engine:
-    """This process's engine (a prefork pool process opens its own)."""
-    global _engine
-    if _engine is None or _engine[0] != os.getpid():
-        _engine = (os.getpid(), create_engine(DATABASE_URL))
-    return _engine[1]
-
-
-def create_tables() -> None:
-    handled.create(engine(), checkfirst=True)
+def create_tables(engine: Engine) -> None:
+    """The table of what the tasks did (the others are in ``schema/``)."""
+    handled.create(engine, checkfirst=True)

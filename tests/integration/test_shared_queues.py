@@ -134,3 +134,30 @@ def test_a_row_mode_column_the_table_lacks_fails_at_start_up_with_the_fix(
     conn = connect(queues={"events": {"table": spec}})
     with pytest.raises(SchemaMismatch, match=r"column 'kind' \(row mode\) is missing; add it"):
         conn.default_channel.queue_declare("events")
+
+
+#: every claim form on every database that has it
+FORMS = [("postgresql", "lease"), ("mysql", "lease"), ("sqlite", "lease"),
+         ("postgresql", "row_lock"), ("mysql", "row_lock"),
+         ("postgresql", "advisory"), ("mysql", "advisory")]
+
+
+@pytest.mark.parametrize(("database", "claim"), FORMS)
+def test_row_mode_rows_come_out_of_every_claim_form_a_key_at_a_time(
+        connect: Connect, engine: Engine, table_prefix: str, claim: str) -> None:
+    spec = (TableBuilder(f"{table_prefix}keyed").id().payload().partition_key("account")
+            .attempt().locked_until().available_at().task(column="task").build())
+    conn = connect(queues={"keyed": {"table": spec, "claim": claim}})
+    conn.default_channel.queue_declare("keyed")
+    for n, account in enumerate(("a", "a", "b")):
+        insert(engine, f"{table_prefix}keyed", account=account, task="rows.post",
+               payload=json.dumps({"n": n}).encode())
+    first = get_within(conn, "keyed")
+    second = get_within(conn, "keyed")
+    assert [first.payload[1], second.payload[1]] == [{"n": 0}, {"n": 2}], (
+        "a's second row waits behind its first")
+    assert first.headers["task"] == "rows.post"
+    first.ack()
+    second.ack()
+    settled(conn)
+    assert get_within(conn, "keyed").payload[1] == {"n": 1}

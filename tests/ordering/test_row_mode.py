@@ -37,7 +37,7 @@ def test_row_mode_fifo_groups_hold_order_across_racing_workers(ordering: Orderin
             conn.execute(insert, rows)
         # the next round is written while this one is in work
         started = round_no * GROUPS * per_round + 1
-        wait_until(lambda: ordering.log.done() >= started, 60,  # noqa: B023 (called here)
+        wait_until(lambda floor=started: ordering.log.done() >= floor, 60,
                    f"round {round_no} to start", alive=workers)
     wait_for_count(ordering.log.done, GROUPS * ROWS, "rows done", workers, limit=180)
 

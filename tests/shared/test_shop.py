@@ -61,24 +61,23 @@ def shop(db_url: str, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> Iterat
     run_sql(db_url, (SCHEMA / f"{engine.dialect.name}.sql").read_text())
     monkeypatch.setenv("SHOP_DATABASE_URL", db_url)
     module = load_example("shop/shop_app.py")
-    module.create_tables()
+    module.create_tables(engine)
     try:
         yield module
     finally:
         module.app.close()
-        module.engine().dispose()
         drop_shop(engine)
 
 
 def test_rows_from_a_trigger_and_a_client_run_as_declared(
-        shop: ModuleType, db_url: str, processes: Processes) -> None:
+        shop: ModuleType, db_url: str, engine: Engine, processes: Processes) -> None:
     env = {"SHOP_DATABASE_URL": db_url, "PYTHONPATH": str(EXAMPLES / "shop")}
     worker = processes.worker("shop_app", "shop", env, args=["-Q", "order_events,jobs"])
     run_sql(db_url, ORDERS)
     run_sql(db_url, JOBS)
 
     def handled() -> list[tuple[str, str, str]]:
-        with shop.engine().connect() as conn:
+        with engine.connect() as conn:
             return [tuple(row) for row in conn.execute(
                 select(shop.handled.c.task, shop.handled.c.subject, shop.handled.c.task_id)
                 .order_by(shop.handled.c.n))]
