@@ -1,13 +1,13 @@
 -- The shop's own tables (its migrations create them) and the triggers that queue an
 -- event row for every order placed or changed. Times are epoch seconds.
-CREATE TABLE shop_orders (
+CREATE TABLE webshop_orders (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     customer TEXT NOT NULL,
     status TEXT NOT NULL
 );
 
 -- Row mode: every row runs on_order_event(order_id, kind); one order's events in order.
-CREATE TABLE shop_order_events (
+CREATE TABLE webshop_order_events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     order_id INTEGER NOT NULL,
     kind TEXT NOT NULL,
@@ -15,19 +15,19 @@ CREATE TABLE shop_order_events (
     locked_until REAL,
     available_at REAL NOT NULL DEFAULT ((julianday('now') - 2440587.5) * 86400.0)
 );
-CREATE INDEX shop_order_events_claim ON shop_order_events (available_at, id);
-CREATE INDEX shop_order_events_group ON shop_order_events (order_id, id);
+CREATE INDEX webshop_order_events_claim ON webshop_order_events (available_at, id);
+CREATE INDEX webshop_order_events_group ON webshop_order_events (order_id, id);
 
-CREATE TRIGGER shop_order_placed AFTER INSERT ON shop_orders BEGIN
-    INSERT INTO shop_order_events (order_id, kind) VALUES (NEW.id, NEW.status);
+CREATE TRIGGER webshop_order_placed AFTER INSERT ON webshop_orders BEGIN
+    INSERT INTO webshop_order_events (order_id, kind) VALUES (NEW.id, NEW.status);
 END;
-CREATE TRIGGER shop_order_changed AFTER UPDATE OF status ON shop_orders
+CREATE TRIGGER webshop_order_changed AFTER UPDATE OF status ON webshop_orders
     WHEN OLD.status IS NOT NEW.status BEGIN
-    INSERT INTO shop_order_events (order_id, kind) VALUES (NEW.id, NEW.status);
+    INSERT INTO webshop_order_events (order_id, kind) VALUES (NEW.id, NEW.status);
 END;
 
 -- Row mode: any task by name, its keyword arguments as a JSON object.
-CREATE TABLE shop_jobs (
+CREATE TABLE webshop_jobs (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     task TEXT,
     payload TEXT NOT NULL,
@@ -37,7 +37,7 @@ CREATE TABLE shop_jobs (
 );
 
 -- Plain rows: mail the mailer service sends; "source" only the publish statement fills.
-CREATE TABLE shop_mail (
+CREATE TABLE webshop_mail (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     kind TEXT NOT NULL,
     body TEXT NOT NULL,

@@ -1,16 +1,16 @@
 """A shop whose queues it shares with code that is not Celery.
 
-* ``order_events`` is in row mode: a trigger on ``shop_orders`` inserts a row
+* ``order_events`` is in row mode: a trigger on ``webshop_orders`` inserts a row
   ``(order_id, kind)`` for every order placed or changed, and each row runs
   ``on_order_event(order_id, kind)`` as a Celery task -- one order's events in order.
 * ``jobs`` is in row mode too: any service (a cron script, ``psql``) inserts the
   name of a task and its keyword arguments as JSON; a row that is not that is
-  parked in ``shop.parked`` with its raw columns and the reason.
+  parked in ``webshop.parked`` with its raw columns and the reason.
 * ``mail`` holds plain rows: ``send_mail.delay(...)`` stores only the keyword
   arguments, with the shop's own INSERT, and the mailer service (not Celery)
   reads the table with ordinary SQL.
 
-The tables are the shop's own (``schema/<database>.sql``). ``SHOP_DATABASE_URL``
+The tables are the shop's own (``schema/<database>.sql``). ``WEBSHOP_DATABASE_URL``
 (an SQLAlchemy URL) names the database; the default is a SQLite file in the working
 directory.
 """
@@ -27,13 +27,13 @@ import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox+ broker URLs)
 from celery_ext.tasks import InboxTask
 from kombu_sqlinbox import TableBuilder
 
-DATABASE_URL = os.environ.get("SHOP_DATABASE_URL", "sqlite:///shop.db")
+DATABASE_URL = os.environ.get("WEBSHOP_DATABASE_URL", "sqlite:///webshop.db")
 DATABASE = make_url(DATABASE_URL).get_backend_name()
 
 # Row mode: each row is a call of on_order_event with two of its columns as arguments;
 # order_id is a FIFO group too, so one order's events run one at a time, in order.
 order_events = (
-    TableBuilder("shop_order_events")
+    TableBuilder("webshop_order_events")
     .id()
     .group("order_id", fifo=True)
     .attempt()
@@ -45,7 +45,7 @@ order_events = (
 
 # Row mode: the task is named by a column, its keyword arguments are the payload's JSON.
 jobs = (
-    TableBuilder("shop_jobs")
+    TableBuilder("webshop_jobs")
     .id()
     .payload()
     .attempt()
@@ -58,20 +58,20 @@ jobs = (
 # The INSERT the shop's mail rows are written with, one per database: it fills the
 # "source" column, which the transport knows nothing of.
 MAIL_INSERT = {
-    "postgresql": "INSERT INTO shop_mail (kind, body, source, available_at) "
-                  "VALUES (:task_name, :payload, 'shop:' || :task_id, "
+    "postgresql": "INSERT INTO webshop_mail (kind, body, source, available_at) "
+                  "VALUES (:task_name, :payload, 'webshop:' || :task_id, "
                   "COALESCE(to_timestamp(:available_at), now()))",
-    "mysql": "INSERT INTO shop_mail (kind, body, source, available_at) "
-             "VALUES (:task_name, :payload, CONCAT('shop:', :task_id), "
+    "mysql": "INSERT INTO webshop_mail (kind, body, source, available_at) "
+             "VALUES (:task_name, :payload, CONCAT('webshop:', :task_id), "
              "COALESCE(FROM_UNIXTIME(:available_at), UTC_TIMESTAMP(6)))",
-    "sqlite": "INSERT INTO shop_mail (kind, body, source, available_at) "
-              "VALUES (:task_name, :payload, 'shop:' || :task_id, "
+    "sqlite": "INSERT INTO webshop_mail (kind, body, source, available_at) "
+              "VALUES (:task_name, :payload, 'webshop:' || :task_id, "
               "COALESCE(:available_at, (julianday('now') - 2440587.5) * 86400.0))",
 }
 
 # Plain rows: the payload is the task's keyword arguments alone, no Celery envelope.
 mail = (
-    TableBuilder("shop_mail")
+    TableBuilder("webshop_mail")
     .id()
     .payload("body")
     .attempt()
@@ -83,17 +83,17 @@ mail = (
     .build()
 )
 
-app = Celery("shop", broker=f"sqlinbox+{DATABASE_URL}")
+app = Celery("webshop", broker=f"sqlinbox+{DATABASE_URL}")
 app.conf.broker_connection_retry_on_startup = True
 app.conf.task_ignore_result = True
 app.conf.task_routes = {"send_mail": {"queue": "mail"}}
 app.conf.broker_transport_options = {
-    "table_prefix": "shop_",  # the dead-letter queue's table: shop_shop_parked
+    "table_prefix": "webshop_",  # the dead-letter queue's table: webshop_webshop_parked
     "polling_interval": 0.1,  # rows a trigger writes send no wake-up
     "queues": {
         "order_events": {"table": order_events, "max_attempts": 3,
-                         "dead_letter_queue": "shop.parked"},
-        "jobs": {"table": jobs, "max_attempts": 3, "dead_letter_queue": "shop.parked"},
+                         "dead_letter_queue": "webshop.parked"},
+        "jobs": {"table": jobs, "max_attempts": 3, "dead_letter_queue": "webshop.parked"},
         "mail": {"table": mail},
     },
 }
@@ -118,20 +118,20 @@ def send_mail(to: str, template: str, order_id: int) -> None:
     raise NotImplementedError("the mailer service sends mail")
 
 
-@app.task(base=InboxTask, bind=True, transactional=True, name="shop.rebuild_report")
+@app.task(base=InboxTask, bind=True, transactional=True, name="webshop.rebuild_report")
 def rebuild_report(self: InboxTask, day: str) -> None:
     self.connection.execute(handled.insert(), {
-        "task": "shop.rebuild_report", "subject": day, "task_id": self.request.id,
+        "task": "webshop.rebuild_report", "subject": day, "task_id": self.request.id,
         "redelivered": self.request.delivery_info.get("redelivered")})
 
 
 # -- the shop's own data ------------------------------------------------------------------
 metadata = MetaData()
-orders = Table("shop_orders", metadata, Column("id", Integer, primary_key=True),
+orders = Table("webshop_orders", metadata, Column("id", Integer, primary_key=True),
                Column("customer", String(255)), Column("status", String(32)))
 #: what the tasks did, one row per run
 handled = Table(
-    "shop_handled", metadata,
+    "webshop_handled", metadata,
     Column("n", Integer, primary_key=True, autoincrement=True),
     Column("task", String(64), nullable=False),
     Column("subject", String(255), nullable=False),
