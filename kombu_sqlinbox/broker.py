@@ -236,9 +236,10 @@ class Broker:
         self.dialect.check_message_size(
             table.queue, len(payload or b"") + (len(headers) if headers else 0))
         columns = [*columns, *[None] * (len(table.spec.row_columns) - len(columns))]
-        self.publish(table, self.dialect.insert_params(
-            payload, headers, priority, eta, group, partition_key, task, columns),
-            binding.current())
+        self.publish(table, {
+            **self.dialect.insert_params(
+                payload, headers, priority, eta, group, partition_key, task, columns),
+            **self.dialect.row_params(table.spec, columns)}, binding.current())
 
     def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
         return table.claims.held_for(table, row)

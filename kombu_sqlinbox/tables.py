@@ -42,7 +42,7 @@ class Role(str, Enum):
 
 
 REQUIRED_ROLES = (Role.ID, Role.PAYLOAD)
-#: the bound parameters a custom publish statement may use
+#: the bound parameters a custom publish statement may use (and row mode's columns, by name)
 PUBLISH_PARAMETERS = ("payload", "headers", "group", "partition_key", "available_at",
                       "priority", "task_name", "task_id")
 #: how SQLAlchemy finds a bound parameter in a statement's text (``::`` is a cast)
@@ -127,12 +127,17 @@ class TableSpec(RoleTable[Role, ColumnSpec]):
                     r"\s*INSERT\s", self.publish, re.IGNORECASE):
                 raise ConfigurationError(
                     f"{where}: the publish statement must be an INSERT, got {self.publish!r}")
-            unknown = sorted(set(BOUND_PARAMETER.findall(self.publish))
-                             - set(PUBLISH_PARAMETERS))
+            clash = sorted(set(self.row_columns) & set(PUBLISH_PARAMETERS))
+            if clash:
+                raise ConfigurationError(
+                    f"{where}: row mode column {clash[0]!r} has the name of a parameter of "
+                    "the publish statement; a statement binds row columns by name")
+            allowed = (*PUBLISH_PARAMETERS, *self.row_columns)
+            unknown = sorted(set(BOUND_PARAMETER.findall(self.publish)) - set(allowed))
             if unknown:
                 raise ConfigurationError(
                     f"{where}: the publish statement binds :{unknown[0]}; it may bind "
-                    f"{', '.join(':' + name for name in PUBLISH_PARAMETERS)}")
+                    f"{', '.join(':' + name for name in allowed)}")
 
     def required_roles(self) -> tuple[Enum, ...]:
         """Row mode taking its arguments from named columns needs no payload column."""

@@ -161,3 +161,22 @@ def test_row_mode_rows_come_out_of_every_claim_form_a_key_at_a_time(
     second.ack()
     settled(conn)
     assert get_within(conn, "keyed").payload[1] == {"n": 1}
+
+
+def test_a_publish_statement_binds_row_mode_columns_by_name(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    connect(queues={"events": {"table": events(table_prefix)}}).default_channel.queue_declare(
+        "events")
+    table = quoted(engine, f"{table_prefix}events")
+    with engine.begin() as conn:
+        conn.execute(text(f"ALTER TABLE {table} ADD COLUMN source VARCHAR(64)"))
+    spec = (TableBuilder(f"{table_prefix}events").id().attempt().locked_until().available_at()
+            .task("rows.handle", arguments=("order_id", "kind"))
+            .publish_statement(f"INSERT INTO {table} (order_id, kind, source) "
+                               "VALUES (:order_id, :kind, :task_id)").build())
+    conn = connect(queues={"events": {"table": spec}})
+    publish(conn, "events", [[], {"order_id": "9", "kind": "paid"}, {}],
+            headers={"task": "rows.handle", "id": "task-9"})
+    with engine.connect() as db:
+        stored = db.execute(text(f"SELECT order_id, kind, source FROM {table}")).all()
+    assert [tuple(row) for row in stored] == [("9", "paid", "task-9")]

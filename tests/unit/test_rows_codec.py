@@ -208,14 +208,22 @@ def test_row_mode_from_the_payload_needs_a_payload_column_from_columns_none() ->
     assert base().task("t", arguments=["a"]).build().row_columns == ("a",)
 
 
-@pytest.mark.parametrize(("statement", "refusal"), [
-    ("UPDATE t SET payload = :payload", "must be an INSERT"),
-    ("INSERT INTO t (payload, x) VALUES (:payload, :colour)", "binds :colour"),
+@pytest.mark.parametrize(("statement", "arguments", "refusal"), [
+    ("UPDATE t SET payload = :payload", "kwargs", "must be an INSERT"),
+    ("INSERT INTO t (payload, x) VALUES (:payload, :colour)", "kwargs", "binds :colour"),
+    ("INSERT INTO t (payload) VALUES (:payload)", ("a", "priority"),
+     "column 'priority' has the name of a parameter"),
 ])
 def test_a_publish_statement_that_cannot_work_fails_at_declaration(
-        statement: str, refusal: str) -> None:
+        statement: str, arguments: Any, refusal: str) -> None:
     with pytest.raises(ConfigurationError, match=refusal):
-        base().payload().publish_statement(statement).build()
+        base().payload().task("t", arguments=arguments).publish_statement(statement).build()
+
+
+def test_a_publish_statement_binds_row_mode_columns_by_name() -> None:
+    statement = "INSERT INTO t (order_id, kind) VALUES (:order_id, :kind)"
+    assert base().task("t", arguments=("order_id", "kind")).publish_statement(
+        statement).build().publish == statement
 
 
 def test_a_publish_statement_may_bind_every_documented_parameter_and_cast() -> None:
