@@ -201,8 +201,8 @@ class Broker:
                                        statements.delete, tokens):
                 return False
             if target is not None:
-                self.dialect.publish(conn, target.spec, [self.dialect.insert_params(
-                    payload, headers, 0, None, columns=[None] * len(target.spec.row_columns))])
+                self.dialect.publish(conn, target.spec, [self.dialect.publish_params(
+                    target.spec, payload, headers)])
             return True
 
         if not source.claims.run_held(held, work):
@@ -235,11 +235,9 @@ class Broker:
         are the row columns' values (row mode)."""
         self.dialect.check_message_size(
             table.queue, len(payload or b"") + (len(headers) if headers else 0))
-        columns = [*columns, *[None] * (len(table.spec.row_columns) - len(columns))]
-        self.publish(table, {
-            **self.dialect.insert_params(
-                payload, headers, priority, eta, group, partition_key, task, columns),
-            **self.dialect.row_params(table.spec, columns)}, binding.current())
+        self.publish(table, self.dialect.publish_params(
+            table.spec, payload, headers, priority, eta, group, partition_key, task, columns),
+            binding.current())
 
     def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
         return table.claims.held_for(table, row)

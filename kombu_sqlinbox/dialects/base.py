@@ -306,18 +306,25 @@ class Dialect:
     ) -> dict[str, Any]:
         """The values of a publish: the default statement's (``eta``: epoch seconds or
         None), those a declared publish statement may bind (``available_at``, ``task_name``,
-        ``task_id``) and the row columns' (``x0``...; :meth:`row_params` for a declared
-        statement)."""
+        ``task_id``) and the row columns' (``x0``...; see :meth:`publish_params`)."""
         return {"payload": payload, "headers": headers, "priority": priority, "eta": eta,
                 "available_at": eta, "group": group, "partition_key": partition_key,
                 "task_name": task[0], "task_id": task[1],
                 **{f"x{at}": value for at, value in enumerate(columns)}}
 
-    @staticmethod
-    def row_params(spec: TableSpec, columns: Sequence[Any]) -> dict[str, Any]:
-        """The row columns' values by column name, as a declared publish statement binds
-        them (the declaration refuses a name that clashes with another parameter)."""
-        return dict(zip(spec.row_columns, columns, strict=True)) if spec.publish else {}
+    def publish_params(
+        self, spec: TableSpec, payload: bytes | str | None, headers: str | None,
+        priority: int = 0, eta: float | None = None, group: str | None = None,
+        partition_key: str | None = None, task: tuple[str | None, str | None] = (None, None),
+        columns: Sequence[Any] = (),
+    ) -> dict[str, Any]:
+        """:meth:`insert_params` for a publish to ``spec``'s table: every row column bound
+        (``NULL`` when not given), also by its name for a declared statement (the
+        declaration refuses a name that clashes with another parameter)."""
+        columns = [*columns, *[None] * (len(spec.row_columns) - len(columns))]
+        named = dict(zip(spec.row_columns, columns, strict=True)) if spec.publish else {}
+        return {**self.insert_params(payload, headers, priority, eta, group, partition_key,
+                                     task, columns), **named}
 
     def insert_sql(self, spec: TableSpec) -> str:
         """The publish statement: the declared one, else the roles a message fills (and
@@ -558,10 +565,8 @@ class Dialect:
         table, column or expression fails at start-up, not at the first publish."""
         try:
             with conn.begin_nested():
-                columns = [None] * len(spec.row_columns)
-                conn.execute(text(f"EXPLAIN {spec.publish}"), {
-                    **self.insert_params(None, None, 0, None, columns=columns),
-                    **self.row_params(spec, columns)})
+                conn.execute(text(f"EXPLAIN {spec.publish}"),
+                             self.publish_params(spec, None, None))
         except DBAPIError as exc:
             raise SchemaMismatch(
                 f"table {spec.table!r}: its publish statement does not fit the schema: "
