@@ -69,6 +69,12 @@ def test_a_plain_queue_stores_the_body_alone_for_readers_that_are_not_celery(
     spec = (TableBuilder(f"{table_prefix}feed").id().payload().headers().attempt()
             .locked_until().plain().build())
     conn = connect(queues={"feed": {"table": spec}})
+    conn.default_channel.queue_declare("feed")
+    with engine.connect() as caller:
+        caller.begin()
+        with bind(caller):  # written in the caller's transaction: gone with its rollback
+            conn.Producer().publish({"sku": "rolled back"}, routing_key="feed")
+        caller.rollback()
     publish(conn, "feed", {"sku": "A-1", "qty": 3}, headers={"ignored": "yes"})
     with engine.connect() as db:
         payload, headers = db.execute(text(
