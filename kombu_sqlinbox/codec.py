@@ -12,7 +12,7 @@ import binascii
 import json
 import uuid
 from dataclasses import replace
-from datetime import datetime, timezone
+from datetime import date, datetime, time, timezone
 from decimal import Decimal
 from reprlib import repr as saferepr
 from typing import TYPE_CHECKING, Any
@@ -173,12 +173,14 @@ def stores_plain(spec: TableSpec) -> bool:
 
 
 def _jsonable(value: Any) -> Any:
-    """A column value JSON has no type for: bytes as text, numbers as numbers, the rest
-    (times, UUIDs) as text."""
+    """A column value JSON has no type for: bytes as text, decimals as numbers, times in
+    ISO 8601, the rest (UUIDs) as text."""
     if isinstance(value, (bytes, memoryview)):
         return bytes(value).decode("utf-8", errors="replace")
     if isinstance(value, Decimal):
         return int(value) if value == value.to_integral_value() else float(value)
+    if isinstance(value, (date, time)):  # datetime is a date
+        return value.isoformat()
     return str(value)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import datetime, time, timezone
 from decimal import Decimal
 from typing import Any, cast
 
@@ -88,6 +89,10 @@ def test_column_values_json_has_no_type_for_arrive_as_numbers_and_text() -> None
     assert json.loads(message["body"])[1] == {"order_id": 5, "kind": "paid"}
     message = decode_stored(row((Decimal("2.5"), uuid.UUID(int=1))), queue_table(BY_COLUMNS), 1)
     assert json.loads(message["body"])[1] == {"order_id": 2.5, "kind": str(uuid.UUID(int=1))}
+    moment = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+    message = decode_stored(row((moment, time(9, 30))), queue_table(BY_COLUMNS), 1)
+    assert json.loads(message["body"])[1] == {"order_id": "2026-11-30T12:00:00+00:00",
+                                              "kind": "09:30:00"}
 
 
 def test_the_task_column_names_the_task_and_the_payload_holds_its_kwargs() -> None:
