@@ -12,13 +12,22 @@ from kombu.transport import TRANSPORT_ALIASES
 
 from .dialects import url_schemes
 from .errors import ConfigurationError, MessageTooLarge, SchemaMismatch, SqlInboxError
-from .tables import Column, InboxTable, Role, TableBuilder, TableSpec, default_table
+from .tables import Column, InboxTable, Role, RowTask, TableBuilder, TableSpec, default_table
 
 for _scheme in ("", *(f"+{name}" for name in url_schemes())):
     TRANSPORT_ALIASES.setdefault(f"sqlinbox{_scheme}", "kombu_sqlinbox.transport:Transport")
 
 __version__ = "0.1.0"
 __all__ = [
-    "Column", "ConfigurationError", "InboxTable", "MessageTooLarge", "Role", "SchemaMismatch",
-    "SqlInboxError", "TableBuilder", "TableSpec", "default_table",
+    "Column",
+    "ConfigurationError",
+    "InboxTable",
+    "MessageTooLarge",
+    "Role",
+    "RowTask",
+    "SchemaMismatch",
+    "SqlInboxError",
+    "TableBuilder",
+    "TableSpec",
+    "default_table",
 ]

@@ -25,7 +25,7 @@ from sqlalchemy.exc import DBAPIError
 
 from . import binding
 from .claims import LeaseKeeper, Wakeup, claim_forms
-from .codec import convert_payload, dead_letter_headers
+from .codec import convert_payload, dead_letter_headers, parked_row
 from .database import Database
 from .database import engine_for as engine_for  # re-exported: imported from here
 from .database import same_database as same_database
@@ -233,10 +233,15 @@ class Broker:
             "id": held.id,
             "at": time.time(),
         }
-        if undecodable:  # start a clean envelope so the dead letter itself decodes
-            death["original_headers"] = row.headers
-        headers = dead_letter_headers(None if undecodable else row.headers, death)
-        payload = row.payload
+        payload: bytes | str | None
+        if source.spec.rows is not None and row.headers is None:
+            # a row no kombu wrote (row mode) is parked as its raw columns
+            payload, headers = parked_row(row, source, death)
+        else:
+            if undecodable:  # start a clean envelope so the dead letter itself decodes
+                death["original_headers"] = row.headers
+            headers = dead_letter_headers(None if undecodable else row.headers, death)
+            payload = row.payload
         if target is not None:
             payload = convert_payload(payload, target.payload_is_text)
         statements = self.dialect.statements(source.spec)
@@ -250,8 +255,8 @@ class Broker:
                                        statements.delete, tokens):
                 return False
             if target is not None:
-                self.dialect.publish(conn, target.spec, [self.dialect.insert_params(
-                    payload, headers, 0, None)])
+                self.dialect.publish(conn, target.spec, [self.dialect.publish_params(
+                    target.spec, payload, headers)])
             return True
 
         if not source.claims.run_held(held, work):
@@ -273,20 +278,24 @@ class Broker:
 
     # -- what the kombu glue and transactional tasks ask of the broker ---------
     def publish_message(
-        self, table: QueueTable, payload: bytes | str, headers: str | None, priority: int = 0,
-        eta: float | None = None, group: str | None = None, partition_key: str | None = None,
-        ttl: float | None = None,
+        self, table: QueueTable, payload: bytes | str | None, headers: str | None,
+        priority: int = 0, eta: float | None = None, group: str | None = None,
+        partition_key: str | None = None, ttl: float | None = None,
+        task: tuple[str | None, str | None] = (None, None), columns: Sequence[Any] = (),
     ) -> None:
         """Publish one encoded message, in the bound caller's transaction when there is
         one; refused (:class:`~.errors.MessageTooLarge`) before the server would refuse
-        the statement. ``ttl`` (seconds) bounds a transient message's life."""
+        the statement. ``ttl`` (seconds) bounds a transient message's life; ``task``
+        (name, id) is for a declared publish statement, ``columns`` are the row columns'
+        values (row mode)."""
         self.dialect.check_message_size(
-            table.queue, len(payload) + (len(headers) if headers else 0))
+            table.queue, len(payload or b"") + (len(headers) if headers else 0))
         if table.transient:
-            self.routes.put(table.queue, payload, headers, ttl)
+            self.routes.put(table.queue, payload or b"", headers, ttl)
             return
-        self.publish(table, self.dialect.insert_params(
-            payload, headers, priority, eta, group, partition_key), binding.current())
+        self.publish(table, self.dialect.publish_params(
+            table.spec, payload, headers, priority, eta, group, partition_key, task, columns),
+            binding.current())
 
     def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
         return table.claims.held_for(table, row)

@@ -11,10 +11,15 @@ import base64
 import binascii
 import contextlib
 import json
-from datetime import datetime, timezone
+import uuid
+from dataclasses import replace
+from datetime import date, datetime, time, timezone
+from decimal import Decimal
+from reprlib import repr as saferepr
 from typing import TYPE_CHECKING, Any
 
-from .tables import Role
+from .errors import ConfigurationError
+from .tables import Role, TableSpec
 
 if TYPE_CHECKING:
     from .rows import ClaimedRow, QueueTable
@@ -186,3 +191,168 @@ def dead_letter_headers(headers: str | None, death: dict[str, Any]) -> str:
     envelope.setdefault("headers", {})[DEATH_HEADER] = death
     envelope.pop(EXPIRES_KEY, None)  # a dead letter is kept until someone looks at it
     return json.dumps(envelope)
+
+
+# -- queues shared with other services: rows without Celery's envelope -----------------------
+#: namespace of the task ids derived from rows (row mode): the same row, the same task id
+ROW_TASK_NAMESPACE = uuid.UUID("5b0f3c52-8f5e-4d0c-9a53-2c7a1d1e4b6f")
+#: the embed part of a Celery task body (protocol 2): no callbacks, chain or chord
+NO_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+
+
+def stores_plain(spec: TableSpec) -> bool:
+    """Whether a publish stores only the payload (and row columns), no envelope: a queue
+    declared plain, or in row mode with no headers column to keep an envelope in."""
+    return spec.plain or (spec.rows is not None and not spec.has(Role.HEADERS))
+
+
+def _jsonable(value: Any) -> Any:
+    """A column value JSON has no type for: bytes as text, decimals as numbers, times in
+    ISO 8601, the rest (UUIDs) as text."""
+    if isinstance(value, (bytes, memoryview)):
+        return bytes(value).decode("utf-8", errors="replace")
+    if isinstance(value, Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    if isinstance(value, (date, time)):  # datetime is a date
+        return value.isoformat()
+    return str(value)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, default=_jsonable)
+
+
+def encode_plain(message: dict[str, Any], table: QueueTable
+                 ) -> tuple[bytes | str | None, tuple[Any, ...]]:
+    """A kombu message as a row without Celery's envelope: the payload column and the
+    values of the row columns (:attr:`~.tables.TableSpec.row_columns`).
+
+    A Celery task message to a queue in row mode is stored as the row that would run it
+    (its task name, its arguments as the declaration maps them); anything else stores its
+    serialized body. What the declaration cannot hold is refused, never dropped."""
+    spec, rows = table.spec, table.spec.rows
+    headers = message.get("headers") or {}
+    body = message.get("body")
+    columns: dict[str, Any] = {}
+    if rows is not None:
+        if "task" not in headers:
+            raise ConfigurationError(
+                f"queue {table.queue!r} is in row mode: only Celery tasks can be published "
+                "to it")
+        task = headers["task"]
+        if rows.name is not None and task != rows.name:
+            raise ConfigurationError(
+                f"queue {table.queue!r} runs task {rows.name!r} for every row, not {task!r}")
+        args, kwargs = _task_arguments(message, table.queue)
+        if rows.column is not None:
+            columns[rows.column] = task
+        if rows.from_columns:
+            unknown = sorted(set(kwargs) - set(rows.arguments))
+            if args or unknown:
+                raise ConfigurationError(
+                    f"queue {table.queue!r} takes keyword arguments "
+                    f"{', '.join(rows.arguments)} only, got args {args!r}, "
+                    f"kwargs {sorted(kwargs)!r}")
+            columns.update((name, kwargs.get(name)) for name in rows.arguments)
+            body = None
+        elif (args if rows.arguments == "kwargs" else kwargs):
+            raise ConfigurationError(
+                f"queue {table.queue!r} stores {rows.arguments} only, got args {args!r}, "
+                f"kwargs {sorted(kwargs)!r}")
+        else:
+            body = _dumps(kwargs if rows.arguments == "kwargs" else args)
+    if spec.has(Role.PAYLOAD) and body is None:
+        body = b""
+    payload = None if body is None else convert_payload(body, table.payload_is_text)
+    return payload, tuple(columns.get(name) for name in spec.row_columns)
+
+
+def _task_arguments(message: dict[str, Any], queue: str) -> tuple[list[Any], dict[str, Any]]:
+    """The args and kwargs of a Celery task message (protocol 2, JSON)."""
+    if message.get("content-type") != "application/json":
+        raise ConfigurationError(
+            f"queue {queue!r}: a row holds JSON arguments; the task was serialized as "
+            f"{message.get('content-type')!r} (set serializer='json')")
+    body = message.get("body") or ""
+    try:
+        args, kwargs, _ = json.loads(body.decode("utf-8") if isinstance(body, bytes) else body)
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(f"queue {queue!r}: not a Celery task body: {exc}") from None
+    return list(args), dict(kwargs)
+
+
+def decode_stored(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict[str, Any]:
+    """A claimed row as kombu's raw message, whichever way its queue stores messages: a
+    row in row mode as the Celery task it runs, a plain row as a JSON message, a row with
+    an envelope (one kombu wrote) by :func:`decode_row`."""
+    spec = table.spec
+    if (spec.rows is None and not spec.plain) or row.headers is not None:
+        return decode_row(row, table, delivery_tag)
+    if spec.rows is not None:
+        message = _row_task(row, table)
+    else:
+        message = {"body": row.payload, "headers": {}, "content-type": "application/json",
+                   "content-encoding": "utf-8", "properties": {}}
+    message["properties"]["delivery_info"] = {"exchange": "", "routing_key": table.queue}
+    payload, headers = encode_message(message, table)
+    return decode_row(replace(row, payload=payload, headers=headers), table, delivery_tag)
+
+
+def _row_task(row: ClaimedRow, table: QueueTable) -> dict[str, Any]:
+    """The Celery task message (protocol 2, as ``app.amqp.as_task_v2`` builds it) that a
+    row in row mode runs; its task id is derived from the queue and the row's id, so a
+    redelivery keeps it."""
+    rows = table.spec.rows
+    assert rows is not None
+    values = dict(zip(table.spec.row_columns, row.columns, strict=True))
+    name = rows.name if rows.column is None else values[rows.column]
+    if not isinstance(name, str) or not name:
+        raise Undecodable(f"the row names no task: column {rows.column!r} is {name!r}")
+    args: Any = []
+    kwargs: Any = {}
+    if isinstance(rows.arguments, tuple):
+        kwargs = {column: values[column] for column in rows.arguments}
+    else:
+        raw = row.payload.decode("utf-8") if isinstance(row.payload, bytes) else row.payload
+        try:
+            found = json.loads(raw)
+        except (ValueError, TypeError) as exc:
+            raise Undecodable(f"the payload column is not JSON: {exc}") from exc
+        wanted = dict if rows.arguments == "kwargs" else list
+        if not isinstance(found, wanted):
+            raise Undecodable(
+                f"the payload column must hold a JSON {'object' if wanted is dict else 'array'}"
+                f" of {'keyword' if wanted is dict else 'positional'} arguments, got "
+                f"{type(found).__name__}")
+        if wanted is dict:
+            kwargs = found
+        else:
+            args = found
+    task_id = str(uuid.uuid5(ROW_TASK_NAMESPACE, f"{table.queue}/{row.id}"))
+    return {
+        "body": _dumps([args, kwargs, NO_EMBED]),
+        "content-type": "application/json",
+        "content-encoding": "utf-8",
+        "headers": {
+            "lang": "py", "task": name, "id": task_id, "shadow": None, "eta": None,
+            "expires": None, "group": None, "group_index": None, "retries": 0,
+            "timelimit": [None, None], "root_id": task_id, "parent_id": None,
+            "argsrepr": saferepr(args), "kwargsrepr": saferepr(kwargs),
+            "origin": f"sqlinbox row {table.spec.table}", "ignore_result": False,
+        },
+        "properties": {"correlation_id": task_id, "reply_to": ""},
+    }
+
+
+def parked_row(row: ClaimedRow, table: QueueTable, death: dict[str, Any]) -> tuple[str, str]:
+    """The dead letter of a row without an envelope: its raw columns, as a JSON object by
+    column name, and an envelope with the death record, so it reads as a JSON message."""
+    spec = table.spec
+    values: dict[str, Any] = {}
+    for role, value in ((Role.PAYLOAD, row.payload), (Role.GROUP, row.group),
+                        (Role.PARTITION_KEY, row.partition_key)):
+        if spec.has(role):
+            values[spec.name_of(role)] = value
+    values.update(zip(spec.row_columns, row.columns, strict=True))
+    envelope = json.dumps({"content-type": "application/json", "content-encoding": "utf-8"})
+    return _dumps(values), dead_letter_headers(envelope, death)

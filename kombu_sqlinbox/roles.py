@@ -82,10 +82,14 @@ class RoleTable(Generic[R, C]):
             if any(other.name == column.name for other in by_role.values()):
                 raise ConfigurationError(f"{where}: column {column.name!r} has two roles")
             by_role[column.role] = column
-        missing = [role for role in self.required if role not in by_role]
+        missing = [role for role in self.required_roles() if role not in by_role]
         if missing:
             raise ConfigurationError(f"{where}: {self.lacking(missing)}")
         object.__setattr__(self, "_by_role", by_role)
+
+    def required_roles(self) -> tuple[Enum, ...]:
+        """The roles this declaration must map (a kind of table may need fewer in a mode)."""
+        return self.required
 
     def lacking(self, missing: list[Enum]) -> str:
         """Why a declaration without the ``missing`` required roles is refused."""
@@ -139,10 +143,12 @@ class RoleTableBuilder(Generic[C, S]):
         self._table = table
         self._schema = schema
         self._columns: list[C] = []
+        #: settings of the kind of table beyond its columns (keyword arguments of the spec)
+        self._extra: dict[str, Any] = {}
 
     def _add(self: B, name: str, role: Enum, **flags: bool) -> B:
         self._columns.append(self.column_type(name, role, **flags))
         return self
 
     def build(self) -> S:
-        return self.spec_type(self._table, tuple(self._columns), self._schema)
+        return self.spec_type(self._table, tuple(self._columns), self._schema, **self._extra)

@@ -30,6 +30,8 @@ class ClaimedRow:
     group: Any
     partition_key: Any
     sort_key: tuple[Any, ...]
+    #: the values of the declaration's row columns (row mode: task and arguments)
+    columns: tuple[Any, ...] = ()
 
 
 class Settlement(Enum):

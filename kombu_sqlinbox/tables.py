@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar
 
@@ -42,6 +42,14 @@ class Role(str, Enum):
 
 
 REQUIRED_ROLES = (Role.ID, Role.PAYLOAD)
+#: the bound parameters a custom publish statement may use (and row mode's columns, by name)
+PUBLISH_PARAMETERS = ("payload", "headers", "group", "partition_key", "available_at",
+                      "priority", "task_name", "task_id")
+#: how SQLAlchemy finds a bound parameter in a statement's text (``::`` is a cast)
+BOUND_PARAMETER = re.compile(r"(?<![:\w\\]):(\w+)(?!:)")
+#: row mode: the payload column holds a JSON object of keyword arguments, or an array of
+#: positional ones
+ARGUMENT_FORMS = ("kwargs", "args")
 
 
 @dataclass(frozen=True)
@@ -55,10 +63,92 @@ class ColumnSpec(RoleColumn[Role]):
 
 
 @dataclass(frozen=True)
+class RowTask:
+    """Row mode: each row runs as a Celery task, rows written by any code (SQL, a trigger,
+    another service). The task is ``name``, or the one the ``column`` holds; its arguments
+    are the payload column's JSON (``"kwargs"``: an object, ``"args"``: an array) or the
+    named columns as keyword arguments (a tuple of column names)."""
+
+    name: str | None = None
+    column: str | None = None
+    arguments: str | tuple[str, ...] = "kwargs"
+
+    def __post_init__(self) -> None:
+        if (self.name is None) == (self.column is None):
+            raise ConfigurationError("row mode: name the task, or the column holding it (one)")
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise ConfigurationError(f"row mode: task name {self.name!r} is not a name")
+        if self.column is not None:
+            check_identifier(self.column, "row mode: task column")
+        arguments = self.arguments
+        if not isinstance(arguments, str):
+            arguments = tuple(arguments)
+            if not arguments:
+                raise ConfigurationError("row mode: name at least one argument column")
+            for name in arguments:
+                check_identifier(name, "row mode: argument column")
+            if len(set(arguments)) != len(arguments):
+                raise ConfigurationError(f"row mode: an argument column repeats: {arguments}")
+            object.__setattr__(self, "arguments", arguments)
+        elif arguments not in ARGUMENT_FORMS:
+            raise ConfigurationError(
+                f"row mode: arguments={arguments!r}: expected 'kwargs', 'args' or a tuple of "
+                "column names")
+
+    @property
+    def from_columns(self) -> bool:
+        return isinstance(self.arguments, tuple)
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The columns a claim returns beside the roles: the task's, then the arguments'."""
+        named = (self.column,) if self.column is not None else ()
+        arguments = self.arguments if isinstance(self.arguments, tuple) else ()
+        return (*named, *(name for name in arguments if name not in named))
+
+
+@dataclass(frozen=True)
 class TableSpec(RoleTable[Role, ColumnSpec]):
-    """A whole declaration: the table name and its role-bearing columns."""
+    """A whole declaration: the table name and its role-bearing columns; for a queue shared
+    with other services also its own publish statement (``publish``), row mode
+    (``rows``) and whether rows are stored without Celery's envelope (``plain``)."""
+
+    publish: str | None = field(default=None, kw_only=True)
+    rows: RowTask | None = field(default=None, kw_only=True)
+    plain: bool = field(default=False, kw_only=True)
 
     required = REQUIRED_ROLES
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        where = f"table {self.table!r}"
+        if self.publish is not None:
+            if not isinstance(self.publish, str) or not re.match(
+                    r"\s*INSERT\s", self.publish, re.IGNORECASE):
+                raise ConfigurationError(
+                    f"{where}: the publish statement must be an INSERT, got {self.publish!r}")
+            clash = sorted(set(self.row_columns) & set(PUBLISH_PARAMETERS))
+            if clash:
+                raise ConfigurationError(
+                    f"{where}: row mode column {clash[0]!r} has the name of a parameter of "
+                    "the publish statement; a statement binds row columns by name")
+            allowed = (*PUBLISH_PARAMETERS, *self.row_columns)
+            unknown = sorted(set(BOUND_PARAMETER.findall(self.publish)) - set(allowed))
+            if unknown:
+                raise ConfigurationError(
+                    f"{where}: the publish statement binds :{unknown[0]}; it may bind "
+                    f"{', '.join(':' + name for name in allowed)}")
+
+    def required_roles(self) -> tuple[Enum, ...]:
+        """Row mode taking its arguments from named columns needs no payload column."""
+        if self.rows is not None and self.rows.from_columns:
+            return (Role.ID,)
+        return self.required
+
+    @property
+    def row_columns(self) -> tuple[str, ...]:
+        """Columns a claim returns beside the roles (row mode's task and argument columns)."""
+        return () if self.rows is None else self.rows.columns
 
     def lacking(self, missing: list[Enum]) -> str:
         return f"a queue table needs a column with role {missing[0].value}"
@@ -100,9 +190,12 @@ class InboxTable:
 
     __spec__: ClassVar[TableSpec]
 
-    def __init_subclass__(cls, *, table: str, schema: str | None = None, **kwargs: Any) -> None:
+    def __init_subclass__(cls, *, table: str, schema: str | None = None,
+                          publish: str | None = None, rows: RowTask | None = None,
+                          plain: bool = False, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.__spec__ = TableSpec(table, Column.collect(cls), schema)
+        cls.__spec__ = TableSpec(table, Column.collect(cls), schema, publish=publish,
+                                 rows=rows, plain=plain)
 
 
 class TableBuilder(RoleTableBuilder[ColumnSpec, TableSpec]):
@@ -140,6 +233,23 @@ class TableBuilder(RoleTableBuilder[ColumnSpec, TableSpec]):
 
     def processed_at(self, name: str = "processed_at") -> TableBuilder:
         return self._add(name, Role.PROCESSED_AT)
+
+    def publish_statement(self, sql: str) -> TableBuilder:
+        """The INSERT every publish to the queue runs (see :data:`PUBLISH_PARAMETERS`)."""
+        self._extra["publish"] = sql
+        return self
+
+    def task(self, name: str | None = None, *, column: str | None = None,
+             arguments: str | tuple[str, ...] = "kwargs") -> TableBuilder:
+        """Row mode (see :class:`RowTask`)."""
+        self._extra["rows"] = RowTask(name, column, arguments)
+        return self
+
+    def plain(self) -> TableBuilder:
+        """Store what is published without Celery's envelope, for readers that are not
+        Celery."""
+        self._extra["plain"] = True
+        return self
 
 
 def as_spec(declaration: TableSpec | type[InboxTable] | TableBuilder) -> TableSpec:

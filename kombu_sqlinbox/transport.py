@@ -28,11 +28,13 @@ from .codec import (
     GROUP_HEADER,
     PARTITION_HEADER,
     Undecodable,
-    decode_row,
+    decode_stored,
     encode_message,
+    encode_plain,
     eta_epoch,
     expiration_seconds,
     expiry,
+    stores_plain,
 )
 from .dialects import ClaimedRow
 from .errors import ConfigurationError, MessageTooLarge, SchemaMismatch
@@ -163,10 +165,14 @@ class Channel(virtual.Channel):
     # -- publish ---------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         table = self.broker.table(queue)
-        # a transient message's expiry is a column its claim reads, not in the envelope
-        expires_at = None if table.transient else expiry(
-            message, self.broker.message_ttls.get(queue), time())
-        payload, headers = encode_message(message, table, expires_at)
+        columns: tuple[Any, ...] = ()
+        if stores_plain(table.spec):  # the payload and row columns alone, no envelope
+            payload, columns, headers = (*encode_plain(message, table), None)
+        else:
+            # a transient message's expiry is a column its claim reads, not in the envelope
+            expires_at = None if table.transient else expiry(
+                message, self.broker.message_ttls.get(queue), time())
+            payload, headers = encode_message(message, table, expires_at)
         priority = message["properties"].get("priority") or 0
         try:
             priority = max(0, min(255, int(priority)))
@@ -176,7 +182,8 @@ class Channel(virtual.Channel):
         self.broker.publish_message(
             table, payload, headers, priority, eta_epoch(message_headers),
             _key(message_headers.get(GROUP_HEADER)), _key(message_headers.get(PARTITION_HEADER)),
-            expiration_seconds(message))
+            expiration_seconds(message), (message_headers.get("task"), message_headers.get("id")),
+            columns)
 
     def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str,
                       **kwargs: Any) -> None:
@@ -279,14 +286,14 @@ class Channel(virtual.Channel):
         message: dict[str, Any] | None = None
         undecodable: str | None = None
         try:
-            message = decode_row(row, table, tag)
+            message = decode_stored(row, table, tag)
         except Undecodable as exc:
             undecodable = str(exc)
         if not self.broker.admit(held, row, undecodable):
             self.key_settled(table.queue, row)
             return None
         assert message is not None  # admitted, so it decoded
-        expires_at = message.pop(EXPIRES_KEY)
+        expires_at = message.pop(EXPIRES_KEY, None)
         if expires_at is not None and expires_at <= time():
             self._expire(held, row)
             return None

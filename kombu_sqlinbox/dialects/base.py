@@ -244,11 +244,15 @@ class Dialect:
     def returned_columns(self, spec: TableSpec, alias: str = "") -> str:
         """What a claim returns: each declared column :meth:`claimed` reads, labelled with
         its role (id, attempt, payload, headers, group, partition key, priority, ready
-        time)."""
+        time), then row mode's columns labelled ``x0``, ``x1``..."""
         f = self.fields(spec)
         col = f"{alias}." if alias else ""
-        return ", ".join(f"{col}{f[role.value]} AS {self.quote(role.value)}"
-                         for role in RETURNED_ROLES if spec.has(role))
+        roles = [f"{col}{f[role.value]} AS {self.quote(role.value)}"
+                 for role in RETURNED_ROLES if spec.has(role)]
+        # row mode's columns, labelled by position (a name could clash with a role's)
+        extra = [f"{col}{self.quote(name)} AS {self.quote(f'x{at}')}"
+                 for at, name in enumerate(spec.row_columns)]
+        return ", ".join(roles + extra)
 
     def statements(self, spec: TableSpec) -> Statements:
         cached = self._statements.get(spec)
@@ -338,14 +342,37 @@ class Dialect:
 
     # -- operations --------------------------------------------------------
     def insert_params(
-        self, payload: bytes | str, headers: str | None, priority: int, eta: float | None,
-        group: str | None = None, partition_key: str | None = None,
+        self, payload: bytes | str | None, headers: str | None, priority: int,
+        eta: float | None, group: str | None = None, partition_key: str | None = None,
+        task: tuple[str | None, str | None] = (None, None), columns: Sequence[Any] = (),
     ) -> dict[str, Any]:
+        """The values of a publish: the default statement's (``eta``: epoch seconds or
+        None), those a declared publish statement may bind (``available_at``, ``task_name``,
+        ``task_id``) and the row columns' (``x0``...; see :meth:`publish_params`)."""
         return {"payload": payload, "headers": headers, "priority": priority, "eta": eta,
-                "group": group, "partition_key": partition_key}
+                "available_at": eta, "group": group, "partition_key": partition_key,
+                "task_name": task[0], "task_id": task[1],
+                **{f"x{at}": value for at, value in enumerate(columns)}}
+
+    def publish_params(
+        self, spec: TableSpec, payload: bytes | str | None, headers: str | None,
+        priority: int = 0, eta: float | None = None, group: str | None = None,
+        partition_key: str | None = None, task: tuple[str | None, str | None] = (None, None),
+        columns: Sequence[Any] = (),
+    ) -> dict[str, Any]:
+        """:meth:`insert_params` for a publish to ``spec``'s table: every row column bound
+        (``NULL`` when not given), also by its name for a declared statement (the
+        declaration refuses a name that clashes with another parameter)."""
+        columns = [*columns, *[None] * (len(spec.row_columns) - len(columns))]
+        named = dict(zip(spec.row_columns, columns, strict=True)) if spec.publish else {}
+        return {**self.insert_params(payload, headers, priority, eta, group, partition_key,
+                                     task, columns), **named}
 
     def insert_sql(self, spec: TableSpec) -> str:
-        """The default publish statement: the roles a message fills, the rest by default."""
+        """The publish statement: the declared one, else the roles a message fills (and
+        row mode's columns), the rest by default."""
+        if spec.publish is not None:
+            return spec.publish
         f = self.fields(spec)
         values = {
             Role.PAYLOAD: ":payload",
@@ -355,9 +382,14 @@ class Dialect:
             Role.GROUP: ":group",
             Role.PARTITION_KEY: ":partition_key",
         }
-        roles = [role for role in values if spec.has(role)]
-        columns = ", ".join(f[role.value] for role in roles)
-        placeholders = ", ".join(values[role] for role in roles)
+        # a row column that also plays a role (a FIFO group on an argument) takes the row's
+        # value
+        roles = [role for role in values
+                 if spec.has(role) and spec.name_of(role) not in spec.row_columns]
+        columns = ", ".join([*(f[role.value] for role in roles),
+                             *(self.quote(name) for name in spec.row_columns)])
+        placeholders = ", ".join([*(values[role] for role in roles),
+                                  *(f":x{at}" for at in range(len(spec.row_columns)))])
         return f"INSERT INTO {f['table']} ({columns}) VALUES ({placeholders})"
 
     def index_name(self, spec: TableSpec, suffix: str = "claim") -> str:
@@ -418,12 +450,14 @@ class Dialect:
             "id", "attempt", "payload", "headers", "group", "partition_key"))
         sort_by = [read(role.value) for role in (Role.PRIORITY, Role.AVAILABLE_AT)
                    if spec.has(role)]
+        extra = [read(f"x{at}") for at in range(len(spec.row_columns))]
         raised = 0 if leased else 1
         result = [ClaimedRow(
             id=row_id(row), attempt=attempt(row) + raised, payload=plain_payload(payload(row)),
             headers=_json_text(headers(row)), group=group(row),
             partition_key=partition_key(row),
-            sort_key=(*(value(row) for value in sort_by), row_id(row)))
+            sort_key=(*(value(row) for value in sort_by), row_id(row)),
+            columns=tuple(plain_payload(value(row)) for value in extra))
             for row in rows]
         if spec.has(Role.PRIORITY):
             result.sort(key=lambda r: (-r.sort_key[0], *r.sort_key[1:]))
@@ -517,7 +551,10 @@ class Dialect:
 
     def create_ddl(self, spec: TableSpec) -> list[str]:
         """CREATE TABLE (and its claim index) for a declaration, in this database's types."""
-        columns = ",\n    ".join(self.column_ddl(c) for c in spec.columns)
+        columns = ",\n    ".join(
+            [*(self.column_ddl(c) for c in spec.columns),
+             *(f"{self.quote(name)} {self.row_column_type}" for name in spec.row_columns
+               if all(c.name != name for c in spec.columns))])
         key = ""
         id_column = spec.column(Role.ID)
         assert id_column is not None
@@ -584,11 +621,39 @@ class Dialect:
                     f"table {spec.table!r}: column {column.name!r} (role {column.role.value}) "
                     f"{problem}; for example:\n{self.alter_type_ddl(spec, column)};"
                 )
+        for name in spec.row_columns:
+            if name not in reflected and name.lower() not in folded:
+                problems.append(
+                    f"table {spec.table!r}: column {name!r} (row mode) is missing; add it "
+                    f"with:\n{self.add_row_column_ddl(spec, name)};")
         if problems:
             raise SchemaMismatch("\n".join(problems))
+        if spec.publish is not None:
+            self.check_publish(conn, spec)
+        if not spec.has(Role.PAYLOAD):
+            return True
         payload = reflected.get(spec.name_of(Role.PAYLOAD)) or folded[
             spec.name_of(Role.PAYLOAD).lower()]
         return not isinstance(payload["type"], sqltypes._Binary)
+
+    #: the SQL type of a row mode column the transport creates (a declared table has its own)
+    row_column_type: ClassVar[str] = "TEXT"
+
+    def add_row_column_ddl(self, spec: TableSpec, name: str) -> str:
+        return (f"ALTER TABLE {self.table_ref(spec)} ADD COLUMN {self.quote(name)} "
+                f"{self.row_column_type}")
+
+    def check_publish(self, conn: Connection, spec: TableSpec) -> None:
+        """The declared publish statement, planned (never run) against the schema: a wrong
+        table, column or expression fails at start-up, not at the first publish."""
+        try:
+            with conn.begin_nested():
+                conn.execute(text(f"EXPLAIN {spec.publish}"),
+                             self.publish_params(spec, None, None))
+        except DBAPIError as exc:
+            raise SchemaMismatch(
+                f"table {spec.table!r}: its publish statement does not fit the schema: "
+                f"{exc.orig}\n{spec.publish}") from None
 
     def alter_type_ddl(self, spec: TableSpec, column: ColumnSpec) -> str:
         name = self.quote(column.name)

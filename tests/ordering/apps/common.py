@@ -34,9 +34,15 @@ from kombu_sqlinbox.broker import sqlalchemy_url
 
 
 def declaration(prefix: str, kind: str) -> TableSpec | None:
-    """The queue table of ``kind``: a FIFO group (``fifo``), a partition key (``keyed``)."""
+    """The queue table of ``kind``: a FIFO group (``fifo``), a partition key (``keyed``), a
+    FIFO group in row mode (``rows``: rows written with SQL run ``ord.step`` with the
+    payload's JSON as keyword arguments)."""
     if kind == "plain":
         return None
+    if kind == "rows":
+        return (TableBuilder(f"{prefix}rows_jobs").id().payload().group("grp", fifo=True)
+                .available_at().locked_until().attempt()
+                .task("ord.step", arguments="kwargs").build())
     builder = TableBuilder(f"{prefix}{kind}_jobs").id().payload().headers()
     if kind == "fifo":
         builder.group("grp", fifo=True)

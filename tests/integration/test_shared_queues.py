@@ -1,0 +1,188 @@
+"""Queues shared with other services, on each database: rows inserted with SQL come out
+of a row-mode queue as Celery task messages; a plain queue stores a kombu message's body
+alone; a declared publish statement writes every row, also in a bound transaction, and
+one that does not fit the schema fails at start-up."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from celery_ext.binding import bind
+from kombu_sqlinbox import SchemaMismatch, TableBuilder, TableSpec
+
+from .conftest import Connect
+from .support import get, get_within, publish, quoted, settled
+
+
+def events(prefix: str) -> TableSpec:
+    """Row mode from named columns (the transport creates them as text)."""
+    return (TableBuilder(f"{prefix}events").id().attempt().locked_until().available_at()
+            .task("rows.handle", arguments=("order_id", "kind")).build())
+
+
+def insert(engine: Engine, table: str, **values: object) -> None:
+    columns = ", ".join(quoted(engine, name) for name in values)
+    params = ", ".join(f":{name}" for name in values)
+    with engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {quoted(engine, table)} ({columns}) VALUES ({params})"),
+                     values)
+
+
+def test_a_row_inserted_with_sql_is_delivered_as_its_task_and_keeps_its_id_when_redelivered(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    conn = connect(queues={"events": {"table": events(table_prefix)}})
+    conn.default_channel.queue_declare("events")
+    insert(engine, f"{table_prefix}events", order_id="7", kind="paid")
+
+    first = get_within(conn, "events")
+    assert first.headers["task"] == "rows.handle"
+    assert first.content_type == "application/json"
+    assert first.payload[:2] == [[], {"order_id": "7", "kind": "paid"}]
+    first.requeue()
+    settled(conn)
+    again = get_within(conn, "events")
+    assert again.headers["id"] == first.headers["id"]
+    assert again.delivery_info["redelivered"] is True
+    again.ack()
+    settled(conn)
+    assert get(conn, "events") is None
+
+
+def test_a_task_published_to_a_row_mode_queue_is_written_as_its_row(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    conn = connect(queues={"events": {"table": events(table_prefix)}})
+    publish(conn, "events", [[], {"order_id": "8", "kind": "placed"}, {}],
+            headers={"task": "rows.handle", "id": "ignored"})
+    with engine.connect() as db:
+        stored = db.execute(text(
+            f"SELECT order_id, kind FROM {quoted(engine, f'{table_prefix}events')}")).all()
+    assert [tuple(row) for row in stored] == [("8", "placed")]
+    assert get_within(conn, "events").payload[1] == {"order_id": "8", "kind": "placed"}
+
+
+def test_a_plain_queue_stores_the_body_alone_for_readers_that_are_not_celery(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    spec = (TableBuilder(f"{table_prefix}feed").id().payload().headers().attempt()
+            .locked_until().plain().build())
+    conn = connect(queues={"feed": {"table": spec}})
+    conn.default_channel.queue_declare("feed")
+    with engine.connect() as caller:
+        caller.begin()
+        with bind(caller):  # written in the caller's transaction: gone with its rollback
+            conn.Producer().publish({"sku": "rolled back"}, routing_key="feed")
+        caller.rollback()
+    publish(conn, "feed", {"sku": "A-1", "qty": 3}, headers={"ignored": "yes"})
+    with engine.connect() as db:
+        payload, headers = db.execute(text(
+            f"SELECT payload, headers FROM {quoted(engine, f'{table_prefix}feed')}")).one()
+    assert json.loads(bytes(payload)) == {"sku": "A-1", "qty": 3}
+    assert headers is None, "no envelope"
+    assert get_within(conn, "feed").payload == {"sku": "A-1", "qty": 3}
+
+
+def source_table(connect: Connect, engine: Engine, prefix: str) -> str:
+    """The default layout of queue ``audit``, created by the transport, plus a column
+    ``source`` only a declared publish statement fills."""
+    connect().default_channel.queue_declare("audit")
+    table = quoted(engine, f"{prefix}audit")
+    with engine.begin() as conn:
+        conn.execute(text(f"ALTER TABLE {table} ADD COLUMN source VARCHAR(64)"))
+    return table
+
+
+def test_the_declared_publish_statement_writes_every_row_also_in_a_bound_transaction(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    table = source_table(connect, engine, table_prefix)
+    statement = (f"INSERT INTO {table} (payload, headers, source) "
+                 "VALUES (:payload, :headers, :task_name)")
+    spec = (TableBuilder(f"{table_prefix}audit").id().payload().headers().priority()
+            .available_at().locked_until().attempt().publish_statement(statement).build())
+    conn = connect(queues={"audit": {"table": spec}})
+    producer = conn.Producer()
+    with engine.connect() as caller:
+        caller.begin()
+        with bind(caller):
+            producer.publish({"n": 1}, routing_key="audit", headers={"task": "rolled.back"})
+        caller.rollback()
+        caller.begin()
+        with bind(caller):
+            producer.publish({"n": 2}, routing_key="audit", headers={"task": "kept"})
+        caller.commit()
+    producer.publish({"n": 3}, routing_key="audit", headers={"task": "alone"})
+    with engine.connect() as db:
+        sources = db.execute(text(f"SELECT source FROM {table} ORDER BY id")).scalars().all()
+    assert sources == ["kept", "alone"]
+    message = get_within(conn, "audit")
+    assert (message.payload, message.headers["task"]) == ({"n": 2}, "kept")
+
+
+def test_a_publish_statement_that_does_not_fit_the_schema_fails_at_start_up(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    table = source_table(connect, engine, table_prefix)
+    spec = (TableBuilder(f"{table_prefix}audit").id().payload().headers().priority()
+            .available_at().locked_until().attempt()
+            .publish_statement(f"INSERT INTO {table} (payload, origin) VALUES (:payload, 1)")
+            .build())
+    conn = connect(queues={"audit": {"table": spec}})
+    with pytest.raises(SchemaMismatch, match="its publish statement does not fit the schema"):
+        conn.default_channel.queue_declare("audit")
+
+
+def test_a_row_mode_column_the_table_lacks_fails_at_start_up_with_the_fix(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    connect().default_channel.queue_declare("events")  # the default layout: no kind column
+    spec = (TableBuilder(f"{table_prefix}events").id().payload().attempt()
+            .locked_until().task("rows.handle", arguments=("kind",)).build())
+    conn = connect(queues={"events": {"table": spec}})
+    with pytest.raises(SchemaMismatch, match=r"column 'kind' \(row mode\) is missing; add it"):
+        conn.default_channel.queue_declare("events")
+
+
+#: every claim form on every database that has it
+FORMS = [("postgresql", "lease"), ("mysql", "lease"), ("sqlite", "lease"),
+         ("postgresql", "row_lock"), ("mysql", "row_lock"),
+         ("postgresql", "advisory"), ("mysql", "advisory")]
+
+
+@pytest.mark.parametrize(("database", "claim"), FORMS)
+def test_row_mode_rows_come_out_of_every_claim_form_a_key_at_a_time(
+        connect: Connect, engine: Engine, table_prefix: str, claim: str) -> None:
+    spec = (TableBuilder(f"{table_prefix}keyed").id().payload().partition_key("account")
+            .attempt().locked_until().available_at().task(column="task").build())
+    conn = connect(queues={"keyed": {"table": spec, "claim": claim}})
+    conn.default_channel.queue_declare("keyed")
+    for n, account in enumerate(("a", "a", "b")):
+        insert(engine, f"{table_prefix}keyed", account=account, task="rows.post",
+               payload=json.dumps({"n": n}).encode())
+    first = get_within(conn, "keyed")
+    second = get_within(conn, "keyed")
+    assert [first.payload[1], second.payload[1]] == [{"n": 0}, {"n": 2}], (
+        "a's second row waits behind its first")
+    assert first.headers["task"] == "rows.post"
+    first.ack()
+    second.ack()
+    settled(conn)
+    assert get_within(conn, "keyed").payload[1] == {"n": 1}
+
+
+def test_a_publish_statement_binds_row_mode_columns_by_name(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    connect(queues={"events": {"table": events(table_prefix)}}).default_channel.queue_declare(
+        "events")
+    table = quoted(engine, f"{table_prefix}events")
+    with engine.begin() as conn:
+        conn.execute(text(f"ALTER TABLE {table} ADD COLUMN source VARCHAR(64)"))
+    spec = (TableBuilder(f"{table_prefix}events").id().attempt().locked_until().available_at()
+            .task("rows.handle", arguments=("order_id", "kind"))
+            .publish_statement(f"INSERT INTO {table} (order_id, kind, source) "
+                               "VALUES (:order_id, :kind, :task_id)").build())
+    conn = connect(queues={"events": {"table": spec}})
+    publish(conn, "events", [[], {"order_id": "9", "kind": "paid"}, {}],
+            headers={"task": "rows.handle", "id": "task-9"})
+    with engine.connect() as db:
+        stored = db.execute(text(f"SELECT order_id, kind, source FROM {table}")).all()
+    assert [tuple(row) for row in stored] == [("9", "paid", "task-9")]

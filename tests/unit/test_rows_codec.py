@@ -1,0 +1,253 @@
+"""Rows without Celery's envelope, without a database: a row in row mode becomes the
+Celery task its declaration names, a plain row a JSON message, a task published to such
+a queue the row that would run it, and what does not fit is refused or parked with why."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import datetime, time, timezone
+from decimal import Decimal
+from typing import Any, cast
+
+import pytest
+from celery import Celery
+
+from kombu_sqlinbox import ConfigurationError, RowTask, TableBuilder, TableSpec
+from kombu_sqlinbox.broker import QueueTable
+from kombu_sqlinbox.claims import ClaimForm
+from kombu_sqlinbox.codec import (
+    DEATH_HEADER,
+    ROW_TASK_NAMESPACE,
+    Undecodable,
+    decode_stored,
+    encode_plain,
+    parked_row,
+    stores_plain,
+)
+from kombu_sqlinbox.dialects import ClaimedRow
+from kombu_sqlinbox.options import QueueOptions
+
+QUEUE = "order_events"
+
+
+def base(headers: bool = False) -> TableBuilder:
+    builder = TableBuilder("order_events").id()
+    if headers:
+        builder.headers()
+    return builder.attempt().locked_until()
+
+
+BY_COLUMNS = base().group("order_id", fifo=True).task(
+    "on_order_event", arguments=("order_id", "kind")).build()
+BY_KWARGS = base().payload().task(column="task").build()
+BY_ARGS = base().payload().task("add", arguments="args").build()
+PLAIN = base().payload().plain().build()
+
+
+def queue_table(spec: TableSpec, text: bool = True) -> QueueTable:
+    return QueueTable(QUEUE, spec, QueueOptions(), text, False, cast(ClaimForm, None))
+
+
+def row(columns: tuple[Any, ...] = (), payload: Any = None, headers: str | None = None,
+        attempt: int = 1, row_id: int = 7) -> ClaimedRow:
+    return ClaimedRow(row_id, attempt, payload, headers, None, None, (row_id,), columns)
+
+
+def task_message(name: str, args: Any = (), kwargs: Any = None) -> dict[str, Any]:
+    """A task message as Celery's producer hands it to ``_put`` (protocol 2, JSON)."""
+    app = Celery(set_as_current=False)
+    built = app.amqp.as_task_v2("tid-1", name, args=list(args), kwargs=kwargs or {})
+    return {"body": json.dumps(built.body), "content-type": "application/json",
+            "content-encoding": "utf-8", "headers": built.headers,
+            "properties": {"delivery_info": {"exchange": "", "routing_key": QUEUE}}}
+
+
+def test_a_row_becomes_the_declared_task_with_its_columns_as_keyword_arguments() -> None:
+    table = queue_table(BY_COLUMNS)
+    message = decode_stored(row((5, "paid")), table, 1)
+    headers = message["headers"]
+    assert headers["task"] == "on_order_event"
+    assert headers["id"] == str(uuid.uuid5(ROW_TASK_NAMESPACE, f"{QUEUE}/7"))
+    assert headers["root_id"] == headers["id"] and headers["retries"] == 0
+    assert json.loads(message["body"])[:2] == [[], {"order_id": 5, "kind": "paid"}]
+    assert message["content-type"] == "application/json"
+    assert message["properties"]["delivery_info"]["routing_key"] == QUEUE
+
+
+def test_a_redelivery_keeps_the_task_id_a_row_with_another_id_gets_another() -> None:
+    table = queue_table(BY_COLUMNS)
+    first = decode_stored(row((5, "paid")), table, 1)
+    again = decode_stored(row((5, "paid"), attempt=2), table, 2)
+    other = decode_stored(row((5, "paid"), row_id=8), table, 3)
+    assert again["headers"]["id"] == first["headers"]["id"] != other["headers"]["id"]
+    assert again["properties"]["delivery_info"]["redelivered"] is True
+
+
+def test_column_values_json_has_no_type_for_arrive_as_numbers_and_text() -> None:
+    message = decode_stored(row((Decimal("5"), b"paid")), queue_table(BY_COLUMNS), 1)
+    assert json.loads(message["body"])[1] == {"order_id": 5, "kind": "paid"}
+    message = decode_stored(row((Decimal("2.5"), uuid.UUID(int=1))), queue_table(BY_COLUMNS), 1)
+    assert json.loads(message["body"])[1] == {"order_id": 2.5, "kind": str(uuid.UUID(int=1))}
+    moment = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+    message = decode_stored(row((moment, time(9, 30))), queue_table(BY_COLUMNS), 1)
+    assert json.loads(message["body"])[1] == {"order_id": "2026-11-30T12:00:00+00:00",
+                                              "kind": "09:30:00"}
+
+
+def test_the_task_column_names_the_task_and_the_payload_holds_its_kwargs() -> None:
+    message = decode_stored(row(("report",), b'{"day": "mon"}'), queue_table(BY_KWARGS, False), 1)
+    assert message["headers"]["task"] == "report"
+    assert json.loads(message["body"])[:2] == [[], {"day": "mon"}]
+
+
+def test_the_payload_holds_positional_arguments() -> None:
+    message = decode_stored(row((), "[1, 2]"), queue_table(BY_ARGS), 1)
+    assert message["headers"]["task"] == "add"
+    assert json.loads(message["body"])[:2] == [[1, 2], {}]
+
+
+@pytest.mark.parametrize(("spec", "stored", "reason"), [
+    (BY_KWARGS, row((None,), '{"day": "mon"}'), "the row names no task: column 'task' is None"),
+    (BY_KWARGS, row(("",), '{"day": "mon"}'), "the row names no task"),
+    (BY_KWARGS, row(("report",), "{oops"), "the payload column is not JSON"),
+    (BY_KWARGS, row(("report",), "[1]"), "must hold a JSON object of keyword arguments"),
+    (BY_ARGS, row((), '{"a": 1}'), "must hold a JSON array of positional arguments"),
+])
+def test_a_row_that_cannot_be_a_task_is_undecodable_saying_why(
+        spec: TableSpec, stored: ClaimedRow, reason: str) -> None:
+    with pytest.raises(Undecodable, match=reason):
+        decode_stored(stored, queue_table(spec), 1)
+
+
+def test_a_row_kombu_wrote_with_its_envelope_decodes_as_any_message() -> None:
+    spec = base(headers=True).payload().task(column="task").build()
+    envelope = json.dumps({"headers": {"task": "report", "id": "kept"},
+                           "content-type": "application/json", "properties": {}})
+    message = decode_stored(row(("ignored",), '[[], {}, {}]', envelope), queue_table(spec), 1)
+    assert message["headers"]["id"] == "kept"
+
+
+def test_a_plain_row_reads_as_a_json_message() -> None:
+    message = decode_stored(row((), b'{"to": "ann"}'), queue_table(PLAIN, False), 1)
+    assert json.loads(message["body"]) == {"to": "ann"}
+    assert message["content-type"] == "application/json"
+    assert "task" not in message["headers"]
+
+
+def test_which_queues_store_no_envelope() -> None:
+    assert stores_plain(PLAIN) and stores_plain(BY_COLUMNS) and stores_plain(BY_KWARGS)
+    assert not stores_plain(base(headers=True).payload().task("t").build())
+    assert not stores_plain(base(headers=True).payload().build())
+
+
+def test_a_task_published_to_a_row_mode_queue_is_stored_as_the_row_that_runs_it() -> None:
+    payload, columns = encode_plain(task_message("on_order_event", kwargs={
+        "order_id": 5, "kind": "paid"}), queue_table(BY_COLUMNS))
+    assert (payload, columns) == (None, (5, "paid"))
+    payload, columns = encode_plain(task_message("report", kwargs={"day": "mon"}),
+                                    queue_table(BY_KWARGS))
+    assert (json.loads(payload or ""), columns) == ({"day": "mon"}, ("report",))
+    payload, columns = encode_plain(task_message("add", args=(1, 2)), queue_table(BY_ARGS, False))
+    assert (payload, columns) == (b"[1, 2]", ())
+
+
+def test_a_kombu_message_to_a_plain_queue_stores_its_body_alone() -> None:
+    message = {"body": '{"a": 1}', "content-type": "application/json", "headers": {},
+               "properties": {}}
+    assert encode_plain(message, queue_table(PLAIN, False)) == (b'{"a": 1}', ())
+    assert encode_plain({**message, "body": None}, queue_table(PLAIN)) == ("", ())
+
+
+@pytest.mark.parametrize(("spec", "message", "refusal"), [
+    (BY_KWARGS, {"body": "{}", "headers": {}, "properties": {}},
+     "only Celery tasks can be published"),
+    (BY_COLUMNS, task_message("other", kwargs={"order_id": 1, "kind": "x"}),
+     "runs task 'on_order_event' for every row, not 'other'"),
+    (BY_COLUMNS, task_message("on_order_event", args=(1,)), "takes keyword arguments"),
+    (BY_COLUMNS, task_message("on_order_event", kwargs={"order_id": 1, "colour": "x"}),
+     "takes keyword arguments order_id, kind only"),
+    (BY_KWARGS, task_message("report", args=(1,)), "stores kwargs only"),
+    (BY_ARGS, task_message("add", kwargs={"a": 1}), "stores args only"),
+    (BY_KWARGS, {**task_message("report"), "content-type": "application/x-python-serialize"},
+     "set serializer='json'"),
+    (BY_KWARGS, {**task_message("report"), "body": "{}"}, "not a Celery task body"),
+])
+def test_what_the_row_cannot_hold_is_refused(spec: TableSpec, message: dict[str, Any],
+                                             refusal: str) -> None:
+    with pytest.raises(ConfigurationError, match=refusal):
+        encode_plain(message, queue_table(spec))
+
+
+def test_a_parked_row_keeps_its_raw_columns_and_reads_as_json() -> None:
+    payload, headers = parked_row(row((Decimal(5), "paid")), queue_table(BY_COLUMNS),
+                                  {"reason": "why"})
+    assert json.loads(payload) == {"order_id": 5, "kind": "paid"}
+    envelope = json.loads(headers)
+    assert envelope["content-type"] == "application/json"
+    assert envelope["headers"][DEATH_HEADER] == {"reason": "why"}
+    payload, _ = parked_row(row(("report",), b"{oops"), queue_table(BY_KWARGS), {})
+    assert json.loads(payload) == {"payload": "{oops", "task": "report"}
+
+
+@pytest.mark.parametrize(("arguments", "refusal"), [
+    ({}, "name the task, or the column holding it"),
+    ({"name": "t", "column": "c"}, "name the task, or the column holding it"),
+    ({"name": ""}, "is not a name"),
+    ({"column": "bad column"}, "not a valid identifier"),
+    ({"name": "t", "arguments": ()}, "at least one argument column"),
+    ({"name": "t", "arguments": ("a", "a")}, "an argument column repeats"),
+    ({"name": "t", "arguments": ("a b",)}, "not a valid identifier"),
+    ({"name": "t", "arguments": "both"}, "expected 'kwargs', 'args' or a tuple"),
+])
+def test_a_row_mode_declaration_that_cannot_work_fails_at_once(
+        arguments: dict[str, Any], refusal: str) -> None:
+    with pytest.raises(ConfigurationError, match=refusal):
+        RowTask(**arguments)
+
+
+def test_row_mode_from_the_payload_needs_a_payload_column_from_columns_none() -> None:
+    for builder in (base().task("t"), base().task("t", arguments="args"), base()):
+        with pytest.raises(ConfigurationError, match="needs a column with role payload"):
+            builder.build()
+    assert base().task("t", arguments=["a"]).build().row_columns == ("a",)
+
+
+@pytest.mark.parametrize(("statement", "arguments", "refusal"), [
+    ("UPDATE t SET payload = :payload", "kwargs", "must be an INSERT"),
+    ("INSERT INTO t (payload, x) VALUES (:payload, :colour)", "kwargs", "binds :colour"),
+    ("INSERT INTO t (payload) VALUES (:payload)", ("a", "priority"),
+     "column 'priority' has the name of a parameter"),
+])
+def test_a_publish_statement_that_cannot_work_fails_at_declaration(
+        statement: str, arguments: Any, refusal: str) -> None:
+    with pytest.raises(ConfigurationError, match=refusal):
+        base().payload().task("t", arguments=arguments).publish_statement(statement).build()
+
+
+def test_a_publish_statement_binds_row_mode_columns_by_name() -> None:
+    statement = "INSERT INTO t (order_id, kind) VALUES (:order_id, :kind)"
+    assert base().task("t", arguments=("order_id", "kind")).publish_statement(
+        statement).build().publish == statement
+
+
+def test_a_publish_statement_may_bind_every_documented_parameter_and_cast() -> None:
+    statement = ("INSERT INTO t (a, b, c, d, e, f, g, h) VALUES (:payload, :headers, :group, "
+                 ":partition_key, :available_at, CAST(:priority AS INTEGER), :task_name, "
+                 "'shop:'::text || :task_id)")
+    assert base().payload().publish_statement(statement).build().publish == statement
+
+
+def test_class_and_builder_forms_declare_the_same_shared_queue() -> None:
+    from kombu_sqlinbox import Column, InboxTable, Role
+
+    class Events(InboxTable, table="order_events", rows=RowTask("t", arguments="args"),
+                 plain=True, publish="INSERT INTO order_events (payload) VALUES (:payload)"):
+        id = Column(Role.ID, generated=True)
+        attempt = Column(Role.ATTEMPT)
+        locked_until = Column(Role.LOCKED_UNTIL)
+        payload = Column(Role.PAYLOAD)
+
+    built = (base().payload().task("t", arguments="args").plain()
+             .publish_statement("INSERT INTO order_events (payload) VALUES (:payload)").build())
+    assert Events.__spec__ == built and hash(Events.__spec__) == hash(built)
