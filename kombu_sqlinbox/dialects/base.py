@@ -13,7 +13,7 @@ import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from operator import itemgetter
 from typing import Any, ClassVar
 
@@ -22,6 +22,7 @@ from sqlalchemy import types as sqltypes
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
+from ..clock import PARAMETER, Clock, clock_for
 from ..errors import MessageTooLarge, SchemaMismatch
 from ..rows import ClaimedRow as ClaimedRow  # built here; re-exported
 from ..tables import ColumnSpec, Role, TableSpec
@@ -109,10 +110,15 @@ class Dialect:
 
     #: SQLAlchemy dialect names this class serves
     names: ClassVar[tuple[str, ...]] = ()
-    #: the database's current time, as stored in time-role columns
-    now: ClassVar[str]
+    #: the database's current time, as stored in time-role columns; every statement
+    #: reads "now" from here (or from ``later``, ``eta_value``, ``outbox_ago``,
+    #: ``outbox_age``, which build on it), so a pinned clock replaces it in one place
+    now: str
+    #: ``now`` at a pinned moment: the bound ``:sqlinbox_now`` (epoch seconds, or NULL
+    #: while the clock runs) as this database's time value
+    pinned_now: ClassVar[str]
     #: ``available_at`` of a published row: the bound ``:eta`` (epoch seconds) or now
-    eta_value: ClassVar[str]
+    eta_value: str
     #: what the database offers; a plug-in declares its own (the default: none)
     capabilities: ClassVar[Capabilities] = Capabilities()
     #: how a claim's selection locks the rows it takes: set with ``row_locks`` (empty
@@ -134,6 +140,30 @@ class Dialect:
         #: ``notify`` option turned it off for this instance
         self.notify = self.capabilities.wakeups
         self._statements: dict[TableSpec, Statements] = {}
+        #: the clock installed for this database (:mod:`kombu_sqlinbox.clock`), if any
+        self.clock: Clock | None = clock_for(engine.url)
+        if self.clock is not None:
+            database_now = self.now
+            self.now = f"COALESCE({self.pinned_now}, {database_now})"
+            self.eta_value = self.eta_value.replace(database_now, self.now)
+
+    def clocked(self, statement: TextClause) -> TextClause:
+        """``statement`` with the clock's time bound, read at each execution, where it
+        uses it (unchanged without a clock)."""
+        if self.clock is None or f":{PARAMETER}" not in statement.text:
+            return statement
+        return statement.bindparams(bindparam(PARAMETER, callable_=self.clock.value))
+
+    def _clock_all(self, statements: Statements) -> Statements:
+        if self.clock is None:
+            return statements
+
+        def clock(value: Any) -> Any:
+            if isinstance(value, tuple):
+                return tuple(self.clocked(item) for item in value)
+            return None if value is None else self.clocked(value)
+        return replace(statements, **{field.name: clock(getattr(statements, field.name))
+                                      for field in fields(statements)})
 
     # -- identifiers -------------------------------------------------------
     def quote(self, name: str) -> str:
@@ -216,7 +246,7 @@ class Dialect:
     def statements(self, spec: TableSpec) -> Statements:
         cached = self._statements.get(spec)
         if cached is None:
-            cached = self._statements[spec] = self.build_statements(spec)
+            cached = self._statements[spec] = self._clock_all(self.build_statements(spec))
         return cached
 
     def build_statements(self, spec: TableSpec) -> Statements:
@@ -431,10 +461,10 @@ class Dialect:
     def explain(self, spec: TableSpec) -> TextClause:
         """EXPLAIN of the claim's row selection: the part an index must serve."""
         f = self.fields(spec)
-        return text(
+        return self.clocked(text(
             f"EXPLAIN SELECT r.{f['id']} FROM {f['table']} AS r WHERE {self.ready_filter(spec)} "
             f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit {self.lock_clause}"
-        )
+        ))
 
     def create_ddl(self, spec: TableSpec) -> list[str]:
         """CREATE TABLE (and its claim index) for a declaration, in this database's types."""
@@ -631,7 +661,7 @@ class Dialect:
             insert += self.outbox_returning(f)
         unprocessed = f"{f['processed_at']} IS NULL"
         oldest = f"MIN(CASE WHEN {unprocessed} THEN {f['created_at']} END)"
-        return {
+        statements = {
             "insert": text(insert),
             "mark": text(
                 f"UPDATE {f['table']} SET {f['processed_at']} = {self.now} "
@@ -662,6 +692,7 @@ class Dialect:
                 f"{self.outbox_age(oldest)} FROM {f['table']}"),
             "drop": text(f"DROP TABLE IF EXISTS {f['table']}"),
         }
+        return {name: self.clocked(statement) for name, statement in statements.items()}
 
     def outbox_insert(self, conn: Connection, statement: TextClause,
                       params: Mapping[str, Any]) -> Any:

@@ -33,6 +33,7 @@ class MySQLDialect(Dialect):
     capabilities = Capabilities(row_locks=True, skip_locked=True, key_locks=True)
     lock_clause = "FOR UPDATE SKIP LOCKED"
     now = NOW
+    pinned_now = "FROM_UNIXTIME(:sqlinbox_now)"
     eta_value = f"COALESCE(FROM_UNIXTIME(:eta), {NOW})"
     generated_id_type = "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY"
     column_types = {
@@ -54,7 +55,7 @@ class MySQLDialect(Dialect):
         return "`" + name + "`"
 
     def later(self, seconds: str) -> str:
-        return f"{NOW} + INTERVAL ({seconds} * 1000000) MICROSECOND"
+        return f"{self.now} + INTERVAL ({seconds} * 1000000) MICROSECOND"
 
     def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
         """No UPDATE ... RETURNING here: lock the rows, then lease them, same transaction."""
@@ -144,10 +145,10 @@ class MySQLDialect(Dialect):
     }
 
     def outbox_ago(self) -> str:
-        return f"{NOW} - INTERVAL (:older_than * 1000000) MICROSECOND"
+        return f"{self.now} - INTERVAL (:older_than * 1000000) MICROSECOND"
 
     def outbox_age(self, moment: str) -> str:
-        return f"TIMESTAMPDIFF(MICROSECOND, {moment}, {NOW}) / 1000000.0"
+        return f"TIMESTAMPDIFF(MICROSECOND, {moment}, {self.now}) / 1000000.0"
 
     def outbox_prune_sql(self, f: dict[str, str]) -> str:
         """MySQL takes no LIMIT in an IN subquery, but DELETE itself takes one."""

@@ -24,6 +24,7 @@ NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 class SQLiteDialect(Dialect):
     names = ("sqlite",)
     now = NOW
+    pinned_now = ":sqlinbox_now"
     eta_value = f"COALESCE(:eta, {NOW})"
     #: a single writer: claims need no row locks
     capabilities = Capabilities(returning=True)
@@ -52,7 +53,7 @@ class SQLiteDialect(Dialect):
         return (_expanding(claim),)
 
     def later(self, seconds: str) -> str:
-        return f"{NOW} + {seconds}"
+        return f"{self.now} + {seconds}"
 
     def time_types(self) -> tuple[type[Any], ...]:
         return (sqltypes.Float, sqltypes.Numeric, sqltypes.Integer)
@@ -107,10 +108,10 @@ class SQLiteDialect(Dialect):
     }
 
     def outbox_ago(self) -> str:
-        return f"{NOW} - :older_than"
+        return f"{self.now} - :older_than"
 
     def outbox_age(self, moment: str) -> str:
-        return f"{NOW} - {moment}"
+        return f"{self.now} - {moment}"
 
     #: deferred: the outbox's transactions start with their write, its reads lock nothing
     outbox_engine_options = {"sqlite_begin": "DEFERRED"}
