@@ -103,16 +103,15 @@ class Inbox:
         app.amqp._producer_pool = None
 
     def close(self) -> None:
-        """Drop the test's tables where they outlive it (a server) and let go of the inbox."""
-        if not sqlalchemy_url(self.url[len(PREFIX):]).get_backend_name() == "sqlite":
-            names = [queue.name for queue in self.queues]
-            names += [self.options.for_queue(name).dead_letter_queue for name in names]
-            with self.app.connection_for_write() as conn:
-                for name in filter(None, names):
-                    conn.default_channel.queue_delete(name)
-            if self.outbox is not None:
-                self.outbox.drop()
+        """Drop the test's tables (the database may outlive the test) and let go of the
+        inbox."""
+        names = [queue.name for queue in self.queues]
+        names += [self.options.for_queue(name).dead_letter_queue for name in names]
+        with self.app.connection_for_write() as conn:
+            for name in filter(None, names):
+                conn.default_channel.queue_delete(name)
         if self.outbox is not None:
+            self.outbox.drop()
             self.outbox.close()
         self._fresh_connections()
         close_all()
@@ -225,9 +224,9 @@ def sqlinbox_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 @pytest.fixture
 def sqlinbox_clock(sqlinbox_url: str) -> Iterator[clocks.Clock]:
     """The inbox's clock: the database's time until the test pins or advances it."""
-    clock = clocks.install(sqlalchemy_url(sqlinbox_url[len(PREFIX):]))
-    yield clock
-    clock.release()
+    url = sqlalchemy_url(sqlinbox_url[len(PREFIX):])
+    yield clocks.install(url)
+    clocks.uninstall(url)
 
 
 @pytest.fixture

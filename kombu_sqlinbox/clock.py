@@ -68,6 +68,15 @@ def install(url: Any) -> Clock:
         return found
 
 
+def uninstall(url: Any) -> None:
+    """Dialects made from now on read the database's time again (those made before keep
+    the clock, released)."""
+    with _LOCK:
+        found = _CLOCKS.pop(key_of(url), None)
+    if found is not None:
+        found.release()
+
+
 def clock_for(url: Any) -> Clock | None:
     """The clock installed for the database at ``url``, if any."""
     return _CLOCKS.get(key_of(url)) if _CLOCKS else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shop
 
+
 # test-clock-start
 def test_a_reminder_due_in_an_hour_runs_once_the_clock_reaches_it(
         sqlinbox_drain, sqlinbox_clock):

@@ -1,0 +1,73 @@
+"""The pytest fixtures as a service uses them: the sample shop project's tests
+(examples/testing), run by pytester in a pytest of their own, on each database."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.databases import database_url
+from tests.docs.support import EXAMPLES
+
+SHOP = EXAMPLES / "testing"
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgresql", "mysql"])
+def test_the_shop_tests_pass_with_the_clock_on(database: str, pytester: pytest.Pytester,
+                                                 tmp_path: Path) -> None:
+    for name in ("shop.py", "test_shop.py", "conftest.py", "pytest.ini"):
+        shutil.copy(SHOP / name, pytester.path / name)
+    # SQLite: the default, a new file per test; a server: its URL, a prefix per test
+    url = [] if database == "sqlite" else [f"--sqlinbox-url={database_url(database, tmp_path)}"]
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *url)
+    result.assert_outcomes(passed=5)
+
+
+def test_without_opting_in_there_are_no_fixtures(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_clock(sqlinbox_clock):\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*fixture 'sqlinbox_clock' not found*"])
+
+
+def test_an_app_without_an_outbox_drains_and_has_no_outbox_fixture(
+        pytester: pytest.Pytester) -> None:
+    """Opted in with --sqlinbox; the app comes from an overridden fixture, not the ini."""
+    pytester.makeconftest("""
+        import pytest
+        from celery import Celery
+
+        import kombu_sqlinbox  # noqa: F401
+
+        app = Celery("plain", broker="memory://")
+
+        @app.task
+        def add(x, y):
+            return x + y
+
+        @pytest.fixture
+        def sqlinbox_service_app():
+            return app
+    """)
+    pytester.makepyfile("""
+        def test_drain(sqlinbox_app, sqlinbox_drain):
+            sqlinbox_app.tasks["conftest.add"].delay(2, 3)
+            assert [(ran.task, ran.result) for ran in sqlinbox_drain()] == [
+                ("conftest.add", 5)]
+
+        def test_outbox(sqlinbox_outbox):
+            pass
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--sqlinbox")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*the service's app has no outbox*"])
+
+
+def test_no_app_named_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nsqlinbox = true\n")
+    pytester.makepyfile("def test_app(sqlinbox_app):\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*set sqlinbox_app = module:attribute*"])
