@@ -145,7 +145,8 @@ def bind(target: Target | Any) -> Iterator[Connection]:
     Bind before opening the savepoints whose rollback should drop messages.
     """
     if not isinstance(target, (Session, Connection)):
-        from .django import bind as bind_django, is_django_connection
+        from .django import bind as bind_django
+        from .django import is_django_connection
 
         if is_django_connection(target):
             with bind_django(target) as conn:

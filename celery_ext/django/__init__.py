@@ -41,20 +41,21 @@ def database_url(database: str | Mapping[str, Any] = "default",
     if isinstance(database, str):
         from django.conf import settings
 
-        database = settings.DATABASES[database]
-    vendor = database["ENGINE"].rsplit(".", 1)[-1]
+        entry: Mapping[str, Any] = settings.DATABASES[database]
+    else:
+        entry = database
+    vendor = entry["ENGINE"].rsplit(".", 1)[-1]
     backend = BACKENDS.get(vendor)
     if backend is None:
-        raise ValueError(f"{where}: no sqlinbox broker for {database['ENGINE']}")
+        raise ValueError(f"{where}: no sqlinbox broker for {entry['ENGINE']}")
     if backend == "sqlite":
-        return URL.create(f"sqlite+{driver}" if driver else "sqlite",
-                          database=str(database["NAME"]))
-    port = database.get("PORT")
+        return URL.create(f"sqlite+{driver}" if driver else "sqlite", database=str(entry["NAME"]))
+    port = entry.get("PORT")
     return URL.create(f"{backend}+{driver}" if driver else backend,
-                      username=database.get("USER") or None,
-                      password=database.get("PASSWORD") or None,
-                      host=database.get("HOST") or None, port=int(port) if port else None,
-                      database=database.get("NAME"))
+                      username=entry.get("USER") or None,
+                      password=entry.get("PASSWORD") or None,
+                      host=entry.get("HOST") or None, port=int(port) if port else None,
+                      database=entry.get("NAME"))
 
 
 def broker_url(database: str | Mapping[str, Any] = "default") -> str:

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 from celery import Celery
 from django.db import connection, transaction
-from sqlalchemy import create_engine, inspect
-
-import celery_ext
-import celery_ext.django
 from orders.models import Order
 from orders.services import place_order
 from orders.tasks import reserve_stock, send_receipt
 from shopsite import celery_app
 from shopsite.celery import mail
+from sqlalchemy import create_engine, inspect
+
+import celery_ext
+import celery_ext.django
 
 
 def queued(app: Celery = celery_app) -> list[str]:

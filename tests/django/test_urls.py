@@ -21,5 +21,5 @@ def test_an_sqlite_entry_gives_its_file() -> None:
 
 
 def test_a_database_the_transport_cannot_serve_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="django.db.backends.oracle"):
+    with pytest.raises(ValueError, match=r"django\.db\.backends\.oracle"):
         broker_url({"ENGINE": "django.db.backends.oracle", "NAME": "shop"})

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 from celery import shared_task
-
 from shopsite.celery import mail
 
 
