@@ -16,6 +16,10 @@ keeps the database's own time.
 from __future__ import annotations
 
 import os
+import select
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,6 +31,7 @@ import pytest
 from celery import Celery
 from celery.app.trace import build_tracer
 from celery.contrib.testing.worker import start_worker
+from celery.signals import worker_ready
 from celery.states import REJECTED
 
 from kombu_sqlinbox import clock as clocks
@@ -64,6 +69,20 @@ class DeadLetter:
     death: dict[str, Any] = field(repr=False)
 
 
+def bind_app(app: Celery, url: str, prefix: str) -> Outbox | None:
+    """Point ``app`` at the inbox ``url`` with the table prefix ``prefix``, its outbox (if
+    it has one, returned) at the same database."""
+    app.conf.broker_url = url
+    app.conf.broker_transport_options = {
+        **(app.conf.broker_transport_options or {}), "table_prefix": prefix}
+    try:
+        outbox = outbox_of(app)
+    except OutboxError:  # the service sends without an outbox
+        return None
+    outbox.bind_engine(url[len(PREFIX):])
+    return outbox
+
+
 class Inbox:
     """The service's app bound to a test inbox: its queues' tables created, its outbox (if
     it has one) on the same database."""
@@ -72,18 +91,10 @@ class Inbox:
         self.app, self.url, self.clock = app, url, clock
         self.prefix = f"t{uuid.uuid4().hex[:10]}_"
         self._saved = (app.conf.broker_url, app.conf.broker_transport_options)
-        options = {**(app.conf.broker_transport_options or {}), "table_prefix": self.prefix}
-        self.options = parse_options(options)
-        app.conf.broker_url = url
-        app.conf.broker_transport_options = options
+        self.outbox = bind_app(app, url, self.prefix)
+        self.options = parse_options(app.conf.broker_transport_options)
         self._fresh_connections()
-        self.outbox: Outbox | None
-        try:
-            self.outbox = outbox_of(app)
-        except OutboxError:  # the service sends without an outbox
-            self.outbox = None
         if self.outbox is not None:
-            self.outbox.bind_engine(url[len(PREFIX):])
             self.outbox.create()
         with app.connection_for_write() as conn:
             channel = conn.default_channel
@@ -172,6 +183,16 @@ class Inbox:
         lease = table.options.visibility_timeout
         rows = broker.run(lambda conn: broker.dialect.claim(conn, table.spec, limit, lease))
         return len(rows)
+
+    def wait_for(self, condition: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """``condition()`` once it is true (what a worker process did shows only in the
+        database: it is asked again every 50 ms), or TimeoutError after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while not (value := condition()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{condition!r} still false after {timeout} s")
+            time.sleep(0.05)
+        return value
 
     # -- what is left -------------------------------------------------------------------
     def dead_letters(self, queue: str = "celery") -> list[DeadLetter]:
@@ -271,3 +292,64 @@ def sqlinbox_worker(sqlinbox: Inbox) -> Iterator[Any]:
     with start_worker(sqlinbox.app, pool="solo", perform_ping_check=False,
                       shutdown_timeout=30.0) as worker:
         yield worker
+
+
+#: seconds a worker process has to start
+WORKER_START = 60.0
+
+
+@pytest.fixture
+def sqlinbox_worker_process(request: pytest.FixtureRequest, sqlinbox: Inbox,
+                            tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A real ``celery worker`` process (solo pool) on the test's inbox, started before the
+    test and stopped (SIGTERM: a warm shutdown) after it. It reads the database's time,
+    not the test's clock; its log is ``worker.log`` in the test's ``tmp_path``."""
+    path = request.config.getini("sqlinbox_app")
+    if not path:
+        raise pytest.UsageError("a worker process imports the app by name: set sqlinbox_app")
+    ready, signal_end = os.pipe()
+    log = tmp_path / "worker.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "celery_ext.testing", path, sqlinbox.url, sqlinbox.prefix,
+             str(signal_end)], stdout=output, stderr=subprocess.STDOUT, pass_fds=(signal_end,))
+    os.close(signal_end)
+    try:
+        readable, _, _ = select.select([ready], [], [], WORKER_START)
+        if not readable:
+            raise RuntimeError(f"the worker process was not ready within {WORKER_START:.0f} "
+                               f"s; its log:\n{log.read_text()}")
+        if not os.read(ready, 1):  # its end of the pipe closed: it exited
+            raise RuntimeError(f"the worker process exited with code {process.wait(30)} "
+                               f"before it was ready; its log:\n{log.read_text()}")
+        yield process
+    finally:
+        os.close(ready)
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        finally:
+            if process.poll() is None:  # it did not stop: end it
+                process.kill()
+                process.wait()
+
+
+def main(argv: list[str]) -> None:
+    """A worker process for :func:`sqlinbox_worker_process`: ``python -m celery_ext.testing
+    APP URL PREFIX FD`` binds the app as the fixtures do and writes one byte to FD once
+    the worker is ready."""
+    path, url, prefix, fd = argv
+    app: Celery = _import(path)
+    bind_app(app, url, prefix)
+
+    def announce(**kwargs: Any) -> None:
+        os.write(int(fd), b"r")
+        os.close(int(fd))
+
+    worker_ready.connect(announce, weak=False)
+    app.worker_main(["worker", "--pool=solo", "--loglevel=INFO", "--without-gossip",
+                     "--without-mingle", "--without-heartbeat"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -63,3 +63,11 @@ def test_the_worker_ships_an_order(sqlinbox_worker):
     shop.ship.delay(4)
     assert shop.shipped.wait(timeout=30)
 # test-worker-end
+
+
+# test-worker-process-start
+def test_a_worker_process_ships_an_order(sqlinbox, sqlinbox_worker_process, sqlinbox_outbox):
+    shop.ship.delay(6)
+    # the record of the send is marked processed once the worker has run it
+    sqlinbox.wait_for(lambda: sqlinbox_outbox.status().processed == 1)
+# test-worker-process-end

@@ -22,7 +22,7 @@ def test_the_shop_tests_pass_with_the_clock_on(database: str, pytester: pytest.P
     # SQLite: the default, a new file per test; a server: its URL, a prefix per test
     url = [] if database == "sqlite" else [f"--sqlinbox-url={database_url(database, tmp_path)}"]
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *url)
-    result.assert_outcomes(passed=5)
+    result.assert_outcomes(passed=6)
 
 
 def test_without_opting_in_there_are_no_fixtures(pytester: pytest.Pytester) -> None:
@@ -71,3 +71,28 @@ def test_no_app_named_is_a_usage_error(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*set sqlinbox_app = module:attribute*"])
+
+
+def test_a_worker_process_that_dies_starting_fails_the_test_with_its_log(
+        pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nsqlinbox = true\nsqlinbox_app = dying:app\n")
+    pytester.makepyfile(dying="""
+        import os
+
+        from celery import Celery
+        from celery.signals import worker_init
+
+        import kombu_sqlinbox  # noqa: F401
+
+        app = Celery("dying", broker="memory://")
+
+        @worker_init.connect
+        def die(**kwargs):
+            print("no worker today", flush=True)
+            os._exit(3)
+    """)
+    pytester.makepyfile(test_it="def test_worker(sqlinbox_worker_process):\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*exited with code 3 before it was ready*",
+                                 "*no worker today*"])
