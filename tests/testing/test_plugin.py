@@ -25,13 +25,6 @@ def test_the_shop_tests_pass_with_the_clock_on(database: str, pytester: pytest.P
     result.assert_outcomes(passed=6)
 
 
-def test_without_opting_in_there_are_no_fixtures(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile("def test_clock(sqlinbox_clock):\n    pass\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(errors=1)
-    result.stdout.fnmatch_lines(["*fixture 'sqlinbox_clock' not found*"])
-
-
 def test_an_app_without_an_outbox_drains_and_has_no_outbox_fixture(
         pytester: pytest.Pytester) -> None:
     """Opted in with --sqlinbox; the app comes from an overridden fixture, not the ini."""
@@ -65,12 +58,18 @@ def test_an_app_without_an_outbox_drains_and_has_no_outbox_fixture(
     result.stdout.fnmatch_lines(["*the service's app has no outbox*"])
 
 
-def test_no_app_named_is_a_usage_error(pytester: pytest.Pytester) -> None:
-    pytester.makeini("[pytest]\nsqlinbox = true\n")
-    pytester.makepyfile("def test_app(sqlinbox_app):\n    pass\n")
+@pytest.mark.parametrize(("ini", "fixture", "error"), [
+    # installed, the plugin only adds options: no fixtures until the project opts in
+    ("[pytest]\n", "sqlinbox_clock", "*fixture 'sqlinbox_clock' not found*"),
+    ("[pytest]\nsqlinbox = true\n", "sqlinbox_app", "*set sqlinbox_app = module:attribute*"),
+], ids=["not opted in", "no app named"])
+def test_a_project_not_set_up_gets_an_error_saying_so(
+        pytester: pytest.Pytester, ini: str, fixture: str, error: str) -> None:
+    pytester.makeini(ini)
+    pytester.makepyfile(f"def test_it({fixture}):\n    pass\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(errors=1)
-    result.stdout.fnmatch_lines(["*set sqlinbox_app = module:attribute*"])
+    result.stdout.fnmatch_lines([error])
 
 
 def test_a_worker_process_that_dies_starting_fails_the_test_with_its_log(
