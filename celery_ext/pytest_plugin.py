@@ -23,6 +23,8 @@ def pytest_addoption(parser: Any) -> None:
     parser.addini("sqlinbox", type="bool", default=False, help="load the sqlinbox_* fixtures")
     parser.addini("sqlinbox_app", default="",
                   help="the service's Celery app the fixtures bind, as module:attribute")
+    parser.addini("sqlinbox_worker_start", default="60",
+                  help="seconds a worker process (sqlinbox_worker_process) has to start")
 
 
 def pytest_configure(config: Any) -> None:

@@ -129,10 +129,11 @@ class Inbox:
         self.app.conf.broker_url, self.app.conf.broker_transport_options = self._saved
 
     # -- running tasks here ----------------------------------------------------------
-    def drain(self) -> list[Ran]:
+    def drain(self, limit: int = DRAIN_LIMIT) -> list[Ran]:
         """Run every task that is ready now, in this process, until none is; returns what
         ran, in order. Retries and tasks they send that are ready run too; a countdown
-        runs once the clock reaches it."""
+        runs once the clock reaches it. More than ``limit`` runs is an error (a task that
+        keeps sending itself)."""
         ran: list[Ran] = []
         with self.app.connection_for_write() as conn:
             channel = conn.default_channel
@@ -148,9 +149,9 @@ class Inbox:
                     # settlements are written in batches: this one before the next claim
                     if not conn.transport.broker.keeper.flush():
                         raise RuntimeError("drain(): a settlement was not written in 30 s")
-                    if len(ran) >= DRAIN_LIMIT:
-                        raise RuntimeError(f"drain() ran {DRAIN_LIMIT} tasks and more are "
-                                           "ready: does a task keep sending itself?")
+                    if len(ran) >= limit:
+                        raise RuntimeError(f"drain() ran {limit} tasks and more are ready: "
+                                           "does a task keep sending itself?")
         return ran
 
     def _run(self, message: Any) -> Ran:
@@ -294,10 +295,6 @@ def sqlinbox_worker(sqlinbox: Inbox) -> Iterator[Any]:
         yield worker
 
 
-#: seconds a worker process has to start
-WORKER_START = 60.0
-
-
 @pytest.fixture
 def sqlinbox_worker_process(request: pytest.FixtureRequest, sqlinbox: Inbox,
                             tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
@@ -307,6 +304,7 @@ def sqlinbox_worker_process(request: pytest.FixtureRequest, sqlinbox: Inbox,
     path = request.config.getini("sqlinbox_app")
     if not path:
         raise pytest.UsageError("a worker process imports the app by name: set sqlinbox_app")
+    patience = float(request.config.getini("sqlinbox_worker_start"))
     ready, signal_end = os.pipe()
     log = tmp_path / "worker.log"
     with log.open("wb") as output:
@@ -315,10 +313,10 @@ def sqlinbox_worker_process(request: pytest.FixtureRequest, sqlinbox: Inbox,
              str(signal_end)], stdout=output, stderr=subprocess.STDOUT, pass_fds=(signal_end,))
     os.close(signal_end)
     try:
-        readable, _, _ = select.select([ready], [], [], WORKER_START)
+        readable, _, _ = select.select([ready], [], [], patience)
         if not readable:
-            raise RuntimeError(f"the worker process was not ready within {WORKER_START:.0f} "
-                               f"s; its log:\n{log.read_text()}")
+            raise RuntimeError(f"the worker process was not ready within {patience:g} s; "
+                               f"its log:\n{log.read_text()}")
         if not os.read(ready, 1):  # its end of the pipe closed: it exited
             raise RuntimeError(f"the worker process exited with code {process.wait(30)} "
                                f"before it was ready; its log:\n{log.read_text()}")

@@ -25,9 +25,10 @@ def test_the_shop_tests_pass_with_the_clock_on(database: str, pytester: pytest.P
     result.assert_outcomes(passed=6)
 
 
-def test_an_app_without_an_outbox_drains_and_has_no_outbox_fixture(
+def test_an_app_without_an_outbox_or_a_name_drains_and_says_what_it_lacks(
         pytester: pytest.Pytester) -> None:
-    """Opted in with --sqlinbox; the app comes from an overridden fixture, not the ini."""
+    """Opted in with --sqlinbox; the app comes from an overridden fixture, not the ini, so
+    no worker process can import it by name."""
     pytester.makeconftest("""
         import pytest
         from celery import Celery
@@ -40,22 +41,45 @@ def test_an_app_without_an_outbox_drains_and_has_no_outbox_fixture(
         def add(x, y):
             return x + y
 
+        @app.task
+        def again():
+            again.delay()
+
         @pytest.fixture
         def sqlinbox_service_app():
             return app
     """)
     pytester.makepyfile("""
+        import pytest
+
         def test_drain(sqlinbox_app, sqlinbox_drain):
             sqlinbox_app.tasks["conftest.add"].delay(2, 3)
             assert [(ran.task, ran.result) for ran in sqlinbox_drain()] == [
                 ("conftest.add", 5)]
 
+        def test_a_task_that_keeps_sending_itself(sqlinbox_app, sqlinbox_drain):
+            sqlinbox_app.tasks["conftest.again"].delay()
+            with pytest.raises(RuntimeError, match="drain[(][)] ran 5 tasks and more are"):
+                sqlinbox_drain(limit=5)
+
+        def test_no_dead_letter_queue(sqlinbox_dead_letters):
+            with pytest.raises(ValueError, match="'celery' has no dead_letter_queue"):
+                sqlinbox_dead_letters()
+
+        def test_waiting_in_vain(sqlinbox):
+            with pytest.raises(TimeoutError, match="still false after 0.1 s"):
+                sqlinbox.wait_for(lambda: False, timeout=0.1)
+
         def test_outbox(sqlinbox_outbox):
+            pass
+
+        def test_worker_process(sqlinbox_worker_process):
             pass
     """)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--sqlinbox")
-    result.assert_outcomes(passed=1, errors=1)
-    result.stdout.fnmatch_lines(["*the service's app has no outbox*"])
+    result.assert_outcomes(passed=4, errors=2)
+    result.stdout.fnmatch_lines(["*the service's app has no outbox*",
+                                 "*a worker process imports the app by name*"])
 
 
 @pytest.mark.parametrize(("ini", "fixture", "error"), [
@@ -70,6 +94,31 @@ def test_a_project_not_set_up_gets_an_error_saying_so(
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines([error])
+
+
+def test_a_worker_process_slower_than_its_patience_fails_the_test_with_its_log(
+        pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nsqlinbox = true\nsqlinbox_app = slow:app\n"
+                     "sqlinbox_worker_start = 4\n")
+    pytester.makepyfile(slow="""
+        import time
+
+        from celery import Celery
+        from celery.signals import worker_init
+
+        import kombu_sqlinbox  # noqa: F401
+
+        app = Celery("slow", broker="memory://")
+
+        @worker_init.connect
+        def dawdle(**kwargs):
+            print("still waking up", flush=True)
+            time.sleep(30)
+    """)
+    pytester.makepyfile(test_it="def test_worker(sqlinbox_worker_process):\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*was not ready within 4 s*", "*still waking up*"])
 
 
 def test_a_worker_process_that_dies_starting_fails_the_test_with_its_log(
