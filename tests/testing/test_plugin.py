@@ -96,51 +96,22 @@ def test_a_project_not_set_up_gets_an_error_saying_so(
     result.stdout.fnmatch_lines([error])
 
 
-def test_a_worker_process_slower_than_its_patience_fails_the_test_with_its_log(
-        pytester: pytest.Pytester) -> None:
-    pytester.makeini("[pytest]\nsqlinbox = true\nsqlinbox_app = slow:app\n"
+@pytest.mark.parametrize(("starting", "error"), [
+    # worker_init: the worker process has imported the app and is starting
+    ("print('still waking up', flush=True)\n    time.sleep(30)", "*was not ready within 4 s*"),
+    ("print('no worker today', flush=True)\n    os._exit(3)",
+     "*exited with code 3 before it was ready*"),
+], ids=["late", "dead"])
+def test_a_worker_process_that_does_not_start_fails_the_test_with_its_log(
+        pytester: pytest.Pytester, starting: str, error: str) -> None:
+    pytester.makeini("[pytest]\nsqlinbox = true\nsqlinbox_app = service:app\n"
                      "sqlinbox_worker_start = 4\n")
-    pytester.makepyfile(slow="""
-        import time
-
-        from celery import Celery
-        from celery.signals import worker_init
-
-        import kombu_sqlinbox  # noqa: F401
-
-        app = Celery("slow", broker="memory://")
-
-        @worker_init.connect
-        def dawdle(**kwargs):
-            print("still waking up", flush=True)
-            time.sleep(30)
-    """)
+    pytester.makepyfile(service=(
+        "import os\nimport time\n\nfrom celery import Celery\n"
+        "from celery.signals import worker_init\n\nimport kombu_sqlinbox  # noqa: F401\n\n"
+        "app = Celery('service', broker='memory://')\n\n\n"
+        f"@worker_init.connect\ndef starting(**kwargs):\n    {starting}\n"))
     pytester.makepyfile(test_it="def test_worker(sqlinbox_worker_process):\n    pass\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(errors=1)
-    result.stdout.fnmatch_lines(["*was not ready within 4 s*", "*still waking up*"])
-
-
-def test_a_worker_process_that_dies_starting_fails_the_test_with_its_log(
-        pytester: pytest.Pytester) -> None:
-    pytester.makeini("[pytest]\nsqlinbox = true\nsqlinbox_app = dying:app\n")
-    pytester.makepyfile(dying="""
-        import os
-
-        from celery import Celery
-        from celery.signals import worker_init
-
-        import kombu_sqlinbox  # noqa: F401
-
-        app = Celery("dying", broker="memory://")
-
-        @worker_init.connect
-        def die(**kwargs):
-            print("no worker today", flush=True)
-            os._exit(3)
-    """)
-    pytester.makepyfile(test_it="def test_worker(sqlinbox_worker_process):\n    pass\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(errors=1)
-    result.stdout.fnmatch_lines(["*exited with code 3 before it was ready*",
-                                 "*no worker today*"])
+    result.stdout.fnmatch_lines([error, "*" + starting.split("'")[1] + "*"])
