@@ -4,23 +4,22 @@
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 
-from tests.databases import database_url
 from tests.docs.support import EXAMPLES
 
 SHOP = EXAMPLES / "testing"
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgresql", "mysql"])
-def test_the_shop_tests_pass_with_the_clock_on(database: str, pytester: pytest.Pytester,
-                                                 tmp_path: Path) -> None:
+def test_the_shop_tests_pass_with_the_clock_on(database: str, db_url: str,
+                                                 pytester: pytest.Pytester) -> None:
+    """On each database (``db_url`` comes first: pytester forgets the modules a test
+    imports after it, and SQLAlchemy warns when its dialects are imported again)."""
     for name in ("shop.py", "test_shop.py", "conftest.py", "pytest.ini"):
         shutil.copy(SHOP / name, pytester.path / name)
     # SQLite: the default, a new file per test; a server: its URL, a prefix per test
-    url = [] if database == "sqlite" else [f"--sqlinbox-url={database_url(database, tmp_path)}"]
+    url = [] if database == "sqlite" else [f"--sqlinbox-url={db_url}"]
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *url)
     result.assert_outcomes(passed=6)
 
