@@ -1,10 +1,12 @@
 """The broker URL recipe: one URL from a ``DATABASES`` entry, for the broker, the outbox
-and the engine over Django's connection alike (the transport checks they match)."""
+and the engine over Django's connection alike (the transport checks they match); and
+what ``bind()`` takes."""
 
 from __future__ import annotations
 
 import pytest
 
+import celery_ext
 from celery_ext.django import broker_url, database_url
 
 
@@ -23,3 +25,9 @@ def test_an_sqlite_entry_gives_its_file() -> None:
 def test_a_database_the_transport_cannot_serve_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"django\.db\.backends\.oracle"):
         broker_url({"ENGINE": "django.db.backends.oracle", "NAME": "shop"})
+
+
+def test_bind_refuses_what_is_neither_sqlalchemy_nor_django() -> None:
+    with pytest.raises(TypeError, match="Session or Connection or Django's connection"), \
+            celery_ext.bind(object()):
+        pass
