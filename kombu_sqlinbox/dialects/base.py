@@ -155,6 +155,7 @@ class Dialect:
         return statement.bindparams(bindparam(PARAMETER, callable_=self.clock.value))
 
     def _clock_all(self, statements: Statements) -> Statements:
+        """Every statement of a table :meth:`clocked`."""
         if self.clock is None:
             return statements
 
