@@ -36,6 +36,13 @@ def charge(order_id: int) -> str:
     return f"charged {order_id}"
 
 
+@app.task(bind=True, max_retries=1)
+def notify_courier(self, order_id: int) -> str:
+    if not self.request.retries:  # the courier's API is down: again in a minute
+        raise self.retry(countdown=60)
+    return f"courier notified of order {order_id}"
+
+
 @app.task(acks_late=True)
 def flaky_import(order_id: int) -> None:
     # the supplier's feed is down: give the message back, again and again

@@ -18,6 +18,17 @@ def test_a_reminder_due_in_an_hour_runs_once_the_clock_reaches_it(
 # test-clock-end
 
 
+# test-retry-start
+def test_a_retry_a_minute_later_runs_once_the_clock_has_moved_a_minute(
+        sqlinbox_drain, sqlinbox_clock):
+    shop.notify_courier.delay(8)
+    assert [ran.state for ran in sqlinbox_drain()] == ["RETRY"]
+
+    sqlinbox_clock.advance(60)
+    assert [ran.result for ran in sqlinbox_drain()] == ["courier notified of order 8"]
+# test-retry-end
+
+
 # test-lease-start
 def test_a_task_whose_worker_died_runs_again_once_its_lease_expires(
         sqlinbox, sqlinbox_drain, sqlinbox_clock):

@@ -21,7 +21,7 @@ def test_the_shop_tests_pass_with_the_clock_on(database: str, db_url: str,
     # SQLite: the default, a new file per test; a server: its URL, a prefix per test
     url = [] if database == "sqlite" else [f"--sqlinbox-url={db_url}"]
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *url)
-    result.assert_outcomes(passed=6)
+    result.assert_outcomes(passed=7)
 
 
 def test_an_app_without_an_outbox_or_a_name_drains_and_says_what_it_lacks(
