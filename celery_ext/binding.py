@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 
 from kombu_sqlinbox.binding import BOUND, current
 
-__all__ = ["NotBound", "after_commit", "bind", "current", "unbound"]
+__all__ = ["NotBound", "after_commit", "bind", "current", "defer_with", "unbound"]
 
 logger = logging.getLogger(__name__)
 Target = Connection | Session
@@ -122,15 +122,36 @@ def _watch_session(session: Session) -> _Pending:
     return pending
 
 
+#: connections whose transaction another framework commits (Django's), with how it runs
+#: work after its commit
+_DEFERRERS: WeakKeyDictionary[Connection, Callable[[Callable[[], Any]], None]] = (
+    WeakKeyDictionary())
+
+
+def defer_with(conn: Connection, schedule: Callable[[Callable[[], Any]], None]) -> None:
+    """Work :func:`after_commit` defers while ``conn`` is bound goes to ``schedule`` (e.g.
+    Django's ``transaction.on_commit``): the transaction is not SQLAlchemy's to commit."""
+    _DEFERRERS[conn] = schedule
+
+
 @contextmanager
-def bind(target: Target) -> Iterator[Connection]:
-    """Bind ``target`` (a Session or a Connection) for the code inside the block.
+def bind(target: Target | Any) -> Iterator[Connection]:
+    """Bind ``target`` (a Session or a Connection, or Django's connection: see
+    :mod:`celery_ext.django`) for the code inside the block.
 
     Tracked publishes inside write their outbox record in this transaction and are
     sent only once it commits. The binding ends with the block; the transaction does
     not: the caller commits or rolls back as usual, inside or after the block.
     Bind before opening the savepoints whose rollback should drop messages.
     """
+    if not isinstance(target, (Session, Connection)):
+        from .django import bind as bind_django
+        from .django import is_django_connection
+
+        if is_django_connection(target):
+            with bind_django(target) as conn:
+                yield conn
+            return
     if isinstance(target, Session):
         _watch_session(target)
         conn = target.connection()  # begins the session's transaction: after_begin watches it
@@ -138,7 +159,8 @@ def bind(target: Target) -> Iterator[Connection]:
         conn = target
         _watch_connection(conn, _Pending(), owns_commit=True)
     else:
-        raise TypeError(f"bind() takes an SQLAlchemy Session or Connection, not {target!r}")
+        raise TypeError("bind() takes an SQLAlchemy Session or Connection or Django's "
+                        f"connection, not {target!r}")
     token = BOUND.set(target)
     try:
         yield conn
@@ -166,6 +188,10 @@ def after_commit(callback: Callable[[], Any]) -> None:
     target = BOUND.get()
     if target is None:
         raise NotBound("after_commit() needs a transaction bound with celery_ext.bind()")
+    schedule = _DEFERRERS.get(target) if isinstance(target, Connection) else None
+    if schedule is not None:
+        schedule(callback)
+        return
     if isinstance(target, Session):
         pending = _watch_session(target)
         _watch_connection(target.connection(), pending, owns_commit=False)

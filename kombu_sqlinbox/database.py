@@ -17,6 +17,7 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 
 from . import binding
+from .clock import key_of
 from .dialects import Dialect, dialect_class, dialect_for
 from .errors import ConfigurationError
 from .tables import TableSpec
@@ -89,8 +90,7 @@ def engine_for(url: str | URL, sqlite_begin: str = "IMMEDIATE",
 
 def same_database(a: Engine, b: Engine) -> bool:
     """Whether two engines reach one database (drivers and credentials aside)."""
-    return (a.url.get_backend_name(), a.url.host, a.url.port, a.url.database) == (
-        b.url.get_backend_name(), b.url.host, b.url.port, b.url.database)
+    return key_of(a.url) == key_of(b.url)
 
 
 class Database:

@@ -22,6 +22,10 @@ from tests.processes import Processes
 
 FAILED = pytest.StashKey[bool]()
 
+#: pytester runs sample projects; the project's own fixtures (sqlinbox_clock...) serve its
+#: tests as they serve a service's
+pytest_plugins = ["pytester", "celery_ext.testing"]
+
 
 @pytest.fixture(params=DATABASES)
 def database(request: pytest.FixtureRequest) -> str:
@@ -38,6 +42,12 @@ def db_url(database: str, tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture
 def broker_url(db_url: str) -> str:
     return "sqlinbox+" + db_url
+
+
+@pytest.fixture
+def sqlinbox_url(broker_url: str) -> str:
+    """The plugin's inbox (its ``sqlinbox_clock`` above all) on the database under test."""
+    return broker_url
 
 
 @pytest.fixture

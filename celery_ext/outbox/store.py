@@ -229,8 +229,9 @@ class RecordStore:
         spec = self.spec
         statements = dialect.outbox_statements(
             spec.table, spec.schema, self._columns, spec.generated_id)
+        # a pinned clock's time is a bound value the raw driver call would not supply
         lone_insert = (statements["insert"].compile(dialect=engine.dialect).string
-                       if dialect.outbox_autocommit else None)
+                       if dialect.outbox_autocommit and dialect.clock is None else None)
         return Prepared(dialect, statements, lone_insert)
 
     def create(self) -> None:

@@ -13,7 +13,7 @@ import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from operator import itemgetter
 from typing import Any, ClassVar
 
@@ -22,6 +22,7 @@ from sqlalchemy import types as sqltypes
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
+from ..clock import PARAMETER, Clock, clock_for
 from ..errors import MessageTooLarge, SchemaMismatch
 from ..roles import check_identifier
 from ..rows import ClaimedRow as ClaimedRow  # built here; re-exported
@@ -144,10 +145,15 @@ class Dialect:
 
     #: SQLAlchemy dialect names this class serves
     names: ClassVar[tuple[str, ...]] = ()
-    #: the database's current time, as stored in time-role columns
-    now: ClassVar[str]
+    #: the database's current time, as stored in time-role columns; every statement
+    #: reads "now" from here (or from ``later``, ``eta_value``, ``outbox_ago``,
+    #: ``age``, which build on it), so a pinned clock replaces it in one place
+    now: str
+    #: ``now`` at a pinned moment: the bound ``:sqlinbox_now`` (epoch seconds, or NULL
+    #: while the clock runs) as this database's time value
+    pinned_now: ClassVar[str]
     #: ``available_at`` of a published row: the bound ``:eta`` (epoch seconds) or now
-    eta_value: ClassVar[str]
+    eta_value: str
     #: what the database offers; a plug-in declares its own (the default: none)
     capabilities: ClassVar[Capabilities] = Capabilities()
     #: how a claim's selection locks the rows it takes: set with ``row_locks`` (empty
@@ -171,6 +177,31 @@ class Dialect:
         self.notify = self.capabilities.wakeups
         self._statements: dict[TableSpec, Statements] = {}
         self._routing: dict[str, RoutingStatements] = {}
+        #: the clock installed for this database (:mod:`kombu_sqlinbox.clock`), if any
+        self.clock: Clock | None = None if engine is None else clock_for(engine.url)
+        if self.clock is not None:
+            database_now = self.now
+            self.now = f"COALESCE({self.pinned_now}, {database_now})"
+            self.eta_value = self.eta_value.replace(database_now, self.now)
+
+    def clocked(self, statement: TextClause) -> TextClause:
+        """``statement`` with the clock's time bound, read at each execution, where it
+        uses it (unchanged without a clock)."""
+        if self.clock is None or f":{PARAMETER}" not in statement.text:
+            return statement
+        return statement.bindparams(bindparam(PARAMETER, callable_=self.clock.value))
+
+    def _clock_all(self, statements: Statements) -> Statements:
+        """Every statement of a table :meth:`clocked`."""
+        if self.clock is None:
+            return statements
+
+        def clock(value: Any) -> Any:
+            if isinstance(value, tuple):
+                return tuple(self.clocked(item) for item in value)
+            return None if value is None else self.clocked(value)
+        return replace(statements, **{field.name: clock(getattr(statements, field.name))
+                                      for field in fields(statements)})
 
     # -- identifiers -------------------------------------------------------
     def quote(self, name: str) -> str:
@@ -257,7 +288,7 @@ class Dialect:
     def statements(self, spec: TableSpec) -> Statements:
         cached = self._statements.get(spec)
         if cached is None:
-            cached = self._statements[spec] = self.build_statements(spec)
+            cached = self._statements[spec] = self._clock_all(self.build_statements(spec))
         return cached
 
     def build_statements(self, spec: TableSpec) -> Statements:
@@ -513,11 +544,11 @@ class Dialect:
     def explain(self, spec: TableSpec) -> TextClause:
         """EXPLAIN of the claim's row selection: the part an index must serve."""
         f = self.fields(spec)
-        return text(
+        return self.clocked(text(
             f"{self.explain_prefix} SELECT r.{f['id']} FROM {f['table']} AS r "
             f"WHERE {self.ready_filter(spec)} "
             f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit {self.lock_clause}"
-        )
+        ))
 
     def explained(self, statement: TextClause) -> TextClause:
         """``statement`` under :attr:`explain_prefix`, with its bound parameters: planned
@@ -819,8 +850,6 @@ class Dialect:
     # Remote control and events need what kombu's virtual channel keeps in one process:
     # which queue is bound to which exchange. Three tables under the table prefix hold it
     # (:class:`RoutingStatements`); every value is bound, every time is epoch seconds.
-    #: the database's time as epoch seconds (a DOUBLE)
-    epoch_now: ClassVar[str]
     #: column types of the routing tables: a name, seconds, a message body
     name_type: ClassVar[str] = "TEXT"
     seconds_type: ClassVar[str] = "DOUBLE PRECISION"
@@ -829,6 +858,10 @@ class Dialect:
     transient_table_kind: ClassVar[str] = "TABLE"
     #: a bound number of seconds, typed where the database must be told
     seconds_param: ClassVar[str] = ":{}"
+
+    def epoch(self, moment: str) -> str:
+        """SQL: a time as :attr:`now` gives it, in epoch seconds (a DOUBLE)."""
+        raise NotImplementedError
 
     def matches(self, value: str, pattern: str) -> str:
         """SQL: ``value`` matches the regular expression ``pattern`` (a topic binding)."""
@@ -858,7 +891,7 @@ class Dialect:
     def build_routing(self, prefix: str) -> RoutingStatements:
         names = RoutingStatements.tables(prefix)
         queues, bindings, messages = (self.quote(name) for name in names)
-        now = self.epoch_now
+        now = self.epoch(self.now)
         ttl = self.seconds_param.format("ttl")
         fresh = f"(expires_at IS NULL OR expires_at > {now})"
         # a message's expiry: the sooner of its own TTL and its queue's
@@ -877,39 +910,44 @@ class Dialect:
                f"SELECT q.name, :payload, :headers, {expiry} FROM {queues} AS q "
                f"WHERE q.name = :queue AND q.transient = 1")
         expires = self.seconds_param.format("expires")
+        lock = self.lock_clause.replace(" OF r", "")
+
+        def sql(statement: str) -> TextClause:
+            return self.clocked(_expanding(statement))
+
+        declare = self.upsert(queues, ["name"], ["transient", "expires", "message_ttl",
+                                                 "expires_at"])
         return RoutingStatements(
             names=names,
             ddl=self.routing_ddl(queues, bindings, messages, names),
             drop=[f"DROP TABLE IF EXISTS {table}" for table in (messages, bindings, queues)],
-            declare=text(self.upsert(queues, ["name"], ["transient", "expires", "message_ttl",
-                                                        "expires_at"]).replace(
-                ":expires_at", f"{now} + {expires}")),
-            kind=text(f"SELECT transient FROM {queues} WHERE name = :name"),
-            touch=_expanding(f"UPDATE {queues} SET expires_at = {now} + expires "
-                             "WHERE name IN :ids AND expires IS NOT NULL"),
-            registered=_expanding(f"SELECT name FROM {queues} WHERE name IN :ids"),
-            bind=text(self.upsert(bindings, ["exchange", "queue", "routing_key"],
-                                  ["type", "pattern"])),
-            unbind=text(f"DELETE FROM {bindings} WHERE exchange = :exchange "
-                        "AND queue = :queue AND routing_key = :routing_key"),
-            unbind_exchange=text(f"DELETE FROM {bindings} WHERE exchange = :exchange"),
-            bound=text(f"SELECT b.routing_key, b.pattern, b.queue, b.type FROM {bindings} AS b "
-                       f"LEFT JOIN {queues} AS q ON q.name = b.queue "
-                       "WHERE b.exchange = :exchange AND COALESCE(q.transient, 0) = 0"),
-            forget=tuple(_expanding(sql) for sql in (
+            declare=sql(declare.replace(":expires_at", f"{now} + {expires}")),
+            kind=sql(f"SELECT transient FROM {queues} WHERE name = :name"),
+            touch=sql(f"UPDATE {queues} SET expires_at = {now} + expires "
+                      "WHERE name IN :ids AND expires IS NOT NULL"),
+            registered=sql(f"SELECT name FROM {queues} WHERE name IN :ids"),
+            bind=sql(self.upsert(bindings, ["exchange", "queue", "routing_key"],
+                                 ["type", "pattern"])),
+            unbind=sql(f"DELETE FROM {bindings} WHERE exchange = :exchange "
+                       "AND queue = :queue AND routing_key = :routing_key"),
+            unbind_exchange=sql(f"DELETE FROM {bindings} WHERE exchange = :exchange"),
+            bound=sql(f"SELECT b.routing_key, b.pattern, b.queue, b.type FROM {bindings} AS b "
+                      f"LEFT JOIN {queues} AS q ON q.name = b.queue "
+                      "WHERE b.exchange = :exchange AND COALESCE(q.transient, 0) = 0"),
+            forget=tuple(sql(statement) for statement in (
                 f"DELETE FROM {bindings} WHERE queue IN :ids",
                 f"DELETE FROM {messages} WHERE queue IN :ids",
                 f"DELETE FROM {queues} WHERE name IN :ids")),
-            route=self.route_statement(route, messages),
-            put=self.route_statement(put, messages),
-            claim=self.transient_claim(messages, fresh),
-            size=text(f"SELECT COUNT(*) FROM {messages} WHERE queue = :queue AND {fresh}"),
-            purge=text(f"DELETE FROM {messages} WHERE queue = :queue"),
-            expired_queues=text(
-                f"SELECT name, transient FROM {queues} WHERE expires_at < {now} "
-                f"ORDER BY expires_at LIMIT :limit {self.lock_clause.replace(' OF r', '')}"),
-            expired_messages=text(self.delete_some(messages, f"expires_at < {now}")),
-            orphans=text(self.delete_some(messages, (
+            route=self.clocked(self.route_statement(route, messages)),
+            put=self.clocked(self.route_statement(put, messages)),
+            claim=tuple(self.clocked(statement)
+                        for statement in self.transient_claim(messages, fresh)),
+            size=sql(f"SELECT COUNT(*) FROM {messages} WHERE queue = :queue AND {fresh}"),
+            purge=sql(f"DELETE FROM {messages} WHERE queue = :queue"),
+            expired_queues=sql(f"SELECT name, transient FROM {queues} WHERE expires_at < {now} "
+                               f"ORDER BY expires_at LIMIT :limit {lock}"),
+            expired_messages=sql(self.delete_some(messages, f"expires_at < {now}")),
+            orphans=sql(self.delete_some(messages, (
                 f"NOT EXISTS (SELECT 1 FROM {queues} AS q WHERE q.name = {messages}.queue)"))),
         )
 
@@ -1009,7 +1047,7 @@ class Dialect:
             insert += self.outbox_returning(f)
         unprocessed = f"{f['processed_at']} IS NULL"
         oldest = f"MIN(CASE WHEN {unprocessed} THEN {f['created_at']} END)"
-        return {
+        statements = {
             "insert": text(insert),
             "mark": text(
                 f"UPDATE {f['table']} SET {f['processed_at']} = {self.now} "
@@ -1040,6 +1078,7 @@ class Dialect:
                 f"{self.age(oldest)} FROM {f['table']}"),
             "drop": text(f"DROP TABLE IF EXISTS {f['table']}"),
         }
+        return {name: self.clocked(statement) for name, statement in statements.items()}
 
     def outbox_insert(self, conn: Connection, statement: TextClause,
                       params: Mapping[str, Any]) -> Any:

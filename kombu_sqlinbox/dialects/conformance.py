@@ -29,6 +29,7 @@ from typing import Any
 from sqlalchemy import Connection, create_engine, inspect, text
 from sqlalchemy.engine import URL, Engine
 
+from .. import clock as clocks
 from ..errors import SchemaMismatch
 from ..tables import Role, TableBuilder, TableSpec
 from .base import ClaimedRow, Dialect
@@ -539,6 +540,32 @@ def check_operations(suite: Suite) -> None:
            f"{[row.attempt for row in rows]}, expected [7]")
 
 
+def check_clock(suite: Suite) -> None:
+    """A pinned clock (a test's): publishes, ready times and leases all follow it, so no
+    statement reads the database's time except through ``now``."""
+    spec = suite.table("clock", lambda b: b.available_at())
+    clock = clocks.install(suite.engine.url)
+    try:
+        clocked = type(suite.dialect)(suite.engine)
+        start = clock.pin(time.time() + 10 * LONG)
+        (due_by_clock,) = suite.publish(spec, {"eta": start - 1})
+        with suite.engine.begin() as conn:
+            clocked.publish(conn, spec, [clocked.insert_params(b"now", None, 0, None)])
+        expect(suite.claim(spec) == [], "rows due only by the pinned clock were claimed by "
+               "the database's")
+        with suite.engine.begin() as conn:
+            got = clocked.claim(conn, spec, 10, LONG)
+        expect(len(got) == 2 and due_by_clock in ids_of(got), f"a claim at the pinned time "
+               f"got ids {ids_of(got)}: both rows are due then (one published at that time)")
+        clock.advance(LONG + 1)
+        with suite.engine.begin() as conn:
+            again = clocked.claim(conn, spec, 10, LONG)
+        expect([row.attempt for row in again] == [2, 2], "once the clock passed their lease "
+               f"the rows came back with attempts {[row.attempt for row in again]}, not [2, 2]")
+    finally:
+        clocks.uninstall(suite.engine.url)
+
+
 Check = Callable[[Suite], None]
 #: (name, declared capability it needs or None, check), in the order they run
 CHECKS: tuple[tuple[str, str | None, Check], ...] = (
@@ -557,6 +584,7 @@ CHECKS: tuple[tuple[str, str | None, Check], ...] = (
     ("wake-ups (wake, listen, take_notifications)", "wakeups", check_wakeups),
     ("outbox statements", None, check_outbox),
     ("operations (queue_stats, stored_page, remove, restore)", None, check_operations),
+    ("a pinned clock (now, eta_value, later)", None, check_clock),
 )
 
 

@@ -34,6 +34,7 @@ class MySQLDialect(Dialect):
     capabilities = Capabilities(row_locks=True, skip_locked=True, key_locks=True)
     lock_clause = "FOR UPDATE SKIP LOCKED"
     now = NOW
+    pinned_now = "FROM_UNIXTIME(:sqlinbox_now)"
     eta_value = f"COALESCE(FROM_UNIXTIME(:eta), {NOW})"
     generated_id_type = "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY"
     column_types = {
@@ -55,14 +56,16 @@ class MySQLDialect(Dialect):
         return "`" + name + "`"
 
     def later(self, seconds: str) -> str:
-        return f"{NOW} + INTERVAL ({seconds} * 1000000) MICROSECOND"
+        return f"{self.now} + INTERVAL ({seconds} * 1000000) MICROSECOND"
 
     # -- routing -----------------------------------------------------------------
-    epoch_now = f"UNIX_TIMESTAMP({NOW})"
     #: names compare byte for byte, as kombu's do (the default collation folds case)
     name_type = "VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
     seconds_type = "DOUBLE"
     body_type = "LONGBLOB"
+
+    def epoch(self, moment: str) -> str:
+        return f"UNIX_TIMESTAMP({moment})"
 
     def upsert(self, table: str, keys: Sequence[str], values: Sequence[str]) -> str:
         columns = [*keys, *values]
@@ -185,10 +188,10 @@ class MySQLDialect(Dialect):
     }
 
     def outbox_ago(self) -> str:
-        return f"{NOW} - INTERVAL (:older_than * 1000000) MICROSECOND"
+        return f"{self.now} - INTERVAL (:older_than * 1000000) MICROSECOND"
 
     def age(self, moment: str) -> str:
-        return f"TIMESTAMPDIFF(MICROSECOND, {moment}, {NOW}) / 1000000.0"
+        return f"TIMESTAMPDIFF(MICROSECOND, {moment}, {self.now}) / 1000000.0"
 
     def outbox_prune_sql(self, f: dict[str, str]) -> str:
         """MySQL takes no LIMIT in an IN subquery, but DELETE itself takes one."""

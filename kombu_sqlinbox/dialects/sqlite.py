@@ -30,6 +30,7 @@ def _regexp(pattern: str, value: str) -> bool:
 class SQLiteDialect(Dialect):
     names = ("sqlite",)
     now = NOW
+    pinned_now = ":sqlinbox_now"
     eta_value = f"COALESCE(:eta, {NOW})"
     #: a single writer: claims need no row locks
     capabilities = Capabilities(returning=True)
@@ -70,10 +71,12 @@ class SQLiteDialect(Dialect):
         return (_expanding(claim),)
 
     def later(self, seconds: str) -> str:
-        return f"{NOW} + {seconds}"
+        return f"{self.now} + {seconds}"
 
     # -- routing -----------------------------------------------------------------
-    epoch_now = NOW
+    def epoch(self, moment: str) -> str:
+        return moment  # times are epoch seconds here already
+
     seconds_type = "REAL"
 
     def time_types(self) -> tuple[type[Any], ...]:
@@ -131,10 +134,10 @@ class SQLiteDialect(Dialect):
     }
 
     def outbox_ago(self) -> str:
-        return f"{NOW} - :older_than"
+        return f"{self.now} - :older_than"
 
     def age(self, moment: str) -> str:
-        return f"{NOW} - {moment}"
+        return f"{self.now} - {moment}"
 
     #: deferred: the outbox's transactions start with their write, its reads lock nothing
     outbox_engine_options = {"sqlite_begin": "DEFERRED"}

@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
-import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
+
+from kombu_sqlinbox.clock import Clock
 
 from .conftest import Connect
-from .support import get, get_within, publish
+from .support import get, get_within, publish, settled
 
 
-def test_eta_in_the_future_is_not_claimable_before_it_is_due(connect: Connect) -> None:
+def test_eta_in_the_future_is_not_claimable_before_it_is_due(
+    connect: Connect, sqlinbox_clock: Clock,
+) -> None:
+    start = sqlinbox_clock.pin()
     conn = connect()
-    due = datetime.now(timezone.utc) + timedelta(seconds=2)
+    due = datetime.fromtimestamp(start + 3600, timezone.utc)
     publish(conn, "jobs", {"n": "later"}, headers={"eta": due.isoformat()})
     publish(conn, "jobs", {"n": "now"})
-    assert get_within(conn, "jobs").decode() == {"n": "now"}
-    while time.time() < due.timestamp() - 0.3:
-        assert get(conn, "jobs") is None
-        time.sleep(0.1)
-    delayed = get_within(conn, "jobs", timeout=10)
-    assert time.time() >= due.timestamp()
+    undelayed = get_within(conn, "jobs")
+    assert undelayed.decode() == {"n": "now"}
+    undelayed.ack()  # an hour later its lease would have passed too
+    settled(conn)
+    sqlinbox_clock.advance(3599)
+    assert get(conn, "jobs") is None
+    sqlinbox_clock.advance(2)  # a second past it (times are stored to the microsecond)
+    delayed = get_within(conn, "jobs")
     assert delayed.decode() == {"n": "later"}
     assert delayed.headers["eta"] == due.isoformat()
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from sqlalchemy.engine import Engine
 
+from kombu_sqlinbox.clock import Clock
+
 from .conftest import Connect
 from .support import (
     broker_of,
     count_rows,
+    get,
     get_within,
     never_delivered,
     publish,
@@ -18,16 +21,19 @@ from .support import (
 
 
 def test_stale_holder_cannot_ack_a_reclaimed_row(
-    connect: Connect, engine: Engine, table_prefix: str,
+    connect: Connect, engine: Engine, table_prefix: str, sqlinbox_clock: Clock,
 ) -> None:
-    """A's keeper stops (a paused process); B reclaims after the lease; A's late ack is fenced."""
-    holder_a = connect(visibility_timeout=1)
-    holder_b = connect(visibility_timeout=1, polling_interval=0.06)  # another broker and keeper
+    """A's keeper stops (a paused process); B reclaims once the lease has passed; A's late
+    ack is fenced."""
+    holder_a = connect(visibility_timeout=30)
+    holder_b = connect(visibility_timeout=30, polling_interval=0.06)  # another broker, keeper
     assert broker_of(holder_a) is not broker_of(holder_b)
     publish(holder_a, "jobs", {"n": 1})
     table = table_of("jobs", table_prefix)
     stale = get_within(holder_a, "jobs")
     broker_of(holder_a).keeper.stop()
+    assert get(holder_b, "jobs") is None
+    sqlinbox_clock.advance(31)
     fresh = get_within(holder_b, "jobs")
     assert fresh.delivery_info["redelivered"] is True
     (reclaimed,) = rows(engine, table)

@@ -7,14 +7,13 @@ the prefork, threads and solo pools.
 
 from __future__ import annotations
 
-import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
-from sqlalchemy import text
 
-from tests.integration.support import get, get_within, quoted, rows, settled, table_of
+from kombu_sqlinbox.clock import Clock
+from tests.integration.support import get, get_within, rows, settled, table_of
 from tests.ordering.conftest import Ordering, publish, wait_for_count
 from tests.processes import wait_until
 
@@ -26,45 +25,33 @@ def only_row(ordering: Ordering) -> dict[str, Any]:
     return row
 
 
-def due_rows(ordering: Ordering) -> int:
-    """Rows of queue "jobs" whose ``available_at`` has come, by the database's clock."""
-    now = ordering.engine.dialect.name
-    clock = {"postgresql": "now()", "mysql": "UTC_TIMESTAMP(6)"}.get(
-        now, "((julianday('now') - 2440587.5) * 86400.0)")
-    table = quoted(ordering.engine, table_of("jobs", ordering.prefix))
-    with ordering.engine.connect() as conn:
-        return int(conn.execute(text(
-            f"SELECT COUNT(*) FROM {table} WHERE available_at <= {clock}")).scalar_one())
-
-
 def test_retry_after_keeps_the_row_hides_it_and_puts_it_behind_rows_ready_earlier(
-        ordering: Ordering) -> None:
+        ordering: Ordering, sqlinbox_clock: Clock) -> None:
+    start = sqlinbox_clock.pin()
     conn = ordering.connect("jobs", "plain")
     publish(conn, "jobs", [({"n": "a"}, {})])
     first = get_within(conn, "jobs")
     before = only_row(ordering)
-    conn.default_channel.qos.retry_after(first.delivery_tag, DELAY)
+    conn.default_channel.qos.retry_after(first.delivery_tag, 3600)
     settled(conn)
-    retried = time.monotonic()
     after = only_row(ordering)
     assert (after["id"], after["attempt"], after["locked_until"]) == (before["id"], 1, None)
 
-    # b has a later id but becomes ready before a's retry is due
-    eta = datetime.now(timezone.utc) + timedelta(seconds=DELAY / 2)
+    # b has a later id but becomes ready half an hour before a's retry is due
+    eta = datetime.fromtimestamp(start + 1800, timezone.utc)
     publish(conn, "jobs", [({"n": "b"}, {"eta": eta.isoformat()})])
-    while time.monotonic() < retried + DELAY / 2 - 0.2:
-        assert get(conn, "jobs") is None, "a row was delivered before it was due"
-        time.sleep(0.1)
-    wait_until(lambda: due_rows(ordering) == 2, 10, "both rows to be due")
-
+    assert get(conn, "jobs") is None, "a row was delivered before it was due"
+    sqlinbox_clock.advance(1801)
     ready_first = get_within(conn, "jobs")
     assert ready_first.payload == {"n": "b"}
     ready_first.ack()
     settled(conn)
+    assert get(conn, "jobs") is None, "the retried row was delivered before it was due"
+
+    sqlinbox_clock.advance(1800)
     again = get_within(conn, "jobs")
     assert again.payload == {"n": "a"}
     assert again.delivery_info["redelivered"] is True
-    assert time.monotonic() - retried >= DELAY - 0.1
     assert only_row(ordering)["attempt"] == 2 and only_row(ordering)["id"] == before["id"]
 
 

@@ -1,0 +1,52 @@
+"""The tables the migrations create: the transport's DDL for the configured queues and
+outbox, run on the migration's own connection."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+
+from celery_ext.declaration import default_outbox_table
+from kombu_sqlinbox.dialects import Dialect, dialect_for
+from kombu_sqlinbox.options import parse_options
+from kombu_sqlinbox.tables import default_table, table_name_for_queue
+
+from . import sqlalchemy_connection
+
+
+def _ddl(dialect: Dialect) -> tuple[list[str], list[str]]:
+    """CREATE and DROP statements of every configured table."""
+    options = parse_options(getattr(settings, "CELERY_BROKER_TRANSPORT_OPTIONS", None))
+    create: list[str] = []
+    drop: list[str] = []
+    for queue in getattr(settings, "SQLINBOX_QUEUES", ["celery"]):
+        names = [queue, options.for_queue(queue).dead_letter_queue]
+        for name in filter(None, names):
+            spec = default_table(table_name_for_queue(name, options.table_prefix))
+            create += dialect.create_ddl(spec)
+            drop.append(dialect.statements(spec).drop.text)
+    outbox = getattr(settings, "SQLINBOX_OUTBOX_TABLE", None)
+    if outbox:
+        table = default_outbox_table(outbox)
+        layout = (table.table, table.schema, table.column_names(), table.generated_id)
+        create += dialect.outbox_create_ddl(*layout)
+        drop.append(dialect.outbox_statements(*layout)["drop"].text)
+    return create, drop
+
+
+def _run(schema_editor: Any, which: int) -> None:
+    conn = sqlalchemy_connection(schema_editor.connection)
+    try:
+        for statement in _ddl(dialect_for(conn.engine))[which]:
+            conn.exec_driver_sql(statement)
+    finally:
+        conn.close()
+
+
+def create_tables(apps: Any, schema_editor: Any) -> None:
+    _run(schema_editor, 0)
+
+
+def drop_tables(apps: Any, schema_editor: Any) -> None:
+    _run(schema_editor, 1)

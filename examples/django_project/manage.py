@@ -1,0 +1,11 @@
+#!/usr/bin/env python
+"""The shop site's manage.py: ``python manage.py migrate`` creates the inbox's tables too."""
+
+import os
+import sys
+
+if __name__ == "__main__":
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "shopsite.settings")
+    from django.core.management import execute_from_command_line
+
+    execute_from_command_line(sys.argv)

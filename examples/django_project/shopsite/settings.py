@@ -1,0 +1,47 @@
+"""Settings of the shop site: its database is also its Celery broker and outbox.
+
+``SHOP_DATABASE`` picks the database: ``sqlite:///path`` (the default: shop.sqlite3 here)
+or ``postgresql://user@host:port/name``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import celery_ext.django
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+SECRET_KEY = "only-for-the-example"
+USE_TZ = True
+INSTALLED_APPS = ["celery_ext.django", "orders"]
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+
+def database(url: str) -> dict[str, object]:
+    parts = urlsplit(url)
+    if parts.scheme == "sqlite":
+        return {"ENGINE": "django.db.backends.sqlite3", "NAME": parts.path[1:]}
+    return {"ENGINE": "django.db.backends.postgresql", "NAME": parts.path[1:],
+            "USER": parts.username or "", "PASSWORD": parts.password or "",
+            "HOST": parts.hostname or "", "PORT": str(parts.port or "")}
+
+
+# settings-start
+DATABASES = {"default": database(
+    os.environ.get("SHOP_DATABASE", f"sqlite:///{BASE_DIR / 'shop.sqlite3'}"))}
+
+# the broker is the site's own database; the mail outbox's records live there too
+CELERY_BROKER_URL = celery_ext.django.broker_url(DATABASES["default"])
+# the mail service's broker (kombu's in-process memory transport unless set), with the
+# outbox in the site's database
+MAIL_BROKER_URL = os.environ.get("MAIL_BROKER_URL", "memory://")
+MAIL_OUTBOX_URL = CELERY_BROKER_URL.removeprefix("sqlinbox+")
+MAIL_TASK_IGNORE_RESULT = True
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 60}
+CELERY_TASK_IGNORE_RESULT = True
+# the tables the celery_ext.django migrations create
+SQLINBOX_QUEUES = ["celery"]
+SQLINBOX_OUTBOX_TABLE = "shop_outbox"
+# settings-end
