@@ -360,12 +360,20 @@ def test_racing_creation_of_the_routing_tables_is_retried(
     for statement in broker.routes.sql.ddl:
         rival.exec_driver_sql(statement)
     outcome: list[Any] = []
-    racer = threading.Thread(target=lambda: outcome.append(broker.routes.available()))
+
+    def race() -> None:
+        try:
+            outcome.append(broker.routes.available())
+        except Exception as exc:  # shown by the wait below
+            outcome.append(exc)
+
+    racer = threading.Thread(target=race)
     racer.start()
     with engine.connect() as watch:
-        wait_for(lambda: watch.execute(text(
+        wait_for(lambda: outcome or watch.execute(text(
             "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
             "AND query LIKE 'CREATE%'")).first(), "our CREATE waiting on the rival's")
+    assert not outcome, outcome  # still waiting: the rival holds the catalog rows
     rival_transaction.commit()
     rival.close()
     racer.join(timeout=10)
