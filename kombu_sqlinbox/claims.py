@@ -703,7 +703,13 @@ def isolated(parts: dict[K, V], run: Callable[[dict[K, V]], object],
 
 
 class Wakeup:
-    """What an idle consumer waits on instead of sleeping a whole polling interval."""
+    """What an idle consumer waits on instead of sleeping a whole polling interval.
+
+    Threads of one process share it (an event receiver in one, ``inspect`` calls in
+    another, as in Flower): every use of the LISTEN connection and its channels holds
+    :attr:`_lock`, as psycopg2 connections are not safe to use from two threads at once;
+    the wait itself (``select``) does not.
+    """
 
     def __init__(self, database: Database) -> None:
         self.database = database
@@ -713,6 +719,7 @@ class Wakeup:
         os.set_blocking(self._write, False)
         self._channels: set[str] = set()
         self._listener: Any = None  # a detached DBAPI connection that LISTENs
+        self._lock = threading.Lock()
 
     def poke(self) -> None:
         """Wake a consumer of this process now (a local publish, a key set free)."""
@@ -722,16 +729,17 @@ class Wakeup:
     def listen(self, name: str) -> None:
         """Ask for a NOTIFY wake-up on a channel (a consumed queue's), where the database
         has them."""
-        if name in self._channels:
-            return
-        self._channels.add(name)
-        if self._listener is None:
-            self.poke()  # a consumer waiting in an event loop connects the listener now
-        else:
-            try:
-                self.dialect.listen(self._listener, [name])
-            except Exception:
-                self._drop_listener()
+        with self._lock:
+            if name in self._channels:
+                return
+            self._channels.add(name)
+            if self._listener is not None:
+                try:
+                    self.dialect.listen(self._listener, [name])
+                except Exception:
+                    self._drop_listener()
+                return
+        self.poke()  # a consumer waiting in an event loop connects the listener now
 
     def _connect_listener(self) -> Any:
         raw = self.database.engine.raw_connection()
@@ -754,8 +762,8 @@ class Wakeup:
         the database has NOTIFY and a queue is consumed (connected on first need, and
         again after it died; while the database is away, none: the consumer polls)."""
         sources: list[Any] = [self._read]
-        if self._channels:
-            if self._listener is None:
+        with self._lock:
+            if self._channels and self._listener is None:
                 try:
                     self._listener = self._connect_listener()
                 except Exception as exc:  # the database is away: poll until it is back
@@ -773,11 +781,13 @@ class Wakeup:
                     pass
             except BlockingIOError:
                 pass
-        if self._listener is not None and self._listener in ready:
-            try:
-                self.dialect.take_notifications(self._listener)
-            except Exception:
-                self._drop_listener()
+        with self._lock:
+            # the listener waited on: another thread may have dropped it meanwhile
+            if self._listener is not None and self._listener in ready:
+                try:
+                    self.dialect.take_notifications(self._listener)
+                except Exception:
+                    self._drop_listener()
 
     def wait(self, timeout: float) -> None:
         """Return after a wake-up or ``timeout`` seconds, whichever comes first."""
@@ -785,11 +795,14 @@ class Wakeup:
         try:
             ready, _, _ = select.select(sources, [], [], timeout)
         except (OSError, ValueError):  # the listener's socket died under us
-            self._drop_listener()
+            with self._lock:
+                if self._listener is not None and self._listener in sources:
+                    self._drop_listener()
             return
         self.take(ready)
 
     def close(self) -> None:
-        self._drop_listener()
+        with self._lock:
+            self._drop_listener()
         os.close(self._read)
         os.close(self._write)
