@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
 from functools import partial
 
 from .celery_app import TASK, counter, make_app
 from .registry import Cell, guarded, scenario
-from .targets import REDIS_URL, Context, Target, delete_queue
+from .targets import Context, Target, celery_env, delete_queue
 from .workers import queue_tasks, wait_done, worker
 
 POOLS = {"celery_prefork": ("-P", "prefork", "-c", "2"), "celery_solo": ("-P", "solo")}
@@ -19,13 +18,7 @@ def run_worker(target: Target, ctx: Context, column: str) -> Cell:
     total = ctx.count(target, ctx.sizes.tasks)
     key = f"bench:{ctx.run_id}:{queue}"
     app = make_app(target.url, target.transport_options, queue, target.polling_interval)
-    env = {
-        "BENCH_BROKER_URL": target.url,
-        "BENCH_TRANSPORT_OPTIONS": json.dumps(target.transport_options),
-        "BENCH_POLLING_INTERVAL": str(target.polling_interval or ""),
-        "BENCH_QUEUE": queue,
-        "BENCH_REDIS_URL": REDIS_URL,
-    }
+    env = celery_env(target, queue)
     log = ctx.scratch / f"{queue}.log"
     try:
         queue_tasks(app, TASK, queue, [(key, total)] * total)
