@@ -48,7 +48,7 @@ from bench.cli import choices, run_alone
 from bench.registry import Cell, Row, Section, gist, goal, guarded, progress, spread
 from bench.report import table
 from bench.targets import Context, Sizes, Target, celery_env, delete_queue
-from bench.workers import MONITORED_FLAGS, REPO, STARTUP, worker
+from bench.workers import MONITORED_FLAGS, REPO, STARTUP, stop_all, worker
 
 NAME = "remote"
 BROKERS = ("sqlinbox", "redis", "rabbitmq")
@@ -248,6 +248,7 @@ def measure(target: Target, ctx: Context, plan: Plan) -> dict[str, Cell]:
             workers = [stack.enter_context(worker(
                 "bench.celery_app", POOL, queue, env, ctx.scratch / f"{queue}{w}.log",
                 name=f"{queue}{w}", flags=MONITORED_FLAGS)) for w in WORKERS]
+            stack.callback(stop_all, workers)
             monitor = stack.enter_context(monitoring(app, lambda host: host in names))
             wait_for(lambda: len(app.control.ping(destination=names, timeout=PING_TIMEOUT))
                      == len(names), STARTUP * 2, "ping reply from both workers", workers)
