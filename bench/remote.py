@@ -60,6 +60,11 @@ HEARTBEAT = 2.0
 OFFLINE = 4.0
 #: gaps between the tasks of the events measurement, at random up to this (seconds)
 TASK_GAP = 0.25
+#: heartbeat arrivals are watched for at least this long (seconds)
+HEARTBEAT_SPAN = 16.0
+#: runs of the ``celery inspect ping`` command (quick: fewer)
+CLI_RUNS = 5
+QUICK_CLI_RUNS = 3
 FIGURES = {
     "ping": "ping p50 / p99 ms",
     "missed": "pings missing a reply",
@@ -67,18 +72,6 @@ FIGURES = {
     "events": "task events p50 / p99 ms",
     "heartbeat": "heartbeat gap p50 / max s",
 }
-
-
-@dataclass(frozen=True)
-class Plan:
-    pings: int = 50
-    cli_runs: int = 5
-    tasks: int = 40
-    #: heartbeat arrivals are watched for at least this long
-    heartbeat_span: float = 16.0
-
-    def quick(self) -> Plan:
-        return Plan(20, 3, 15, 10.0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -212,9 +205,9 @@ def cli_ping(env: dict[str, str], names: list[str], runs: int) -> Cell:
 
 
 def event_rows(app: Celery, monitor: Monitor, queue: str, tasks: int, key: str,
-               workers: list[subprocess.Popen[bytes]], plan: Plan) -> dict[str, Cell]:
+               workers: list[subprocess.Popen[bytes]]) -> dict[str, Cell]:
     """Send ``tasks`` tasks at random gaps; latency of every task event of ours, and the
-    heartbeat gaps seen meanwhile (watched for at least ``plan.heartbeat_span`` s)."""
+    heartbeat gaps seen meanwhile (watched for at least :data:`HEARTBEAT_SPAN` s)."""
     with app.producer_or_acquire() as producer:
         for _ in range(tasks):
             app.send_task(TASK, args=(key, tasks), queue=queue, producer=producer)
@@ -222,7 +215,7 @@ def event_rows(app: Celery, monitor: Monitor, queue: str, tasks: int, key: str,
     wait_for(lambda: monitor.count("task-succeeded") >= tasks, 30.0,
              f"task-succeeded events for all {tasks} tasks", workers)
     first = monitor.first_heartbeat() or time.time()
-    wait_for(lambda: time.time() - first >= plan.heartbeat_span, plan.heartbeat_span + 5,
+    wait_for(lambda: time.time() - first >= HEARTBEAT_SPAN, HEARTBEAT_SPAN + 5,
              "heartbeat watch", workers)
     latencies = [(s.arrived - s.sent) * 1000 for s in monitor.seen if s.kind.startswith("task-")]
     gaps = monitor.heartbeat_gaps()
@@ -232,13 +225,14 @@ def event_rows(app: Celery, monitor: Monitor, queue: str, tasks: int, key: str,
     return {"events": spread(latencies), "heartbeat": heartbeat}
 
 
-def measure(target: Target, ctx: Context, plan: Plan) -> dict[str, Cell]:
+def measure(target: Target, ctx: Context, cli_runs: int) -> dict[str, Cell]:
     """Two monitored workers on ``target``, an event receiver here, then every figure."""
     queue = ctx.queue_name("remote")
     env = celery_env(target, queue)
     app = make_app(target.url, target.transport_options, queue, target.polling_interval)
     names = [host_format(f"{queue}{w}@%h") for w in WORKERS]
     key = f"bench:{ctx.run_id}:{queue}"
+    samples = ctx.sizes.latency
     try:
         with app.connection_for_write() as conn:
             if not conn.supports_exchange_type("fanout"):
@@ -252,13 +246,13 @@ def measure(target: Target, ctx: Context, plan: Plan) -> dict[str, Cell]:
             monitor = stack.enter_context(monitoring(app, lambda host: host in names))
             wait_for(lambda: len(app.control.ping(destination=names, timeout=PING_TIMEOUT))
                      == len(names), STARTUP * 2, "ping reply from both workers", workers)
-            cells = ping_rows(app, names, plan.pings)
-            cells["cli"] = guarded(lambda: cli_ping(env, names, plan.cli_runs))
-            events = event_rows(app, monitor, queue, plan.tasks, key, workers, plan)
+            cells = ping_rows(app, names, samples)
+            cells["cli"] = guarded(lambda: cli_ping(env, names, cli_runs))
+            events = event_rows(app, monitor, queue, samples, key, workers)
             return {**cells, **events}
     finally:
         app.close()
-        counter().delete(key, f"{key}:1", f"{key}:{plan.tasks}")
+        counter().delete(key, f"{key}:1", f"{key}:{samples}")
         delete_queue(target, queue)
 
 
@@ -271,12 +265,12 @@ def targets_of(ctx: Context, args: argparse.Namespace) -> list[Target]:
 
 def run(args: argparse.Namespace) -> list[Row]:
     """A row per broker (``args``: ``quick``, ``databases``, ``remote_brokers``)."""
-    plan = Plan().quick() if args.quick else Plan()
     rows: list[Row] = []
-    with Context(Sizes()) as ctx:
+    cli_runs = QUICK_CLI_RUNS if args.quick else CLI_RUNS
+    with Context(Sizes().quick() if args.quick else Sizes()) as ctx:
         for target in targets_of(ctx, args):
             try:
-                cells = measure(target, ctx, plan)
+                cells = measure(target, ctx, cli_runs)
             except Exception as exc:  # one broker failing must not end the run
                 cells = dict.fromkeys(FIGURES, Cell.failed(exc))
             progress(f"{NAME} {target.label}: "
@@ -287,21 +281,22 @@ def run(args: argparse.Namespace) -> list[Row]:
 
 
 def markdown(rows: list[Row], args: argparse.Namespace) -> str:
-    plan = Plan().quick() if args.quick else Plan()
+    samples = (Sizes().quick() if args.quick else Sizes()).latency
+    cli_runs = QUICK_CLI_RUNS if args.quick else CLI_RUNS
     order = [*args.databases, None]
     shown = sorted(rows, key=lambda r: order.index(r["database"]))
     return "\n".join([
         table(shown, FIGURES, "broker"),
         "",
         f"Two workers (prefork -c 1, -E, heartbeats every {HEARTBEAT:g} s) on one queue and "
-        f"an event receiver in the benchmark process. Ping: {plan.pings} "
+        f"an event receiver in the benchmark process. Ping: {samples} "
         f"app.control.ping calls to both workers by name, timeout {PING_TIMEOUT:g} s (a "
-        f"call short of a reply counts as its timeout). CLI: {plan.cli_runs} runs of "
+        f"call short of a reply counts as its timeout). CLI: {cli_runs} runs of "
         "`celery -A app inspect ping` (waits its whole 1 s timeout), wall time with "
-        f"start-up; (k/n both): runs that listed both workers. Events: {plan.tasks} tasks "
+        f"start-up; (k/n both): runs that listed both workers. Events: {samples} tasks "
         f"at random gaps up to {TASK_GAP * 1000:.0f} ms; task-received/started/succeeded, "
         "event timestamp to arrival. Heartbeat gap: between one worker's heartbeat "
-        f"arrivals, watched for at least {plan.heartbeat_span:.0f} s; a monitor marks a "
+        f"arrivals, watched for at least {HEARTBEAT_SPAN:.0f} s; a monitor marks a "
         f"worker offline after {OFFLINE:g} s. Redis and RabbitMQ (database -) are measured "
         "once.",
     ])

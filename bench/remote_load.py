@@ -61,9 +61,10 @@ from sqlalchemy.engine import Connection, Engine, make_url
 
 from bench.celery_app import TASK, counter, make_app
 from bench.children import SPAWN, Children, Link
-from bench.cli import choices
+from bench.cli import choices, command
 from bench.registry import gist, progress, spread
 from bench.remote import OFFLINE, PING_TIMEOUT, POOL, cli_ping, monitoring, wait_for
+from bench.report import grid
 from bench.targets import DATABASES, Context, Target, celery_env
 from bench.workers import MONITORED_FLAGS, STARTUP, stop_all, worker
 from kombu_sqlinbox.broker import close_all
@@ -431,18 +432,17 @@ def per_second(first: int | None, last: int | None, seconds: float) -> float | N
 
 
 def tables_table(f: Figures) -> str:
-    lines = ["| table | max rows | last rows | rows written/s |", "|---|---:|---:|---:|"]
     if not f.samples:
         return "no samples"
     first, last = f.samples[0], f.samples[-1]
-    seconds = last.at - first.at
+    lines = []
     for name in sorted({n for s in f.samples for n in s.rows}):
-        rate = per_second(first.written.get(name, 0), last.written.get(name), seconds)
-        shown = name.removeprefix(f.prefix)
+        rate = per_second(first.written.get(name, 0), last.written.get(name), last.at - first.at)
         task = " (task queue)" if name == f.task_table else ""
-        lines.append(f"| {shown}{task} | {max(s.rows.get(name, 0) for s in f.samples)} "
-                     f"| {last.rows.get(name, 0)} | {fmt(rate, '.1f')} |")
-    return "\n".join(lines)
+        lines.append([name.removeprefix(f.prefix) + task,
+                      max(s.rows.get(name, 0) for s in f.samples), last.rows.get(name, 0),
+                      fmt(rate, ".1f")])
+    return grid(["table", "max rows", "last rows", "rows written/s"], lines)
 
 
 def fmt(value: float | None, spec: str) -> str:
@@ -450,29 +450,26 @@ def fmt(value: float | None, spec: str) -> str:
 
 
 def summary_table(found: list[Figures]) -> str:
-    lines = ["| database | minutes | tasks done / sent | monitor events | max heartbeat gap s "
-             "| pings all answered | ping p50 / p99 ms | CLI pings both | rows written/s "
-             "| commits/s | result |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = []
     for f in found:
-        seconds = f.samples[-1].at - f.samples[0].at if f.samples else 0.0
-        written = (per_second(sum(f.samples[0].written.values()),
-                              sum(f.samples[-1].written.values()), seconds)
-                   if f.samples else None)
-        commits = per_second(f.samples[0].commits, f.samples[-1].commits, seconds) \
-            if f.samples else None
+        first, last = (f.samples[0], f.samples[-1]) if f.samples else (None, None)
+        seconds = last.at - first.at if first and last else 0.0
+        written = per_second(sum(first.written.values()), sum(last.written.values()),
+                             seconds) if first and last else None
+        commits = per_second(first.commits, last.commits, seconds) if first and last else None
         commits_text = fmt(commits, ".1f")
         if f.commits_before is not None:
             commits_text += f" (server-wide; {f.commits_before:.1f} before the run)"
-        pings = spread(f.ping_ms).text if f.ping_ms else "n/a"
-        lines.append(
-            f"| {f.database} | {f.minutes:.1f} | {f.tasks_done} / {f.tasks_sent} "
-            f"| {sum(m['events'] for m in f.monitors.values())} "
-            f"| {fmt(f.max_gap(), '.2f')} "
-            f"| {f.pings - f.pings_short} / {f.pings} | {pings} "
-            f"| {f.cli_pings_both} / {f.cli_pings} | {fmt(written, '.1f')} | {commits_text} "
-            f"| {'FAILED' if f.failures() else 'ok'} |")
-    return "\n".join(lines)
+        lines.append([
+            f.database, f"{f.minutes:.1f}", f"{f.tasks_done} / {f.tasks_sent}",
+            sum(m["events"] for m in f.monitors.values()), fmt(f.max_gap(), ".2f"),
+            f"{f.pings - f.pings_short} / {f.pings}",
+            spread(f.ping_ms).text if f.ping_ms else "n/a",
+            f"{f.cli_pings_both} / {f.cli_pings}", fmt(written, ".1f"), commits_text,
+            "FAILED" if f.failures() else "ok"])
+    return grid(["database", "minutes", "tasks done / sent", "monitor events",
+                 "max heartbeat gap s", "pings all answered", "ping p50 / p99 ms",
+                 "CLI pings both", "rows written/s", "commits/s", "result"], lines)
 
 
 # -- the command ---------------------------------------------------------------------------
@@ -563,8 +560,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except KeyboardInterrupt:
-        print("interrupted: every process the load started is gone", file=sys.stderr)
-        sys.exit(130)
+    command(main, "every process the load started is gone")
