@@ -32,9 +32,10 @@ from .database import same_database as same_database
 from .database import sqlalchemy_url as sqlalchemy_url
 from .errors import ConfigurationError
 from .options import TransportOptions
+from .routing import Declared, Routes
 from .rows import ClaimedRow, Held, Settlement
 from .rows import QueueTable as QueueTable
-from .tables import Role, TableSpec, default_table, table_name_for_queue
+from .tables import Role, TableSpec, check_name, default_table, table_name_for_queue
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -62,6 +63,9 @@ class Broker:
         self.wakeup = Wakeup(self.database)
         self.keeper = LeaseKeeper(self.database, wake=self.wakeup.poke)
         self.forms = claim_forms(self.database, self.keeper)
+        self.routes = Routes(self.database, options.table_prefix, options.create_tables,
+                             wake=self.wakeup.poke, sweep_interval=options.sweep_interval,
+                             sweep_batch=options.sweep_batch)
         self.pid = os.getpid()
         self.closed = False
 
@@ -104,6 +108,9 @@ class Broker:
 
     def _resolve(self, queue: str, caller: Connection | None) -> tuple[QueueTable, bool]:
         options = self.options.for_queue(queue)
+        if not self.has_own_table(queue) and self.routes.is_transient(queue):
+            return QueueTable(queue, self.routes.spec, options, False, True, self.routes,
+                              transient=True), True
         spec = self.spec_for(queue)
         created = options.table is None
         form = self.forms[options.claim]
@@ -130,6 +137,49 @@ class Broker:
             # a duplicate type); the second look finds and checks it
             payload_is_text = self.run(ensure, read_only=True)
         return QueueTable(queue, spec, options, payload_is_text, created, form), True
+
+    def has_own_table(self, queue: str) -> bool:
+        """A queue configured in the transport options always has a table of its own."""
+        return queue in self.options.queues
+
+    def declare_queue(self, queue: str, durable: bool = True, auto_delete: bool = False,
+                      exclusive: bool = False, arguments: dict[str, Any] | None = None,
+                      ) -> QueueTable:
+        """Declare a queue as kombu does: one that AMQP would not keep (not durable,
+        auto-delete or exclusive) is transient; ``x-expires`` and ``x-message-ttl``
+        (milliseconds) are registered. An auto-delete or exclusive queue gets
+        ``idle_queue_expires`` when it sets no expiry, so a crashed owner's queue goes."""
+        check_name(queue)
+        arguments = arguments or {}
+        transient = not self.has_own_table(queue) and (not durable or auto_delete or exclusive)
+        expires = _seconds(arguments.get("x-expires"))
+        if expires is None and transient and (auto_delete or exclusive):
+            expires = self.options.idle_queue_expires
+        self.routes.declare(queue, Declared(transient, expires,
+                                            _seconds(arguments.get("x-message-ttl"))))
+        known = self._tables.get(queue)
+        if known is not None and known.transient != transient:
+            self.forget_table(queue)
+        return self.table(queue)
+
+    @property
+    def transient_template(self) -> QueueTable:
+        """How a message for transient queues is encoded (the codec's view of their table)."""
+        return QueueTable("", self.routes.spec, self.options.defaults, False, True, self.routes,
+                          transient=True)
+
+    def listen(self, table: QueueTable) -> None:
+        """Wake this process's consumers when a message for ``table`` is published
+        elsewhere, where the database has wake-ups."""
+        if self.dialect.notify:
+            self.wakeup.listen(self.routes.channel(table.queue) if table.transient
+                               else self.dialect.channel(table.spec))
+
+    def sweep(self) -> None:
+        """Delete what expired (bounded, at most every ``sweep_interval``); an expired
+        queue with a table of its own is deleted as ``queue_delete`` would."""
+        for queue in self.routes.sweep():
+            self.delete_queue(queue)
 
     def forget_table(self, queue: str) -> None:
         with self._tables_lock:
@@ -221,12 +271,16 @@ class Broker:
     def publish_message(
         self, table: QueueTable, payload: bytes | str, headers: str | None, priority: int = 0,
         eta: float | None = None, group: str | None = None, partition_key: str | None = None,
+        ttl: float | None = None,
     ) -> None:
         """Publish one encoded message, in the bound caller's transaction when there is
         one; refused (:class:`~.errors.MessageTooLarge`) before the server would refuse
-        the statement."""
+        the statement. ``ttl`` (seconds) bounds a transient message's life."""
         self.dialect.check_message_size(
             table.queue, len(payload) + (len(headers) if headers else 0))
+        if table.transient:
+            self.routes.put(table.queue, payload, headers, ttl)
+            return
         self.publish(table, self.dialect.insert_params(
             payload, headers, priority, eta, group, partition_key), binding.current())
 
@@ -237,6 +291,11 @@ class Broker:
         """Whether a claimed row may be delivered. One claimed more often than its queue's
         ``max_attempts`` allows, or whose message does not decode (``undecodable`` says
         why), goes to its dead-letter queue instead."""
+        if held.table.transient:  # taken out of its table already: nothing to park
+            if undecodable is not None:
+                logger.warning("sqlinbox: transient message of queue %r dropped: %s",
+                               held.table.queue, undecodable)
+            return undecodable is None
         reason = undecodable
         limit = held.table.options.max_attempts
         if limit is not None and row.attempt > limit:
@@ -256,6 +315,8 @@ class Broker:
         if requeue:
             self.settle(Settlement.RELEASE, held)
             return
+        if held.table.transient:  # taken out of its table already
+            return
         try:
             self.dead_letter(held, row, "rejected without requeue by the consumer")
         except Exception:
@@ -274,11 +335,15 @@ class Broker:
 
     def size(self, table: QueueTable) -> int:
         """How many of the queue's messages are not in work (ready or delayed)."""
+        if table.transient:
+            return self.routes.size(table.queue)
         statement = self.dialect.statements(table.spec).size
         return int(self.read(table, lambda conn: conn.execute(statement).scalar_one()))
 
     def purge(self, table: QueueTable) -> int:
         """Delete the queue's messages not in work; how many went."""
+        if table.transient:
+            return self.routes.purge(table.queue)
         statement = self.dialect.statements(table.spec).purge
         return int(self.run(lambda conn: conn.execute(statement).rowcount))
 
@@ -286,9 +351,11 @@ class Broker:
         """Drop the queue's table if the transport created it; a declared (service-owned)
         table is only emptied."""
         table = self.table(queue)
-        statements = self.dialect.statements(table.spec)
-        statement = statements.drop if table.created_by_transport else statements.purge
-        self.run(lambda conn: conn.execute(statement))
+        if not table.transient:
+            statements = self.dialect.statements(table.spec)
+            statement = statements.drop if table.created_by_transport else statements.purge
+            self.run(lambda conn: conn.execute(statement))
+        self.routes.forget(queue)  # its registry row, bindings and transient messages
         self.forget_table(queue)
 
     def still_held(self, conn: Connection, table: QueueTable, row_id: int,
@@ -313,6 +380,11 @@ class Broker:
     def is_unique_violation(self, exc: BaseException) -> bool:
         """A unique (or primary) key refused a row."""
         return self.dialect.is_unique_violation(exc)
+
+
+def _seconds(milliseconds: Any) -> float | None:
+    """A queue argument in milliseconds (``x-expires``, ``x-message-ttl``) in seconds."""
+    return None if milliseconds is None else float(milliseconds) / 1000.0
 
 
 _BROKERS: dict[tuple[str, str], Broker] = {}

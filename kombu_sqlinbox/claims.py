@@ -719,11 +719,9 @@ class Wakeup:
         with contextlib.suppress(BlockingIOError):  # a full pipe: a wake-up is pending
             os.write(self._write, b"!")
 
-    def listen(self, table: QueueTable) -> None:
-        """Ask for a NOTIFY wake-up from a consumed table, where the database has them."""
-        if not self.dialect.notify:
-            return
-        name = self.dialect.channel(table.spec)
+    def listen(self, name: str) -> None:
+        """Ask for a NOTIFY wake-up on a channel (a consumed queue's), where the database
+        has them."""
         if name in self._channels:
             return
         self._channels.add(name)

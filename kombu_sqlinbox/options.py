@@ -46,6 +46,13 @@ class TransportOptions:
     engine_options: Mapping[str, Any] = field(default_factory=dict)
     max_batch: int = 100
     notify: bool = True
+    #: seconds between two sweeps of expired queues and messages by one process
+    sweep_interval: float = 5.0
+    #: at most this many expired queues (and as many expired messages) per sweep
+    sweep_batch: int = 500
+    #: seconds an auto-delete or exclusive queue without ``x-expires`` outlives its last
+    #: consumer (one that crashed cannot delete it)
+    idle_queue_expires: float = 600.0
     defaults: QueueOptions = QueueOptions()
     queues: Mapping[str, QueueOptions] = field(default_factory=dict)
 
@@ -149,8 +156,10 @@ def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
             result[key] = value
         elif key == "table_prefix":
             result[key] = str(value)
-        elif key == "max_batch":
+        elif key in ("max_batch", "sweep_batch"):
             result[key] = _number(key, value, 1, integer=True)
+        elif key in ("sweep_interval", "idle_queue_expires"):
+            result[key] = float(_number(key, value, 0, above=True))
         elif key == "engine_options":
             if not isinstance(value, Mapping):
                 raise ConfigurationError(f"transport option {key}: expected a dict")

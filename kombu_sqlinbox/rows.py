@@ -71,6 +71,8 @@ class QueueTable:
     payload_is_text: bool
     created_by_transport: bool
     claims: Claims
+    #: the queue lives in the shared table of transient messages (:mod:`.routing`)
+    transient: bool = False
 
     @property
     def fifo(self) -> bool:

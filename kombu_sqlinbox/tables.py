@@ -168,20 +168,32 @@ def default_table(table: str) -> TableSpec:
     )
 
 
+#: table names under the prefix that the routing tables take (:mod:`.routing`)
+ROUTING_TABLES = ("queues", "bindings", "transient")
+
+
+def check_name(name: str, what: str = "queue name", empty: bool = False) -> str:
+    """Refuse a queue name (exchange, routing key) no table, registry row or binding can
+    hold."""
+    if not isinstance(name, str) or not (name or empty):
+        raise ConfigurationError(f"{what} {name!r} is empty or not a string")
+    if "\x00" in name or len(name) > 255:
+        raise ConfigurationError(f"{what} {name!r} has a NUL byte or exceeds 255 characters")
+    return name
+
+
 def table_name_for_queue(queue: str, prefix: str = "sqlinbox_") -> str:
     """Map any kombu queue name onto a safe, stable table name.
 
     Names that are already plain identifiers keep their letters; anything else
     (dots, ``@``, quotes, a hostile name) is folded to ``_`` and suffixed with a
-    hash of the original so that two different queues never share a table.
+    hash of the original so that two different queues never share a table; so is a name
+    the routing tables take (a queue named ``queues``).
     """
-    if not isinstance(queue, str) or not queue:
-        raise ConfigurationError(f"queue name {queue!r} is empty or not a string")
-    if "\x00" in queue or len(queue) > 255:
-        raise ConfigurationError(f"queue name {queue!r} has a NUL byte or exceeds 255 characters")
+    check_name(queue)
     folded = re.sub(r"[^a-z0-9_]", "_", queue.lower())
     name = prefix + folded
-    if folded != queue or len(name) > 63:
+    if folded != queue or len(name) > 63 or folded in ROUTING_TABLES:
         digest = hashlib.sha1(queue.encode("utf-8")).hexdigest()[:10]
         name = f"{name[: 63 - 11]}_{digest}"
     return check_identifier(name, "table")

@@ -17,6 +17,7 @@ from typing import Any
 
 import sqlalchemy
 from kombu.transport import virtual
+from kombu.transport.base import to_rabbitmq_queue_arguments
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
 from .broker import Broker, QueueTable, broker_for
@@ -53,6 +54,15 @@ DRIVER_CONNECTION_ERRORS = _driver_connection_errors()
 
 def _key(value: Any) -> str | None:
     return None if value is None else str(value)
+
+
+def _ttl(message: dict[str, Any]) -> float | None:
+    """kombu's ``expiration`` property (milliseconds, as AMQP has it) in seconds."""
+    expiration = message["properties"].get("expiration")
+    try:
+        return None if expiration is None else max(0.0, float(expiration) / 1000.0)
+    except (TypeError, ValueError):
+        return None
 
 
 class QoS(virtual.QoS):
@@ -132,6 +142,8 @@ class Channel(virtual.Channel):
 
     QoS = QoS
     body_encoding = None
+    #: fanout and topic exchanges reach the queues every process bound (:mod:`.routing`)
+    supports_fanout = True
     from_transport_options = ()
     _delivery_tags = count(1)
 
@@ -143,6 +155,8 @@ class Channel(virtual.Channel):
         self._busy_keys: set[tuple[str, Any]] = set()
         #: the last claim was skipped for want of a free prefetch slot
         self._starved = False
+        #: auto-delete queues declared here: deleted when their last consumer here goes
+        self._auto_delete: set[str] = set()
 
     def _next_delivery_tag(self) -> int:
         return next(self._delivery_tags)
@@ -159,7 +173,31 @@ class Channel(virtual.Channel):
         message_headers = message.get("headers") or {}
         self.broker.publish_message(
             table, payload, headers, priority, eta_epoch(message_headers),
-            _key(message_headers.get(GROUP_HEADER)), _key(message_headers.get(PARTITION_HEADER)))
+            _key(message_headers.get(GROUP_HEADER)), _key(message_headers.get(PARTITION_HEADER)),
+            _ttl(message))
+
+    def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str,
+                      **kwargs: Any) -> None:
+        """Route through the bindings of every process. A direct exchange with a queue
+        bound here for the key keeps kombu's in-process routing (a task publish costs no
+        lookup); otherwise the transient queues bound anywhere get the message in one
+        statement, and the table-backed ones read from the bindings table."""
+        if not exchange:
+            super().basic_publish(message, exchange, routing_key, **kwargs)
+            return
+        self._inplace_augment_message(message, exchange, routing_key)
+        kind = self.typeof(exchange)
+        try:
+            here = kind.lookup(self.get_table(exchange), exchange, routing_key, None)
+        except KeyError:
+            here = set()
+        tables = {queue for queue in here if not self.broker.table(queue).transient}
+        if kind.type != "direct" or not tables:
+            tables |= self.broker.routes.table_queues(exchange, routing_key)
+            payload, headers = encode_message(message, self.broker.transient_template)
+            self.broker.routes.route(exchange, routing_key, payload, headers, _ttl(message))
+        for queue in tables:
+            self._put(queue, message, **kwargs)
 
     # -- consume ---------------------------------------------------------------
     def _claim_size(self) -> int:
@@ -185,6 +223,7 @@ class Channel(virtual.Channel):
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         table = self.broker.table(queue)
+        self.broker.routes.keep_alive(queue)
         buffer = self._buffers.setdefault(queue, deque())
         while True:
             row = self._next_free(queue, buffer)
@@ -249,7 +288,9 @@ class Channel(virtual.Channel):
     def _release_buffered(self, queues: list[str]) -> None:
         """Rows claimed but never handed to kombu go back with their attempt returned."""
         for queue in queues:
-            buffer = self._buffers.pop(queue, None) or deque()
+            buffer = self._buffers.pop(queue, None)
+            if not buffer:  # nothing to give back: the queue may be gone meanwhile
+                continue
             table = self.broker.table(queue)
             while buffer:
                 row = buffer.popleft()
@@ -257,7 +298,7 @@ class Channel(virtual.Channel):
 
     def basic_consume(self, queue: str, no_ack: bool, callback: Callable[[Any], Any],
                       consumer_tag: str, **kwargs: Any) -> Any:
-        self.broker.wakeup.listen(self.broker.table(queue))
+        self.broker.listen(self.broker.table(queue))
         if no_ack:
             callback = self._completed_on_delivery(callback)
         return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
@@ -281,6 +322,9 @@ class Channel(virtual.Channel):
         result = super().basic_cancel(consumer_tag)
         if queue:
             self._release_buffered([queue])
+            if queue in self._auto_delete and queue not in self._active_queues:
+                self._auto_delete.discard(queue)
+                self.queue_delete(queue)
         return result
 
     def close(self) -> None:
@@ -288,6 +332,33 @@ class Channel(virtual.Channel):
             self._release_buffered(list(self._buffers))
         super().close()
         self.broker.keeper.flush(timeout=SETTLE_LIMIT)
+
+    # -- exchanges, bindings and queues -----------------------------------------
+    def prepare_queue_arguments(self, arguments: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        """kombu's ``Queue(expires=, message_ttl=, ...)`` as AMQP queue arguments."""
+        return dict(to_rabbitmq_queue_arguments(arguments, **kwargs))
+
+    def queue_bind(self, queue: str, exchange: str | None = None, routing_key: str = "",
+                   arguments: Any = None, **kwargs: Any) -> None:
+        """kombu's in-process binding, and its row in the bindings table, written on every
+        declaration (a sweep may have deleted an expired queue's bindings)."""
+        exchange = exchange or "amq.direct"
+        kind = self.typeof(exchange)
+        meta = kind.prepare_bind(queue, exchange, routing_key, arguments)
+        if not self.state.has_binding(queue, exchange, routing_key):
+            self.state.binding_declare(queue, exchange, routing_key, arguments)
+            self.state.exchanges[exchange].setdefault("table", []).append(meta)
+        self.broker.routes.bind(exchange, kind.type, queue, routing_key, meta[1] or "")
+
+    def queue_unbind(self, queue: str, exchange: str | None = None, routing_key: str = "",
+                     arguments: Any = None, **kwargs: Any) -> None:
+        super().queue_unbind(queue, exchange, routing_key, arguments, **kwargs)
+        self.broker.routes.unbind(exchange or "amq.direct", queue, routing_key)
+
+    def exchange_delete(self, exchange: str, if_unused: bool = False,
+                        nowait: bool = False) -> None:
+        super().exchange_delete(exchange, if_unused, nowait)
+        self.broker.routes.delete_exchange(exchange)
 
     # -- queue management ------------------------------------------------------
     def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,
@@ -299,11 +370,15 @@ class Channel(virtual.Channel):
         self._delete(queue)
         self.state.queue_bindings_delete(queue)
 
-    def _new_queue(self, queue: str, **kwargs: Any) -> None:
-        self.broker.table(queue)
+    def _new_queue(self, queue: str, durable: bool = True, exclusive: bool = False,
+                   auto_delete: bool = False, arguments: dict[str, Any] | None = None,
+                   **kwargs: Any) -> None:
+        if auto_delete:
+            self._auto_delete.add(queue)
+        self.broker.declare_queue(queue, durable, auto_delete, exclusive, arguments)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
-        return self.broker.known_table(queue)
+        return self.broker.routes.is_transient(queue) or self.broker.known_table(queue)
 
     def _size(self, queue: str) -> int:
         return self.broker.size(self.broker.table(queue))
@@ -321,9 +396,12 @@ class Transport(virtual.Transport):
     Channel = Channel
     can_parse_url = True
     default_port = None
-    driver_type = "sql"
+    #: not "sql": Celery switches remote control and events off for that driver type
+    driver_type = "sqlinbox"
     driver_name = "sqlalchemy"
     polling_interval = 0.2
+    implements = virtual.Transport.implements.extend(
+        exchange_type=frozenset(["direct", "topic", "fanout"]))
 
     connection_errors = (
         *virtual.Transport.connection_errors, OperationalError, InterfaceError,
@@ -375,6 +453,7 @@ class Transport(virtual.Transport):
             except Empty:
                 if timeout is not None and monotonic() - started >= timeout:
                     raise TimeoutError() from None
+                self.broker.sweep()
                 self.broker.wakeup.wait(interval)
 
     def establish_connection(self) -> Any:

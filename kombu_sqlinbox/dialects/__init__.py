@@ -5,14 +5,23 @@ from __future__ import annotations
 from sqlalchemy.engine import Engine
 
 from ..errors import ConfigurationError
-from .base import Capabilities, ClaimedRow, Dialect, Statements, Tokens
+from .base import (
+    Capabilities,
+    ClaimedRow,
+    Dialect,
+    RoutingStatements,
+    Statements,
+    Tokens,
+    plain_payload,
+)
 from .mysql import MySQLDialect
 from .postgresql import PostgreSQLDialect
 from .sqlite import SQLiteDialect
 
 __all__ = [
     "Capabilities", "ClaimedRow", "Dialect", "MySQLDialect", "PostgreSQLDialect",
-    "SQLiteDialect", "Statements", "Tokens", "dialect_class", "dialect_for", "register",
+    "RoutingStatements", "SQLiteDialect", "Statements", "Tokens", "dialect_class", "dialect_for",
+    "plain_payload", "register",
 ]
 
 _REGISTRY: dict[str, type[Dialect]] = {}

@@ -23,8 +23,9 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
 from ..errors import MessageTooLarge, SchemaMismatch
+from ..roles import check_identifier
 from ..rows import ClaimedRow as ClaimedRow  # built here; re-exported
-from ..tables import ColumnSpec, Role, TableSpec
+from ..tables import ROUTING_TABLES, ColumnSpec, Role, TableSpec
 
 #: attempt -> ids held with that attempt (the attempt is the lease's fencing token)
 Tokens = Mapping[int, Sequence[int]]
@@ -82,12 +83,45 @@ class Statements:
     drop: TextClause
 
 
+@dataclass(frozen=True)
+class RoutingStatements:
+    """The statements on the routing tables of one table prefix (see
+    :meth:`Dialect.build_routing`); list parameters are ``:ids``."""
+
+    names: tuple[str, str, str]
+    ddl: list[str]
+    declare: TextClause
+    kind: TextClause
+    touch: TextClause
+    registered: TextClause
+    bind: TextClause
+    unbind: TextClause
+    unbind_exchange: TextClause
+    bound: TextClause
+    forget: tuple[TextClause, ...]
+    route: TextClause
+    put: TextClause
+    claim: tuple[TextClause, ...]
+    size: TextClause
+    purge: TextClause
+    expired_queues: TextClause
+    expired_messages: TextClause
+    orphans: TextClause
+
+    @staticmethod
+    def tables(prefix: str) -> tuple[str, str, str]:
+        """The queue registry, the bindings and the transient messages' table names."""
+        queues, bindings, transient = (check_identifier(prefix + name, "table")
+                                       for name in ROUTING_TABLES)
+        return queues, bindings, transient
+
+
 #: the roles a claim returns (:meth:`Dialect.returned_columns`), those a table declares
 RETURNED_ROLES = (Role.ID, Role.ATTEMPT, Role.PAYLOAD, Role.HEADERS, Role.GROUP,
                   Role.PARTITION_KEY, Role.PRIORITY, Role.AVAILABLE_AT)
 
 
-def _plain(payload: Any) -> bytes | str:
+def plain_payload(payload: Any) -> bytes | str:
     """psycopg2 hands BYTEA over as a memoryview, which a prefork pool cannot pickle."""
     return bytes(payload) if isinstance(payload, memoryview) else payload  # type: ignore[no-any-return]
 
@@ -134,6 +168,7 @@ class Dialect:
         #: ``notify`` option turned it off for this instance
         self.notify = self.capabilities.wakeups
         self._statements: dict[TableSpec, Statements] = {}
+        self._routing: dict[str, RoutingStatements] = {}
 
     # -- identifiers -------------------------------------------------------
     def quote(self, name: str) -> str:
@@ -378,7 +413,7 @@ class Dialect:
                    if spec.has(role)]
         raised = 0 if leased else 1
         result = [ClaimedRow(
-            id=row_id(row), attempt=attempt(row) + raised, payload=_plain(payload(row)),
+            id=row_id(row), attempt=attempt(row) + raised, payload=plain_payload(payload(row)),
             headers=_json_text(headers(row)), group=group(row),
             partition_key=partition_key(row),
             sort_key=(*(value(row) for value in sort_by), row_id(row)))
@@ -572,6 +607,145 @@ class Dialect:
             return None
         code = getattr(orig, "pgcode", None) or getattr(orig, "sqlstate", None)
         return code or (orig.args[0] if orig.args else None)
+
+    # -- routing: bindings, the queue registry, transient queues -------------------
+    # Remote control and events need what kombu's virtual channel keeps in one process:
+    # which queue is bound to which exchange. Three tables under the table prefix hold it
+    # (:class:`RoutingStatements`); every value is bound, every time is epoch seconds.
+    #: the database's time as epoch seconds (a DOUBLE)
+    epoch_now: ClassVar[str]
+    #: column types of the routing tables: a name, seconds, a message body
+    name_type: ClassVar[str] = "TEXT"
+    seconds_type: ClassVar[str] = "DOUBLE PRECISION"
+    body_type: ClassVar[str] = "BLOB"
+    #: how the transient messages' table is created (PostgreSQL: without WAL)
+    transient_table_kind: ClassVar[str] = "TABLE"
+    #: a bound number of seconds, typed where the database must be told
+    seconds_param: ClassVar[str] = ":{}"
+
+    def matches(self, value: str, pattern: str) -> str:
+        """SQL: ``value`` matches the regular expression ``pattern`` (a topic binding)."""
+        return f"{value} REGEXP {pattern}"
+
+    def upsert(self, table: str, keys: Sequence[str], values: Sequence[str]) -> str:
+        """INSERT of ``keys + values`` from same-named parameters; on a key conflict
+        the values are updated (none: the row is left alone)."""
+        columns = [*keys, *values]
+        updates = ", ".join(f"{c} = excluded.{c}" for c in values)
+        action = f"DO UPDATE SET {updates}" if values else "DO NOTHING"
+        return (f"INSERT INTO {table} ({', '.join(columns)}) "
+                f"VALUES ({', '.join(':' + c for c in columns)}) "
+                f"ON CONFLICT ({', '.join(keys)}) {action}")
+
+    def delete_some(self, table: str, condition: str) -> str:
+        """DELETE of at most ``:limit`` rows of ``table`` meeting ``condition``."""
+        return (f"DELETE FROM {table} WHERE id IN "
+                f"(SELECT id FROM {table} WHERE {condition} LIMIT :limit)")
+
+    def routing_statements(self, prefix: str) -> RoutingStatements:
+        cached = self._routing.get(prefix)
+        if cached is None:
+            cached = self._routing[prefix] = self.build_routing(prefix)
+        return cached
+
+    def build_routing(self, prefix: str) -> RoutingStatements:
+        names = RoutingStatements.tables(prefix)
+        queues, bindings, messages = (self.quote(name) for name in names)
+        now = self.epoch_now
+        ttl = self.seconds_param.format("ttl")
+        fresh = f"(expires_at IS NULL OR expires_at > {now})"
+        # a message's expiry: the sooner of its own TTL and its queue's
+        expiry = (f"CASE WHEN {ttl} IS NULL AND q.message_ttl IS NULL THEN NULL "
+                  f"WHEN {ttl} IS NULL THEN {now} + q.message_ttl "
+                  f"WHEN q.message_ttl IS NULL OR {ttl} < q.message_ttl THEN {now} + {ttl} "
+                  f"ELSE {now} + q.message_ttl END")
+        matching = (f"b.exchange = :exchange AND (b.type = 'fanout' OR (b.type = 'direct' "
+                    f"AND b.routing_key = :routing_key) OR (b.type = 'topic' AND "
+                    f"{self.matches(':routing_key', 'b.pattern')}))")
+        route = (f"INSERT INTO {messages} (queue, payload, headers, expires_at) "
+                 f"SELECT m.queue, :payload, :headers, {expiry} FROM "
+                 f"(SELECT DISTINCT b.queue FROM {bindings} AS b WHERE {matching}) AS m "
+                 f"JOIN {queues} AS q ON q.name = m.queue AND q.transient = 1")
+        put = (f"INSERT INTO {messages} (queue, payload, headers, expires_at) "
+               f"SELECT q.name, :payload, :headers, {expiry} FROM {queues} AS q "
+               f"WHERE q.name = :queue AND q.transient = 1")
+        expires = self.seconds_param.format("expires")
+        return RoutingStatements(
+            names=names,
+            ddl=self.routing_ddl(queues, bindings, messages, names),
+            declare=text(self.upsert(queues, ["name"], ["transient", "expires", "message_ttl",
+                                                        "expires_at"]).replace(
+                ":expires_at", f"{now} + {expires}")),
+            kind=text(f"SELECT transient FROM {queues} WHERE name = :name"),
+            touch=_expanding(f"UPDATE {queues} SET expires_at = {now} + expires "
+                             "WHERE name IN :ids AND expires IS NOT NULL"),
+            registered=_expanding(f"SELECT name FROM {queues} WHERE name IN :ids"),
+            bind=text(self.upsert(bindings, ["exchange", "queue", "routing_key"],
+                                  ["type", "pattern"])),
+            unbind=text(f"DELETE FROM {bindings} WHERE exchange = :exchange "
+                        "AND queue = :queue AND routing_key = :routing_key"),
+            unbind_exchange=text(f"DELETE FROM {bindings} WHERE exchange = :exchange"),
+            bound=text(f"SELECT b.routing_key, b.pattern, b.queue, b.type FROM {bindings} AS b "
+                       f"LEFT JOIN {queues} AS q ON q.name = b.queue "
+                       "WHERE b.exchange = :exchange AND COALESCE(q.transient, 0) = 0"),
+            forget=tuple(_expanding(sql) for sql in (
+                f"DELETE FROM {bindings} WHERE queue IN :ids",
+                f"DELETE FROM {messages} WHERE queue IN :ids",
+                f"DELETE FROM {queues} WHERE name IN :ids")),
+            route=self.route_statement(route, messages),
+            put=self.route_statement(put, messages),
+            claim=self.transient_claim(messages, fresh),
+            size=text(f"SELECT COUNT(*) FROM {messages} WHERE queue = :queue AND {fresh}"),
+            purge=text(f"DELETE FROM {messages} WHERE queue = :queue"),
+            expired_queues=text(
+                f"SELECT name, transient FROM {queues} WHERE expires_at < {now} "
+                f"ORDER BY expires_at LIMIT :limit {self.lock_clause.replace(' OF r', '')}"),
+            expired_messages=text(self.delete_some(messages, f"expires_at < {now}")),
+            orphans=text(self.delete_some(messages, (
+                f"NOT EXISTS (SELECT 1 FROM {queues} AS q WHERE q.name = {messages}.queue)"))),
+        )
+
+    def route_statement(self, insert: str, messages: str) -> TextClause:
+        """A publish into the transient messages' table (waking their consumers where the
+        database has wake-ups: :meth:`transient_channel`)."""
+        return text(insert)
+
+    def transient_claim(self, messages: str, fresh: str) -> tuple[TextClause, ...]:
+        """Take (delete) up to ``:limit`` unexpired messages of ``:queue``, oldest first,
+        returning ``id, payload, headers``: one DELETE ... RETURNING where the database has
+        it, else a locking SELECT, then a DELETE of its ids."""
+        pick = (f"SELECT id FROM {messages} WHERE queue = :queue AND {fresh} "
+                f"ORDER BY id LIMIT :limit {self.lock_clause.replace(' OF r', '')}")
+        return (text(f"DELETE FROM {messages} WHERE id IN ({pick}) "
+                     "RETURNING id, payload, headers"),)
+
+    def routing_ddl(self, queues: str, bindings: str, messages: str,
+                    names: tuple[str, str, str]) -> list[str]:
+        """The routing tables: the queue registry, the bindings, the transient messages."""
+        name, seconds = self.name_type, self.seconds_type
+        return [
+            f"CREATE TABLE IF NOT EXISTS {queues} (name {name} NOT NULL PRIMARY KEY, "
+            f"transient SMALLINT NOT NULL, expires {seconds}, message_ttl {seconds}, "
+            f"expires_at {seconds})",
+            f"CREATE INDEX IF NOT EXISTS {self.quote(names[0] + '_expiry')} "
+            f"ON {queues} (expires_at)",
+            f"CREATE TABLE IF NOT EXISTS {bindings} (exchange {name} NOT NULL, "
+            f"queue {name} NOT NULL, routing_key {name} NOT NULL, type {name} NOT NULL, "
+            f"pattern {name} NOT NULL, PRIMARY KEY (exchange, queue, routing_key))",
+            f"CREATE INDEX IF NOT EXISTS {self.quote(names[1] + '_queue')} "
+            f"ON {bindings} (queue)",
+            f"CREATE {self.transient_table_kind} IF NOT EXISTS {messages} "
+            f"(id {self.generated_id_type}, queue {name} NOT NULL, "
+            f"payload {self.body_type} NOT NULL, headers TEXT, expires_at {seconds})",
+            f"CREATE INDEX IF NOT EXISTS {self.quote(names[2] + '_claim')} "
+            f"ON {messages} (queue, id)",
+            f"CREATE INDEX IF NOT EXISTS {self.quote(names[2] + '_expiry')} "
+            f"ON {messages} (expires_at)",
+        ]
+
+    def transient_channel(self, prefix: str, queue: str) -> str:
+        """The wake-up channel of a transient queue (see :meth:`channel`)."""
+        return prefix + "t_" + hashlib.md5(queue.encode("utf-8")).hexdigest()[:24]
 
     # -- outbox (celery_ext.outbox) ------------------------------------------------
     # Every statement of the transactional outbox. Its table arrives as role -> column

@@ -8,6 +8,7 @@ does not keep gap locks on rows it passed over.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,6 +56,40 @@ class MySQLDialect(Dialect):
 
     def later(self, seconds: str) -> str:
         return f"{NOW} + INTERVAL ({seconds} * 1000000) MICROSECOND"
+
+    # -- routing -----------------------------------------------------------------
+    epoch_now = f"UNIX_TIMESTAMP({NOW})"
+    #: names compare byte for byte, as kombu's do (the default collation folds case)
+    name_type = "VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
+    seconds_type = "DOUBLE"
+    body_type = "LONGBLOB"
+
+    def upsert(self, table: str, keys: Sequence[str], values: Sequence[str]) -> str:
+        columns = [*keys, *values]
+        updates = ", ".join(f"{c} = VALUES({c})" for c in values or keys[:1])
+        return (f"INSERT INTO {table} ({', '.join(columns)}) "
+                f"VALUES ({', '.join(':' + c for c in columns)}) "
+                f"ON DUPLICATE KEY UPDATE {updates}")
+
+    def delete_some(self, table: str, condition: str) -> str:
+        return f"DELETE FROM {table} WHERE {condition} LIMIT :limit"
+
+    def transient_claim(self, messages: str, fresh: str) -> tuple[TextClause, ...]:
+        return (text(f"SELECT id, payload, headers FROM {messages} WHERE queue = :queue "
+                     f"AND {fresh} ORDER BY id LIMIT :limit {self.lock_clause}"),
+                _expanding(f"DELETE FROM {messages} WHERE id IN :ids"))
+
+    def routing_ddl(self, queues: str, bindings: str, messages: str,
+                    names: tuple[str, str, str]) -> list[str]:
+        """MySQL has no CREATE INDEX IF NOT EXISTS: indexes go inside CREATE TABLE."""
+        tables = []
+        for statement in super().routing_ddl(queues, bindings, messages, names):
+            match = re.match(r"CREATE INDEX IF NOT EXISTS (\S+) ON \S+ \((.*)\)$", statement)
+            if match is None:
+                tables.append(statement)
+            else:
+                tables[-1] = f"{tables[-1][:-1]}, INDEX {match[1]} ({match[2]}))"
+        return [f"{table} ENGINE=InnoDB DEFAULT CHARSET=utf8mb4" for table in tables]
 
     def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
         """No UPDATE ... RETURNING here: lock the rows, then lease them, same transaction."""

@@ -39,6 +39,25 @@ class PostgreSQLDialect(Dialect):
     def later(self, seconds: str) -> str:
         return f"now() + make_interval(secs => {seconds})"
 
+    # -- routing -----------------------------------------------------------------
+    epoch_now = "CAST(EXTRACT(EPOCH FROM now()) AS DOUBLE PRECISION)"
+    body_type = "BYTEA"
+    #: transient queues are AMQP's non-durable ones: no WAL, emptied by a crash
+    transient_table_kind = "UNLOGGED TABLE"
+    seconds_param = "CAST(:{} AS DOUBLE PRECISION)"
+
+    def matches(self, value: str, pattern: str) -> str:
+        return f"{value} ~ {pattern}"
+
+    def route_statement(self, insert: str, messages: str) -> TextClause:
+        """The insert and the NOTIFY of each queue it reached, in one statement."""
+        if not self.notify:
+            return super().route_statement(insert, messages)
+        return text(
+            f"WITH routed AS ({insert} RETURNING queue) SELECT pg_notify(c, '') FROM "
+            "(SELECT DISTINCT CAST(:channel_prefix AS TEXT) || left(md5(queue), 24) AS c "
+            "FROM routed) AS channels")
+
     def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
         f = self.fields(spec)
         claim = (

@@ -6,6 +6,7 @@ stable within one statement, so a claim compares every row with one instant.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,6 +20,11 @@ from ..tables import ColumnSpec, Role, TableSpec
 from .base import Capabilities, Dialect, _expanding
 
 NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+def _regexp(pattern: str, value: str) -> bool:
+    """SQLite's ``value REGEXP pattern``."""
+    return re.match(pattern, value) is not None
 
 
 class SQLiteDialect(Dialect):
@@ -54,6 +60,10 @@ class SQLiteDialect(Dialect):
     def later(self, seconds: str) -> str:
         return f"{NOW} + {seconds}"
 
+    # -- routing -----------------------------------------------------------------
+    epoch_now = NOW
+    seconds_type = "REAL"
+
     def time_types(self) -> tuple[type[Any], ...]:
         return (sqltypes.Float, sqltypes.Numeric, sqltypes.Integer)
 
@@ -87,6 +97,8 @@ class SQLiteDialect(Dialect):
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.close()
+        # topic bindings match with Python's re, as kombu's own topic exchange does
+        dbapi_connection.create_function("regexp", 2, _regexp, deterministic=True)
 
     #: seconds a statement waits for the database's write lock
     busy_timeout = 30.0

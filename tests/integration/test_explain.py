@@ -13,14 +13,18 @@ READY_ROWS = 200_000
 DIGITS = " UNION ALL ".join(f"SELECT {d} AS d" for d in range(10))
 
 
-def bulk_insert_sql(database: str, table: str) -> str:
-    """One INSERT ... SELECT of READY_ROWS ready rows (no row-by-row round trips)."""
+def bulk_insert_sql(database: str, table: str, queues: bool = False) -> str:
+    """One INSERT ... SELECT of READY_ROWS ready rows (no row-by-row round trips); with
+    ``queues``, transient messages spread over 1,000 queues."""
+    column = "queue, " if queues else ""
     if database == "postgresql":
-        return (f"INSERT INTO {table} (payload, headers) "
-                f"SELECT 'x'::bytea, '{{}}' FROM generate_series(1, {READY_ROWS})")
+        queue = "'q' || (n % 1000), " if queues else ""
+        return (f"INSERT INTO {table} ({column}payload, headers) "
+                f"SELECT {queue}'x'::bytea, '{{}}' FROM generate_series(1, {READY_ROWS}) AS n")
+    queue = "CONCAT('q', d0.d, d1.d, d2.d), " if queues else ""
     joins = ", ".join(f"({DIGITS}) AS d{n}" for n in range(6))
-    return (f"INSERT INTO {table} (payload, headers) "
-            f"SELECT 'x', '{{}}' FROM {joins} LIMIT {READY_ROWS}")
+    return (f"INSERT INTO {table} ({column}payload, headers) "
+            f"SELECT {queue}'x', '{{}}' FROM {joins} LIMIT {READY_ROWS}")
 
 
 def plan_lines(conn: Connection, database: str, statement: object) -> list[str]:
@@ -56,3 +60,24 @@ def test_claim_selection_uses_the_claim_index(connect: Connect, database: str) -
         assert "type=ALL" not in row, row
         assert f"key={index}" in row, row
         assert "filesort" not in row, row
+
+
+@pytest.mark.parametrize("database", ["postgresql", "mysql"], indirect=True)
+def test_transient_claim_uses_its_queue_index(connect: Connect, database: str) -> None:
+    conn = connect()
+    conn.default_channel.queue_declare("reply", durable=False, auto_delete=True)
+    routes = broker_of(conn).routes
+    table = quoted(routes.database.engine, routes.sql.names[2])
+    index = routes.sql.names[2] + "_claim"
+    with routes.database.engine.begin() as db:
+        db.execute(text(bulk_insert_sql(database, table, queues=True)))
+    with routes.database.engine.begin() as db:
+        db.execute(text(f"{'ANALYZE' if database == 'postgresql' else 'ANALYZE TABLE'} {table}"))
+        claim = routes.sql.claim[0]
+        result = db.execute(text(f"EXPLAIN {claim.text}"), {"queue": "q7", "limit": 10})
+        if database == "postgresql":
+            shown = "\n".join(str(row[0]) for row in result)
+            assert index in shown and "Seq Scan" not in shown, shown
+        else:
+            rows = [dict(row._mapping) for row in result]
+            assert rows[0]["key"] == index and rows[0]["type"] != "ALL", rows

@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 
 import pytest
+from kombu import Exchange, Queue
 from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox import Role, SchemaMismatch, default_table
-from kombu_sqlinbox.dialects import dialect_for
+from kombu_sqlinbox.dialects import RoutingStatements, dialect_for
 
 from .conftest import Connect
 from .support import DEAD_LETTERS, get_within, publish, quoted, table_of
@@ -75,6 +76,44 @@ def test_wrong_payload_type_fails_at_declaration_with_the_fixing_ddl(
     run_ddl(engine, [fix])
     publish(conn, "jobs", {"fixed": True})
     assert get_within(conn, "jobs").decode() == {"fixed": True}
+
+
+def test_create_tables_off_and_no_routing_tables_refuses_a_transient_queue_with_their_ddl(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    conn = connect(create_tables=False)
+    with pytest.raises(SchemaMismatch) as failure:
+        conn.default_channel.queue_declare("replies", durable=False, auto_delete=True)
+    message = str(failure.value)
+    for table in ("queues", "bindings", "transient"):
+        assert table_prefix + table in message
+    run_ddl(engine, [message.split("create them with:\n", 1)[1].rstrip(";")])
+    conn.default_channel.queue_declare("replies", durable=False, auto_delete=True)
+    conn.Producer().publish({"transient": True}, routing_key="replies")
+    assert get_within(conn, "replies").decode() == {"transient": True}
+
+
+def test_without_routing_tables_exchanges_route_within_the_process(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """As in kombu's other virtual transports: bindings declared here route here, a
+    broadcast reaches nobody, and nothing fails for want of the routing tables."""
+    connect().default_channel.queue_declare("jobs")  # the queue's own table
+    for table in RoutingStatements.tables(table_prefix):
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP TABLE {quoted(engine, table)}"))
+    conn = connect(create_tables=False)
+    jobs = Exchange("jobs", type="direct")
+    conn.Producer().publish({"routed": "here"}, exchange=jobs, routing_key="jobs",
+                            declare=[Queue("jobs", jobs, "jobs")])
+    conn.Producer().publish({"nobody": 1}, exchange=Exchange("all", type="fanout"),
+                            declare=[Exchange("all", type="fanout")])
+    message = get_within(conn, "jobs")
+    assert message.decode() == {"routed": "here"}
+    message.ack()
+    conn.default_channel.queue_delete("jobs")
+    assert not set(RoutingStatements.tables(table_prefix)) & set(
+        inspect(engine).get_table_names())
 
 
 def test_create_tables_off_and_no_table_gives_the_create_ddl(

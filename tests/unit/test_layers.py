@@ -16,7 +16,7 @@ PACKAGE = Path(kombu_sqlinbox.__file__).parent
 LAYERS = (
     ("transport",),
     ("broker",),
-    ("claims",),
+    ("claims", "routing"),
     ("database",),
     ("dialects", "dialects.base", "dialects.mysql", "dialects.postgresql", "dialects.sqlite",
      "dialects.conformance"),

@@ -1,0 +1,351 @@
+"""Exchanges, bindings and transient queues, shared by every process on one database.
+
+kombu's virtual channel keeps its bindings in the memory of one process. Remote control
+and events need them shared: a worker replies through the ``reply.celery.pidbox``
+exchange to a queue only the caller bound, and ``celery inspect`` broadcasts to every
+worker's queue. So bindings live in a table, and a publish to an exchange is one
+``INSERT ... SELECT`` over them.
+
+Queues that AMQP would not keep across a broker restart (not durable, auto-delete or
+exclusive: pidbox, reply and ``celeryev.*`` queues) share one table of transient
+messages, keyed by queue name, instead of a table each: they come and go by the
+thousand, and a CREATE or DROP TABLE per ``celery inspect`` would cost more than the
+messages. A queue registry records which queues are transient, their ``x-expires`` and
+``x-message-ttl``; a bounded sweep deletes what expired, also when its owner crashed.
+
+A transient message leaves its table when it is claimed (delivered at most once, like
+a message of an AMQP transient queue without acknowledgement).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from sqlalchemy import Connection, inspect
+from sqlalchemy.exc import DBAPIError
+
+from .database import Database
+from .dialects import RoutingStatements, plain_payload
+from .errors import SchemaMismatch
+from .rows import ClaimedRow, Held, QueueTable, Settlement
+from .tables import TableBuilder, TableSpec, check_name
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: seconds a process keeps the table-backed bindings of an exchange it publishes to
+BINDINGS_CACHE = 2.0
+
+
+@dataclass(frozen=True)
+class Declared:
+    """A queue as this process declared it: what keeps it registered."""
+
+    transient: bool
+    expires: float | None
+    message_ttl: float | None
+
+
+@dataclass(frozen=True)
+class TransientHeld(Held):
+    """A claimed transient message: it already left its table, so giving it back
+    (a requeue, a consumer cancelled with it buffered) publishes it again."""
+
+    row: ClaimedRow | None = None
+
+
+def matches(kind: str, routing_key: str, bound_key: str, pattern: str) -> bool:
+    """Whether a binding takes a routing key, as kombu's exchange types decide."""
+    if kind == "fanout":
+        return True
+    if kind == "topic":
+        return re.match(pattern, routing_key) is not None
+    return bound_key == routing_key
+
+
+class Routes:
+    """The routing tables of one table prefix, for this process; also the claim form of
+    transient queues (:class:`~.rows.Claims`)."""
+
+    def __init__(self, database: Database, prefix: str, create: bool,
+                 wake: Callable[[], None], sweep_interval: float, sweep_batch: int) -> None:
+        self.database = database
+        self.dialect = database.dialect
+        self.prefix = prefix
+        self.create = create
+        self.wake = wake
+        self.sweep_interval = sweep_interval
+        self.sweep_batch = sweep_batch
+        self.sql: RoutingStatements = self.dialect.routing_statements(prefix)
+        #: the transient messages' table, as the codec and the claim glue see a queue table
+        self.spec: TableSpec = TableBuilder(self.sql.names[2]).id().payload().headers().build()
+        self._lock = threading.Lock()
+        self._ready = False
+        self._transient: dict[str, bool] = {}
+        self._declared: dict[str, Declared] = {}
+        self._bound: dict[str, set[tuple[str, str, str, str, str]]] = {}
+        self._touched: dict[str, float] = {}
+        self._tables_of: dict[str, tuple[float, list[tuple[str, str, str, str]]]] = {}
+        self._next_sweep = 0.0
+
+    # -- tables ----------------------------------------------------------------
+    def available(self) -> bool:
+        """Whether the routing tables exist: created once per process, or, when
+        ``create_tables`` is off, looked for once (the service's migrations own them).
+        Without them exchanges route within each process only, as in kombu's other
+        virtual transports, and no queue can be transient (looked for again each time:
+        they may be created while the process runs)."""
+        if not self._ready:
+            with self._lock:
+                if not self._ready:
+                    self._ready = self._find_or_create()
+        return self._ready
+
+    def _find_or_create(self) -> bool:
+        missing = self.database.run(lambda conn: [
+            name for name in self.sql.names if not inspect(conn).has_table(name)],
+            read_only=True)
+        if missing and not self.create:
+            return False
+        if missing:
+            try:
+                self.database.run(self._create)
+            except DBAPIError:
+                # another process created them at the same moment; the second run finds them
+                self.database.run(self._create)
+        return True
+
+    def require(self, what: str) -> None:
+        if not self.available():
+            raise SchemaMismatch(
+                f"{what} needs the routing tables {', '.join(self.sql.names)}, which do not "
+                "exist (create_tables is off); create them with:\n"
+                + ";\n".join(self.sql.ddl) + ";")
+
+    def _create(self, conn: Connection) -> None:
+        for statement in self.sql.ddl:
+            conn.exec_driver_sql(statement)
+
+    def _write(self, work: Callable[[Connection], T], durable: bool = True) -> T:
+        """Run ``work`` in the bound caller's transaction when there is one on this
+        database (SQLite has one writer: our own would wait for the caller's), else in
+        a transaction of our own."""
+        caller = self.database.bound_caller()
+        if caller is not None:
+            return work(caller)
+        return self.database.run(work, durable=durable)
+
+    # -- the queue registry ----------------------------------------------------
+    def declare(self, queue: str, declared: Declared) -> None:
+        """Register a queue that is transient or expires (others need no row)."""
+        self._transient[queue] = declared.transient
+        if not declared.transient and declared.expires is None and declared.message_ttl is None:
+            self._declared.pop(queue, None)
+            if self.available() and self._registered([queue]):
+                self.forget(queue)  # declared durable now: no transient row of it stays
+            return
+        self.require(f"queue {queue!r} (transient, or with x-expires or x-message-ttl)")
+        self._declared[queue] = declared
+        self._write(lambda conn: conn.execute(self.sql.declare, self._declare_params(
+            queue, declared)))
+
+    @staticmethod
+    def _declare_params(queue: str, declared: Declared) -> dict[str, Any]:
+        return {"name": queue, "transient": int(declared.transient),
+                "expires": declared.expires, "message_ttl": declared.message_ttl}
+
+    def is_transient(self, queue: str) -> bool:
+        """Whether the queue lives in the transient messages' table (as registered by
+        whichever process declared it)."""
+        found = self._transient.get(queue)
+        if found is None:
+            if not self.available():
+                return False
+            kind = self.database.run(
+                lambda conn: conn.execute(self.sql.kind, {"name": queue}).scalar(),
+                read_only=True)
+            found = self._transient[queue] = bool(kind)
+        return found
+
+    def _registered(self, queues: Sequence[str]) -> set[str]:
+        return set(self.database.run(
+            lambda conn: conn.execute(self.sql.registered, {"ids": list(queues)}).scalars().all(),
+            read_only=True))
+
+    def keep_alive(self, queue: str) -> None:
+        """A consumer is on ``queue``: push its expiry back (at most every quarter of it),
+        and register it again, bindings included, if a sweep took it meanwhile (a
+        consumer that could not reach the database for longer than its expiry)."""
+        declared = self._declared.get(queue)
+        if declared is None or declared.expires is None:
+            return
+        now = time.monotonic()
+        if now < self._touched.get(queue, 0.0):
+            return
+        self._touched[queue] = now + min(declared.expires / 4, 30.0)
+        touched = self.database.run(
+            lambda conn: conn.execute(self.sql.touch, {"ids": [queue]}).rowcount,
+            durable=False)
+        if touched:
+            return
+        logger.warning("sqlinbox: queue %r expired while consumed; registering it again", queue)
+        self.declare(queue, declared)
+        for binding in self._bound.get(queue, ()):
+            self.bind(*binding)
+
+    def forget(self, queue: str) -> None:
+        """Delete a queue's registry row, bindings and transient messages."""
+        self._declared.pop(queue, None)
+        self._bound.pop(queue, None)
+        self._transient.pop(queue, None)
+        if self.available():
+            self._write(lambda conn: self._forget(conn, [queue]))
+
+    def _forget(self, conn: Connection, queues: list[str]) -> None:
+        for statement in self.sql.forget:
+            conn.execute(statement, {"ids": queues})
+
+    # -- bindings --------------------------------------------------------------
+    def bind(self, exchange: str, kind: str, queue: str, routing_key: str, pattern: str) -> None:
+        check_name(exchange, "exchange name")
+        check_name(routing_key, "routing key", empty=True)
+        self._bound.setdefault(queue, set()).add((exchange, kind, queue, routing_key, pattern))
+        self._tables_of.pop(exchange, None)
+        if not self.available():
+            return
+        self._write(lambda conn: conn.execute(self.sql.bind, {
+            "exchange": exchange, "type": kind, "queue": queue, "routing_key": routing_key,
+            "pattern": pattern}))
+
+    def unbind(self, exchange: str, queue: str, routing_key: str) -> None:
+        self._bound[queue] = {b for b in self._bound.get(queue, ())
+                              if (b[0], b[3]) != (exchange, routing_key)}
+        self._tables_of.pop(exchange, None)
+        if not self.available():
+            return
+        self._write(lambda conn: conn.execute(self.sql.unbind, {
+            "exchange": exchange, "queue": queue, "routing_key": routing_key}))
+
+    def delete_exchange(self, exchange: str) -> None:
+        self._tables_of.pop(exchange, None)
+        if self.available():
+            self._write(lambda conn: conn.execute(self.sql.unbind_exchange,
+                                                  {"exchange": exchange}))
+
+    def table_queues(self, exchange: str, routing_key: str) -> set[str]:
+        """The table-backed queues bound to ``exchange`` that take ``routing_key``, by the
+        bindings table (read at most every :data:`BINDINGS_CACHE` seconds per exchange)."""
+        now = time.monotonic()
+        cached = self._tables_of.get(exchange)
+        if cached is None or cached[0] < now:
+            if not self.available():
+                return set()
+            rows = self.database.run(lambda conn: [tuple(row) for row in conn.execute(
+                self.sql.bound, {"exchange": exchange})], read_only=True)
+            cached = self._tables_of[exchange] = (now + BINDINGS_CACHE, rows)
+        return {queue for bound_key, pattern, queue, kind in cached[1]
+                if matches(kind, routing_key, bound_key, pattern)}
+
+    # -- messages --------------------------------------------------------------
+    def route(self, exchange: str, routing_key: str, payload: bytes | str,
+              headers: str | None, ttl: float | None) -> None:
+        """Publish to every transient queue bound to ``exchange`` that takes
+        ``routing_key``: one statement, whatever the number of queues."""
+        check_name(exchange, "exchange name")
+        check_name(routing_key, "routing key", empty=True)
+        if not self.available():
+            return
+        self._publish(self.sql.route, {"exchange": exchange, "routing_key": routing_key,
+                                       "payload": payload, "headers": headers, "ttl": ttl})
+
+    def put(self, queue: str, payload: bytes | str, headers: str | None,
+            ttl: float | None) -> None:
+        """Publish to one transient queue (nothing when it is no longer registered)."""
+        self._publish(self.sql.put, {"queue": queue, "payload": payload, "headers": headers,
+                                     "ttl": ttl})
+
+    def _publish(self, statement: Any, params: dict[str, Any]) -> None:
+        params["channel_prefix"] = self.prefix + "t_"
+        self._write(lambda conn: conn.execute(statement, params), durable=False)
+        self.wake()
+
+    def channel(self, queue: str) -> str:
+        return self.dialect.transient_channel(self.prefix, queue)
+
+    def size(self, queue: str) -> int:
+        return int(self.database.run(
+            lambda conn: conn.execute(self.sql.size, {"queue": queue}).scalar_one(),
+            read_only=True))
+
+    def purge(self, queue: str) -> int:
+        return int(self._write(
+            lambda conn: conn.execute(self.sql.purge, {"queue": queue}).rowcount))
+
+    # -- the claim form of transient queues ----------------------------------------
+    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
+        """Take up to ``limit`` unexpired messages of the queue, oldest first."""
+        params = {"queue": table.queue, "limit": limit}
+
+        def take(conn: Connection) -> list[Any]:
+            first, *then = self.sql.claim
+            rows = list(conn.execute(first, params).all())
+            for statement in then:  # where DELETE cannot return: delete what was read
+                if rows:
+                    conn.execute(statement, {"ids": [row[0] for row in rows]})
+            return rows
+
+        rows = self.database.run(take, durable=False, repeatable=True)
+        return sorted((ClaimedRow(id=row[0], attempt=1, payload=plain_payload(row[1]),
+                                  headers=row[2], group=None, partition_key=None,
+                                  sort_key=(row[0],)) for row in rows),
+                      key=lambda row: row.id)
+
+    def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
+        return TransientHeld(table, row.id, row.attempt, row=row)
+
+    def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
+        """An ack has nothing to do; a message given back is published again."""
+        row = getattr(held, "row", None)
+        if how is Settlement.COMPLETE or row is None:
+            return
+        self.put(held.table.queue, row.payload, row.headers, None)
+
+    def run_held(self, held: Held, work: Callable[[Connection], T]) -> T:
+        return self.database.run(work)
+
+    def settled(self, rows: Iterable[Held]) -> None:
+        """Nothing is leased, so nothing to forget."""
+
+    # -- expiry ----------------------------------------------------------------
+    def sweep(self) -> list[str]:
+        """At most every ``sweep_interval`` seconds: delete up to ``sweep_batch`` expired
+        queues (their bindings and transient messages with them), expired messages, and
+        messages published to a queue deleted meanwhile. Returns the expired queues that
+        have tables of their own, for the broker to drop."""
+        now = time.monotonic()
+        if now < self._next_sweep or not self._ready:
+            return []
+        self._next_sweep = now + self.sweep_interval
+        limit = {"limit": self.sweep_batch}
+
+        def expire(conn: Connection) -> list[tuple[str, int]]:
+            expired = [(row[0], row[1]) for row in conn.execute(self.sql.expired_queues, limit)]
+            if expired:
+                self._forget(conn, [name for name, _ in expired])
+            conn.execute(self.sql.expired_messages, limit)
+            conn.execute(self.sql.orphans, limit)
+            return expired
+
+        expired = self.database.run(expire, durable=False, repeatable=True)
+        for name, _ in expired:
+            self._transient.pop(name, None)
+            self._declared.pop(name, None)
+        if expired:
+            logger.info("sqlinbox: %d expired queue(s) deleted", len(expired))
+        return [name for name, transient in expired if not transient]

@@ -1,0 +1,395 @@
+"""Exchanges shared by every process: bindings in the database, transient queues, expiry.
+
+Connections with different transport options get different per-process brokers, each
+with its own caches: a message that reaches a queue bound through another one went
+through the database, as between two processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from kombu import Connection, Exchange, Queue
+from kombu.exceptions import ChannelError
+from kombu.transport.virtual.exchange import TopicExchange
+from sqlalchemy import event, inspect, text
+from sqlalchemy.engine import Engine
+
+from kombu_sqlinbox import ConfigurationError
+from kombu_sqlinbox.dialects import RoutingStatements
+
+from .conftest import Connect
+from .support import broker_of, get, get_within, quoted, wait_for
+
+FANOUT = Exchange("broadcast", type="fanout", durable=False)
+TOPIC = Exchange("events", type="topic", durable=False)
+REPLIES = Exchange("replies", type="direct", durable=False)
+
+
+def other(connect: Connect, n: int, **options: Any) -> Connection:
+    """A connection with a broker of its own, as another process would have."""
+    return connect(**{"polling_interval": 0.05 + n / 1000, **options})
+
+
+def transient(name: str, exchange: Exchange | None = None, routing_key: str = "",
+              **kwargs: Any) -> Queue:
+    return Queue(name, exchange, routing_key=routing_key, durable=False, auto_delete=True,
+                 **kwargs)
+
+
+def declare(conn: Connection, queue: Queue) -> Queue:
+    bound = queue(conn.default_channel)
+    bound.declare()
+    return bound
+
+
+def count(engine: Engine, prefix: str, table: str, where: str = "", **params: Any) -> int:
+    name = quoted(engine, prefix + table)
+    with engine.connect() as conn:
+        return int(conn.execute(text(f"SELECT COUNT(*) FROM {name} {where}"), params)
+                   .scalar_one())
+
+
+@contextmanager
+def statements_of(conn: Connection) -> Iterator[list[str]]:
+    """The SQL a connection's broker runs inside the block."""
+    seen: list[str] = []
+    engine = broker_of(conn).engine
+
+    def record(*args: Any) -> None:
+        seen.append(args[2])
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+
+
+def test_fanout_reaches_queues_bound_by_other_processes_in_one_statement(
+    connect: Connect,
+) -> None:
+    consumers = [other(connect, n) for n in range(3)]
+    for n, conn in enumerate(consumers):
+        declare(conn, transient(f"node{n}.pidbox", FANOUT))
+    publisher = other(connect, 9)
+    producer = publisher.Producer()
+    producer.publish({"warm": True}, exchange=FANOUT, declare=[FANOUT])  # bindings cached
+    for n, conn in enumerate(consumers):
+        assert get_within(conn, f"node{n}.pidbox").payload == {"warm": True}
+    with statements_of(publisher) as seen:
+        producer.publish({"ping": 1}, exchange=FANOUT)
+    writes = [sql for sql in seen if "INSERT" in sql.upper()]
+    assert len(writes) == 1, seen
+    for n, conn in enumerate(consumers):
+        assert get_within(conn, f"node{n}.pidbox").payload == {"ping": 1}
+        assert get(conn, f"node{n}.pidbox") is None  # exactly one copy each
+
+
+@pytest.mark.parametrize("routing_key", [
+    "task.succeeded", "worker.heartbeat", "task", "task.a.b", "worker.x.heartbeat", "x"])
+def test_topic_routes_as_kombus_own_topic_exchange(connect: Connect, routing_key: str) -> None:
+    patterns = {"tasks": "task.#", "beats": "*.heartbeat", "exact": "worker.heartbeat",
+                "everything": "#"}
+    consumer = other(connect, 1)
+    for queue, pattern in patterns.items():
+        declare(consumer, transient(queue, TOPIC, pattern))
+    publisher = other(connect, 2)
+    publisher.Producer().publish({"key": routing_key}, exchange=TOPIC,
+                                 routing_key=routing_key, declare=[TOPIC])
+    topic = TopicExchange(None)
+    expected = {queue for queue, pattern in patterns.items()
+                if re.match(topic.key_to_pattern(pattern), routing_key)}
+    assert expected  # "everything" at least
+    got = {queue for queue in patterns if get(consumer, queue) is not None}
+    assert got == expected
+
+
+def test_direct_reply_reaches_a_queue_only_the_caller_bound(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    caller, replier = other(connect, 1), other(connect, 2)
+    declare(caller, transient("ticket.reply", REPLIES, "ticket"))
+    producer = replier.Producer()
+    producer.publish({"reply": "pong"}, exchange=REPLIES, routing_key="ticket",
+                     declare=[REPLIES])
+    producer.publish({"reply": "lost"}, exchange=REPLIES, routing_key="nobody")
+    assert get_within(caller, "ticket.reply").payload == {"reply": "pong"}
+    assert get(caller, "ticket.reply") is None
+    # an unroutable message is dropped, as AMQP drops it: no catch-all queue appears
+    assert count(engine, table_prefix, "transient") == 0
+    assert not [t for t in inspect(engine).get_table_names()
+                if t.startswith(table_prefix) and "undeliver" in t]
+
+
+def test_durable_queue_bound_to_a_fanout_elsewhere_gets_a_copy(connect: Connect) -> None:
+    jobs = Queue("audit", Exchange("audited", type="fanout"), durable=True)
+    consumer, publisher = other(connect, 1), other(connect, 2)
+    declare(consumer, jobs)
+    publisher.Producer().publish({"audit": 1}, exchange=jobs.exchange,
+                                 declare=[jobs.exchange])
+    message = get_within(consumer, "audit")
+    assert message.payload == {"audit": 1}
+    assert not broker_of(consumer).table("audit").transient
+    message.ack()
+
+
+@pytest.mark.parametrize("how", ["queue x-message-ttl", "message expiration"])
+def test_expired_message_is_never_delivered_and_is_swept(
+    connect: Connect, engine: Engine, table_prefix: str, how: str,
+) -> None:
+    queue_ttl = {"message_ttl": 0.3} if how.startswith("queue") else {}
+    message_ttl = {} if queue_ttl else {"expiration": 0.3}
+    conn = other(connect, 1, sweep_interval=0.05)
+    declare(conn, transient("short", REPLIES, "short", **queue_ttl))
+    producer = conn.Producer()
+    producer.publish({"n": 1}, exchange=REPLIES, routing_key="short", declare=[REPLIES],
+                     **message_ttl)
+    producer.publish({"n": 2}, exchange=REPLIES, routing_key="short")  # outlives the TTL
+    assert count(engine, table_prefix, "transient") == 2
+    time.sleep(0.4)  # the TTL passing is the point
+    if queue_ttl:
+        assert get(conn, "short") is None
+    else:
+        assert get(conn, "short").payload == {"n": 2}  # type: ignore[union-attr]
+        assert get(conn, "short") is None
+    broker_of(conn).sweep()
+    assert count(engine, table_prefix, "transient") == 0
+
+
+def test_queue_unused_past_x_expires_goes_with_its_bindings_and_messages(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    owner = other(connect, 1)
+    declare(owner, transient("gone", FANOUT, expires=0.3))
+    owner.Producer().publish({"left": "behind"}, exchange=FANOUT, declare=[FANOUT])
+    assert count(engine, table_prefix, "transient") == 1
+    sweeper = broker_of(other(connect, 2, sweep_interval=0.05))
+    sweeper.routes.available()
+    time.sleep(0.4)  # the expiry passing is the point
+    sweeper.sweep()
+    for table in ("queues", "bindings", "transient"):
+        assert count(engine, table_prefix, table) == 0, table
+
+
+def test_consumed_queue_outlives_its_expiry_and_comes_back_after_a_sweep_took_it(
+    connect: Connect, engine: Engine, table_prefix: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    consumer = other(connect, 1)
+    declare(consumer, transient("kept", FANOUT, expires=0.4))
+    sweeper = broker_of(other(connect, 2, sweep_interval=0.01))
+    until = time.monotonic() + 1.0  # two and a half expiries of polling and sweeping
+    while time.monotonic() < until:
+        assert get(consumer, "kept") is None
+        sweeper.sweep()
+        time.sleep(0.05)
+    assert count(engine, table_prefix, "queues") == 1
+    # a sweep took it while the consumer could not reach the database
+    with engine.begin() as db:
+        for table in ("queues", "bindings"):
+            db.execute(text(f"DELETE FROM {quoted(engine, table_prefix + table)}"))
+    with caplog.at_level(logging.WARNING, logger="kombu_sqlinbox.routing"):
+        wait_for(lambda: (get(consumer, "kept") is None and count(
+            engine, table_prefix, "queues") == 1) or None, "the queue registered again")
+    assert "expired while consumed" in caplog.text
+    other(connect, 3).Producer().publish({"back": True}, exchange=FANOUT, declare=[FANOUT])
+    assert get_within(consumer, "kept").payload == {"back": True}
+
+
+def test_auto_delete_queue_goes_with_its_last_consumer(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    conn = other(connect, 1)
+    queue = transient("monitor", TOPIC, "#")
+    with conn.Consumer([queue], callbacks=[lambda body, message: None]):
+        assert count(engine, table_prefix, "bindings") == 1
+    assert count(engine, table_prefix, "queues") == 0
+    assert count(engine, table_prefix, "bindings") == 0
+
+
+def test_expired_queue_with_its_own_table_is_dropped(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    conn = other(connect, 1, sweep_interval=0.01)
+    declare(conn, Queue("batch", Exchange("batch"), "batch", expires=0.3))
+    table = broker_of(conn).table("batch").spec.table
+    assert table in inspect(engine).get_table_names()
+    time.sleep(0.4)  # the expiry passing is the point
+    broker_of(conn).sweep()
+    assert table not in inspect(engine).get_table_names()
+    assert count(engine, table_prefix, "bindings") == 0
+
+
+def test_messages_of_a_queue_deleted_meanwhile_are_swept(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """A publish racing the queue's deletion leaves its message behind: a sweep takes it."""
+    conn = other(connect, 1, sweep_interval=0.01)
+    broker = broker_of(conn)
+    broker.routes.available()
+    with engine.begin() as db:
+        db.execute(text(f"INSERT INTO {quoted(engine, table_prefix + 'transient')} "
+                        "(queue, payload, headers) VALUES ('deleted.queue', :p, '{}')"),
+                   {"p": b"x"})
+    broker.sweep()
+    assert count(engine, table_prefix, "transient") == 0
+
+
+def test_transient_message_rejected_or_requeued(connect: Connect, engine: Engine,
+                                                table_prefix: str) -> None:
+    conn = other(connect, 1)
+    declare(conn, transient("work", REPLIES, "work"))
+    producer = conn.Producer()
+    producer.publish({"n": 1}, exchange=REPLIES, routing_key="work", declare=[REPLIES])
+    first = get_within(conn, "work")
+    first.requeue()
+    again = get_within(conn, "work")
+    assert again.payload == {"n": 1}
+    again.reject()  # no dead-letter queue for transient messages: it is gone
+    assert get(conn, "work") is None
+    assert count(engine, table_prefix, "transient") == 0
+
+
+def test_messages_buffered_by_a_cancelled_consumer_go_back(connect: Connect) -> None:
+    conn = other(connect, 1)
+    queue = Queue("burst", REPLIES, "burst", durable=False, expires=30)  # not auto-delete
+    declare(conn, queue)
+    producer = conn.Producer()
+    for n in range(5):
+        producer.publish({"n": n}, exchange=REPLIES, routing_key="burst", declare=[REPLIES])
+    got: list[int] = []
+    consumer = conn.Consumer([queue], callbacks=[lambda body, message: got.append(body["n"])],
+                             no_ack=True)
+    consumer.consume()
+    conn.drain_events(timeout=5)
+    consumer.cancel()  # claimed in one go, one delivered: the rest go back
+    assert got == [0]
+    rest = [get_within(conn, "burst").payload["n"] for _ in range(4)]
+    assert sorted(rest) == [1, 2, 3, 4]
+
+
+def test_undecodable_transient_message_is_dropped_with_a_warning(
+    connect: Connect, engine: Engine, table_prefix: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    conn = other(connect, 1)
+    declare(conn, transient("garbled", REPLIES, "garbled"))
+    with engine.begin() as db:
+        db.execute(text(f"INSERT INTO {quoted(engine, table_prefix + 'transient')} "
+                        "(queue, payload, headers) VALUES ('garbled', :p, 'not json')"),
+                   {"p": b"x"})
+    with caplog.at_level(logging.WARNING, logger="kombu_sqlinbox.broker"):
+        assert get(conn, "garbled") is None
+    assert "transient message of queue 'garbled' dropped" in caplog.text
+    assert count(engine, table_prefix, "transient") == 0
+
+
+def test_queue_declared_durable_again_leaves_the_registry(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    conn = other(connect, 1)
+    declare(conn, transient("flip", REPLIES, "flip"))
+    assert broker_of(conn).table("flip").transient
+    declare(conn, Queue("flip", REPLIES, "flip", durable=True))
+    assert count(engine, table_prefix, "queues") == 0
+    assert not broker_of(conn).table("flip").transient
+
+
+def test_passive_declare_finds_a_transient_queue_of_another_process(connect: Connect) -> None:
+    declare(other(connect, 1), transient("theirs", REPLIES, "theirs"))
+    channel = other(connect, 2).default_channel
+    assert channel.queue_declare("theirs", passive=True).queue == "theirs"
+    with pytest.raises(ChannelError):
+        channel.queue_declare("nobody.s", passive=True)
+
+
+def test_names_differing_only_in_case_are_different_queues(connect: Connect) -> None:
+    conn = other(connect, 1)
+    for name in ("Reply", "reply"):
+        declare(conn, transient(name, REPLIES, name))
+    producer = conn.Producer()
+    producer.publish({"to": "Reply"}, exchange=REPLIES, routing_key="Reply", declare=[REPLIES])
+    assert get_within(conn, "Reply").payload == {"to": "Reply"}
+    assert get(conn, "reply") is None
+
+
+def test_hostile_exchange_names_and_keys_are_bound_values(connect: Connect) -> None:
+    hostile = Exchange("x'); DROP TABLE users; --", type="topic", durable=False)
+    conn = other(connect, 1)
+    declare(conn, transient("safe", hostile, "ünï.`quoted`.#"))
+    conn.Producer().publish({"ok": 1}, exchange=hostile, routing_key="ünï.`quoted`.x",
+                            declare=[hostile])
+    assert get_within(conn, "safe").payload == {"ok": 1}
+    with pytest.raises(ConfigurationError, match="routing key"):
+        conn.Producer().publish({"no": 1}, exchange=hostile, routing_key="nul\x00byte")
+
+
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
+def test_notify_wakes_a_transient_queue_consumer_at_once(connect: Connect) -> None:
+    consumer = other(connect, 1, polling_interval=5.0)
+    got: list[float] = []
+    queue = transient("woken", FANOUT)
+    with consumer.Consumer([queue], callbacks=[lambda body, message: got.append(
+            time.monotonic())], no_ack=True):
+        publisher = other(connect, 2)
+        sent = threading.Timer(0.3, lambda: publisher.Producer().publish(
+            {"wake": 1}, exchange=FANOUT, declare=[FANOUT]))
+        started = time.monotonic()
+        sent.start()
+        consumer.drain_events(timeout=4)
+        sent.join()
+    assert got and got[0] - started < 1.5  # not the 5 s polling interval
+
+
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
+def test_racing_creation_of_the_routing_tables_is_retried(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """Another process creating the routing tables in an open transaction: ours waits
+    on its catalog rows, fails on the duplicate when it commits, and finds them."""
+    broker = broker_of(other(connect, 1))
+    names = RoutingStatements.tables(table_prefix)
+    rival = engine.connect()
+    rival_transaction = rival.begin()
+    for statement in broker.routes.sql.ddl:
+        rival.exec_driver_sql(statement)
+    outcome: list[Any] = []
+    racer = threading.Thread(target=lambda: outcome.append(broker.routes.available()))
+    racer.start()
+    with engine.connect() as watch:
+        wait_for(lambda: watch.execute(text(
+            "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND query LIKE 'CREATE%'")).first(), "our CREATE waiting on the rival's")
+    rival_transaction.commit()
+    rival.close()
+    racer.join(timeout=10)
+    assert outcome == [True]
+    assert set(names) <= set(inspect(engine).get_table_names())
+
+
+def test_exchange_never_declared_here_routes_through_the_bindings_table(
+    connect: Connect,
+) -> None:
+    consumer = other(connect, 1)
+    declare(consumer, transient("by.name", REPLIES, "by.name"))
+    other(connect, 2).Producer().publish({"named": 1}, exchange="replies",
+                                         routing_key="by.name")
+    assert get_within(consumer, "by.name").payload == {"named": 1}
+
+
+def test_malformed_expiration_is_no_ttl(connect: Connect) -> None:
+    """kombu writes ``expiration`` as milliseconds; a raw publish may put anything there."""
+    conn = other(connect, 1, sweep_interval=0.01)
+    declare(conn, transient("odd", REPLIES, "odd"))
+    channel = conn.default_channel
+    channel.exchange_declare("replies", "direct")
+    channel.basic_publish(channel.prepare_message(
+        b"odd", properties={"expiration": "soon"}), "replies", "odd")
+    broker_of(conn).sweep()
+    assert get_within(conn, "odd").body == b"odd"
