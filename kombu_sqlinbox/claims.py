@@ -703,7 +703,13 @@ def isolated(parts: dict[K, V], run: Callable[[dict[K, V]], object],
 
 
 class Wakeup:
-    """What an idle consumer waits on instead of sleeping a whole polling interval."""
+    """What an idle consumer waits on instead of sleeping a whole polling interval.
+
+    Threads of one process share it (an event receiver in one, ``inspect`` calls in
+    another, as in Flower): every use of the LISTEN connection and its channels holds
+    :attr:`_lock`, as psycopg2 connections are not safe to use from two threads at once;
+    the wait itself (``select``) does not.
+    """
 
     def __init__(self, database: Database) -> None:
         self.database = database
@@ -713,6 +719,7 @@ class Wakeup:
         os.set_blocking(self._write, False)
         self._channels: set[str] = set()
         self._listener: Any = None  # a detached DBAPI connection that LISTENs
+        self._lock = threading.Lock()
 
     def poke(self) -> None:
         """Wake a consumer of this process now (a local publish, a key set free)."""
@@ -722,14 +729,15 @@ class Wakeup:
     def listen(self, name: str) -> None:
         """Ask for a NOTIFY wake-up on a channel (a consumed queue's), where the database
         has them."""
-        if name in self._channels:
-            return
-        self._channels.add(name)
-        if self._listener is not None:
-            try:
-                self.dialect.listen(self._listener, [name])
-            except Exception:
-                self._drop_listener()
+        with self._lock:
+            if name in self._channels:
+                return
+            self._channels.add(name)
+            if self._listener is not None:
+                try:
+                    self.dialect.listen(self._listener, [name])
+                except Exception:
+                    self._drop_listener()
 
     def _connect_listener(self) -> Any:
         raw = self.database.engine.raw_connection()
@@ -750,19 +758,22 @@ class Wakeup:
     def wait(self, timeout: float) -> None:
         """Return after a wake-up or ``timeout`` seconds, whichever comes first."""
         sources: list[Any] = [self._read]
-        if self._channels:
-            if self._listener is None:
+        with self._lock:
+            if self._channels and self._listener is None:
                 try:
                     self._listener = self._connect_listener()
                 except Exception as exc:  # the database is away: poll until it is back
                     logger.warning("sqlinbox: LISTEN connection failed (%s); polling every "
                                    "%.2fs until it works", exc, timeout)
-            if self._listener is not None:
-                sources.append(self._listener)
+            listener = self._listener
+        if listener is not None:
+            sources.append(listener)
         try:
             ready, _, _ = select.select(sources, [], [], timeout)
         except (OSError, ValueError):  # the listener's socket died under us
-            self._drop_listener()
+            with self._lock:
+                if self._listener is listener:
+                    self._drop_listener()
             return
         if self._read in ready:
             try:
@@ -770,13 +781,18 @@ class Wakeup:
                     pass
             except BlockingIOError:
                 pass
-        if self._listener is not None and self._listener in ready:
+        if listener is None or listener not in ready:
+            return
+        with self._lock:
+            if self._listener is not listener:  # another thread dropped it meanwhile
+                return
             try:
-                self.dialect.take_notifications(self._listener)
+                self.dialect.take_notifications(listener)
             except Exception:
                 self._drop_listener()
 
     def close(self) -> None:
-        self._drop_listener()
+        with self._lock:
+            self._drop_listener()
         os.close(self._read)
         os.close(self._write)
