@@ -504,14 +504,18 @@ def database_for(ctx: Context, database: str) -> Database:
     if database != "postgresql":
         return Database(url)
     name = f"sqlinbox_load_{ctx.run_id}"
-    admin = create_engine(url, isolation_level="AUTOCOMMIT")
+    admin = create_engine(url, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
 
     def drop() -> None:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+        try:
+            with admin.connect() as conn:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        except Exception as exc:  # cleanup must not hide the figures
+            print(f"cleanup: database {name} left behind: {gist(str(exc))}", file=sys.stderr)
+        finally:
+            admin.dispose()
 
     own = make_url(url).set(database=name).render_as_string(hide_password=False)
     return Database(own, drop)
