@@ -100,26 +100,44 @@ class Routes:
         ``create_tables`` is off, looked for once (the service's migrations own them).
         Without them exchanges route within each process only, as in kombu's other
         virtual transports, and no queue can be transient (looked for again each time:
-        they may be created while the process runs)."""
-        if not self._ready:
-            with self._lock:
-                if not self._ready:
-                    self._ready = self._find_or_create()
+        they may be created while the process runs).
+
+        While a caller's transaction is bound, where DDL joins a transaction, they are
+        looked for and created in it (SQLite has one writer: a connection of ours would
+        wait for the caller's), and not remembered until seen committed."""
+        if self._ready:
+            return True
+        caller = self.database.bound_caller()
+        if caller is not None and self.dialect.transactional_ddl:
+            return self._find_or_create(caller)
+        with self._lock:
+            if not self._ready:
+                self._ready = self._find_or_create(None)
         return self._ready
 
-    def _find_or_create(self) -> bool:
-        missing = self.database.run(lambda conn: [
-            name for name in self.sql.names if not inspect(conn).has_table(name)],
-            read_only=True)
-        if missing and not self.create:
+    def _find_or_create(self, caller: Connection | None) -> bool:
+        def missing(conn: Connection) -> list[str]:
+            return [name for name in self.sql.names if not inspect(conn).has_table(name)]
+
+        if not (missing(caller) if caller is not None else self._read(missing)):
+            return True
+        if not self.create:
             return False
-        if missing:
-            try:
-                self.database.run(self._create)
-            except DBAPIError:
-                # another process created them at the same moment; the second run finds them
-                self.database.run(self._create)
+        if caller is not None:
+            self._create(caller)
+            return True
+        try:
+            self.database.run(self._create)
+        except DBAPIError:
+            # another process created them at the same moment; the second run finds them
+            self.database.run(self._create)
         return True
+
+    def _read(self, work: Callable[[Connection], T]) -> T:
+        """Run read-only ``work`` in the bound caller's transaction when there is one
+        (what it wrote is visible only there), else in a deferred one of our own."""
+        caller = self.database.bound_caller()
+        return work(caller) if caller is not None else self.database.run(work, read_only=True)
 
     def require(self, what: str) -> None:
         if not self.available():
@@ -167,16 +185,14 @@ class Routes:
         if found is None:
             if not self.available():
                 return False
-            kind = self.database.run(
-                lambda conn: conn.execute(self.sql.kind, {"name": queue}).scalar(),
-                read_only=True)
+            kind = self._read(
+                lambda conn: conn.execute(self.sql.kind, {"name": queue}).scalar())
             found = self._transient[queue] = bool(kind)
         return found
 
     def _registered(self, queues: Sequence[str]) -> set[str]:
-        return set(self.database.run(
-            lambda conn: conn.execute(self.sql.registered, {"ids": list(queues)}).scalars().all(),
-            read_only=True))
+        return set(self._read(
+            lambda conn: conn.execute(self.sql.registered, {"ids": list(queues)}).scalars().all()))
 
     def keep_alive(self, queue: str) -> None:
         """A consumer is on ``queue``: push its expiry back (at most every quarter of it),
@@ -246,8 +262,8 @@ class Routes:
         if cached is None or cached[0] < now:
             if not self.available():
                 return set()
-            rows = self.database.run(lambda conn: [tuple(row) for row in conn.execute(
-                self.sql.bound, {"exchange": exchange})], read_only=True)
+            rows = self._read(lambda conn: [tuple(row) for row in conn.execute(
+                self.sql.bound, {"exchange": exchange})])
             cached = self._tables_of[exchange] = (now + BINDINGS_CACHE, rows)
         return {queue for bound_key, pattern, queue, kind in cached[1]
                 if matches(kind, routing_key, bound_key, pattern)}
@@ -279,9 +295,8 @@ class Routes:
         return self.dialect.transient_channel(self.prefix, queue)
 
     def size(self, queue: str) -> int:
-        return int(self.database.run(
-            lambda conn: conn.execute(self.sql.size, {"queue": queue}).scalar_one(),
-            read_only=True))
+        return int(self._read(
+            lambda conn: conn.execute(self.sql.size, {"queue": queue}).scalar_one()))
 
     def purge(self, queue: str) -> int:
         return int(self._write(

@@ -157,6 +157,8 @@ class Channel(virtual.Channel):
         self._starved = False
         #: auto-delete queues declared here: deleted when their last consumer here goes
         self._auto_delete: set[str] = set()
+        #: exclusive queues declared here: deleted when this channel closes
+        self._exclusive: set[str] = set()
 
     def _next_delivery_tag(self) -> int:
         return next(self._delivery_tags)
@@ -330,6 +332,9 @@ class Channel(virtual.Channel):
     def close(self) -> None:
         if not self.closed:
             self._release_buffered(list(self._buffers))
+            for queue in self._exclusive:
+                self.queue_delete(queue)
+            self._exclusive.clear()
         super().close()
         self.broker.keeper.flush(timeout=SETTLE_LIMIT)
 
@@ -375,6 +380,8 @@ class Channel(virtual.Channel):
                    **kwargs: Any) -> None:
         if auto_delete:
             self._auto_delete.add(queue)
+        if exclusive:
+            self._exclusive.add(queue)
         self.broker.declare_queue(queue, durable, auto_delete, exclusive, arguments)
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:

@@ -214,6 +214,19 @@ def test_auto_delete_queue_goes_with_its_last_consumer(
     assert count(engine, table_prefix, "bindings") == 0
 
 
+def test_exclusive_queue_goes_with_its_channel(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    conn = other(connect, 1)
+    channel = conn.channel()
+    Queue("mine", FANOUT, exclusive=True)(channel).declare()
+    assert broker_of(conn).table("mine").transient
+    assert count(engine, table_prefix, "bindings") == 1
+    channel.close()
+    assert count(engine, table_prefix, "queues") == 0
+    assert count(engine, table_prefix, "bindings") == 0
+
+
 def test_expired_queue_with_its_own_table_is_dropped(
     connect: Connect, engine: Engine, table_prefix: str,
 ) -> None:
