@@ -8,7 +8,6 @@ Celery's event loop.
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import time
@@ -20,7 +19,7 @@ from celery import Celery
 
 from .celery_app import STAMP, TASK, counter, make_app
 from .registry import Cell, guarded, scenario
-from .targets import REDIS_URL, Context, Target, delete_queue
+from .targets import Context, Target, celery_env, delete_queue
 from .workers import queue_tasks, wait_done, worker
 
 POOLS = {"prefork": ("-P", "prefork", "-c", "2"), "solo": ("-P", "solo"),
@@ -37,13 +36,7 @@ def run_worker(target: Target, ctx: Context, pool: str, tag: str) -> tuple[Cell,
     total = ctx.count(target, ctx.sizes.tasks)
     key = f"bench:{ctx.run_id}:{queue}"
     app = make_app(target.url, target.transport_options, queue, target.polling_interval)
-    env = {
-        "BENCH_BROKER_URL": target.url,
-        "BENCH_TRANSPORT_OPTIONS": json.dumps(target.transport_options),
-        "BENCH_POLLING_INTERVAL": str(target.polling_interval or ""),
-        "BENCH_QUEUE": queue,
-        "BENCH_REDIS_URL": REDIS_URL,
-    }
+    env = celery_env(target, queue)
     log = ctx.scratch / f"{queue}.log"
     try:
         queue_tasks(app, TASK, queue, [(key, total)] * total)

@@ -59,11 +59,21 @@ class Children:
         self.reports: Any = SPAWN.Queue()
         self.start = SPAWN.Event()
         self.counter = SPAWN.Value("i", 0)
-        self.processes = [
-            SPAWN.Process(target=_main, args=(
-                entry, Link(i, self.reports, self.start, self.counter), args))
-            for i in range(count)
-        ]
+        self.entry, self.args = entry, args
+        self.processes = [self._process(i) for i in range(count)]
+
+    def _process(self, index: int) -> Any:
+        return SPAWN.Process(target=_main, args=(
+            self.entry, Link(index, self.reports, self.start, self.counter), self.args))
+
+    def replace(self, index: int) -> None:
+        """``kill -9`` of child ``index``, as a crash would end it, and a new one in its
+        place (with the same index)."""
+        old = self.processes[index]
+        old.kill()
+        old.join(10)
+        self.processes[index] = self._process(index)
+        self.processes[index].start()
 
     def __enter__(self) -> Children:
         for process in self.processes:

@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from .registry import Cell, Row, Section, progress
 from .report import targets_table, write_json
@@ -79,6 +80,16 @@ def main(sections: list[Section], argv: list[str], description: str) -> int:
     if args.json:
         write_json(args.json, args, found, targets)
     return 1 if failed else 0
+
+
+def command(main: Callable[[list[str]], int], interrupted: str) -> NoReturn:
+    """Run a script's ``main(argv)``: its result is the exit status; Ctrl-C (or a SIGTERM
+    the script turned into one) prints ``interrupted`` and exits 130."""
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:
+        print(f"interrupted: {interrupted}", file=sys.stderr)
+        sys.exit(130)
 
 
 def run_alone(section: Section) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,7 +13,7 @@ from typing import Any
 from kombu import Connection, Consumer, Producer, Queue
 
 from .children import Children, Link
-from .registry import Cell, guarded, scenario
+from .registry import Cell, guarded, scenario, spread
 from .targets import Context, Target, connect, scratch_queue
 
 KOMBU_BROKERS = {"sqlinbox", "sqla", "redis", "rabbitmq"}
@@ -176,10 +175,7 @@ def latency(target: Target, ctx: Context) -> dict[str, Cell]:
                     break
             child.next(time.monotonic() + 10)
         channel.close()
-    found.sort()
-    p50 = statistics.median(found)
-    p99 = found[min(len(found) - 1, round(0.99 * (len(found) - 1)))]
-    return {"latency": Cell(p50, f"{p50:.1f} / {p99:.1f}", {"p99": p99, "samples": len(found)})}
+    return {"latency": spread(found)}
 
 
 # -- racing consumers ---------------------------------------------------------------------

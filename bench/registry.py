@@ -62,6 +62,19 @@ def gist(message: str) -> str:
     return (exception or lines or [""])[-1]
 
 
+def spread(samples: list[float], *, digits: int = 1, top: float = 0.99,
+           **details: Any) -> Cell:
+    """The median and a high percentile (``top``, default p99) of ``samples``: value the
+    median, text "p50 / p99"."""
+    if not samples:
+        raise RuntimeError("no samples")
+    ordered = sorted(samples)
+    p50 = statistics.median(ordered)
+    high = ordered[min(len(ordered) - 1, round(top * (len(ordered) - 1)))]
+    return Cell(p50, f"{p50:.{digits}f} / {high:.{digits}f}",
+                {"p50": p50, f"p{round(top * 100)}": high, "samples": len(ordered), **details})
+
+
 def guarded(measure: Callable[[], Cell]) -> Cell:
     """One figure of a scenario that reports several: a failure spoils only its own cell."""
     try:

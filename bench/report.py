@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,15 @@ def table(rows: list[Row], figures: dict[str, str], setup: str = "setup") -> str
         cells = [texts.get((database, name, key), "-") for key in used]
         lines.append(f"| {database or '-'} | {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def grid(headings: Sequence[str], lines: Iterable[Sequence[object]], left: int = 1) -> str:
+    """A Markdown table of ready-made cells: the first ``left`` columns aligned left, the
+    others right (figures)."""
+    made = ["| " + " | ".join(headings) + " |",
+            "|" + "---|" * left + "---:|" * (len(headings) - left)]
+    made += ["| " + " | ".join(str(cell) for cell in line) + " |" for line in lines]
+    return "\n".join(made)
 
 
 def targets_table(targets: list[Row]) -> str:

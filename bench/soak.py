@@ -43,7 +43,7 @@ if __name__ == "__main__":  # run as a script: import the bench package, not its
 
 from sqlalchemy import func, select, text
 
-from bench.cli import choices
+from bench.cli import choices, command
 from bench.registry import progress
 from bench.soak_app import (
     CONFIG_ENV,
@@ -719,8 +719,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except KeyboardInterrupt:
-        print("interrupted: the workers are gone, the servers running", file=sys.stderr)
-        sys.exit(130)
+    command(main, "the workers are gone, the servers running")

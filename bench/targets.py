@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import shutil
 import sys
@@ -168,6 +169,18 @@ def drop_tables(url: str, prefix: str) -> None:
                     conn.execute(text(f"DROP TABLE IF EXISTS {quote(name)}"))
     finally:
         engine.dispose()
+
+
+def celery_env(target: Target, queue: str) -> dict[str, str]:
+    """The environment that points ``bench.celery_app`` (a worker, or the ``celery`` command)
+    at ``target`` and ``queue``."""
+    return {
+        "BENCH_BROKER_URL": target.url,
+        "BENCH_TRANSPORT_OPTIONS": json.dumps(target.transport_options),
+        "BENCH_POLLING_INTERVAL": str(target.polling_interval or ""),
+        "BENCH_QUEUE": queue,
+        "BENCH_REDIS_URL": REDIS_URL,
+    }
 
 
 def connect(target: Target) -> Connection:

@@ -18,6 +18,8 @@ from .registry import gist
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER_FLAGS = ("--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "WARNING")
+#: a worker that sends task events and heartbeats (gossip and mingle stay off everywhere)
+MONITORED_FLAGS = ("--without-gossip", "--without-mingle", "-E", "-l", "WARNING")
 #: seconds a worker may take to start before its first task
 STARTUP = 30.0
 #: seconds without a task finishing after which the worker counts as stuck
@@ -32,12 +34,14 @@ def queue_tasks(app: Celery, name: str, queue: str, arguments: Sequence[tuple[An
 
 
 @contextmanager
-def worker(app: str, pool: Sequence[str], queue: str, env: dict[str, str],
-           log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """``celery -A app worker`` on ``queue`` with the bench's environment added, output in
-    ``log``; stopped (warm, then killed with its pool) when the block ends."""
+def worker(app: str, pool: Sequence[str], queue: str, env: dict[str, str], log: Path,
+           *, name: str | None = None, flags: Sequence[str] = WORKER_FLAGS,
+           ) -> Iterator[subprocess.Popen[bytes]]:
+    """``celery -A app worker`` on ``queue`` (node ``name@%h``, by default the queue's) with
+    the bench's environment added, output in ``log``; stopped (warm, then killed with its
+    pool) when the block ends."""
     command = [sys.executable, "-m", "celery", "-A", app, "worker", *pool, "-Q", queue,
-               "-n", f"{queue}@%h", *WORKER_FLAGS]
+               "-n", f"{name or queue}@%h", *flags]
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     with log.open("w") as output:
         process = subprocess.Popen(command, env={**os.environ, **env, "PYTHONPATH": path},
@@ -59,6 +63,15 @@ def stop(process: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(10)
+
+
+def stop_all(processes: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Warm shutdown of several workers at once (each :func:`stop` then only waits)."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        stop(process)
 
 
 def wait_done(process: subprocess.Popen[bytes], done: Callable[[], int], total: int, log: Path,

@@ -370,26 +370,29 @@ def test_racing_creation_of_the_routing_tables_is_retried(
     names = RoutingStatements.tables(table_prefix)
     rival = engine.connect()
     rival_transaction = rival.begin()
-    for statement in broker.routes.sql.ddl:
-        rival.exec_driver_sql(statement)
     outcome: list[Any] = []
 
     def race() -> None:
         try:
             outcome.append(broker.routes.available())
-        except Exception as exc:  # shown by the wait below
+        except Exception as exc:  # shown by the assertions below
             outcome.append(exc)
 
-    racer = threading.Thread(target=race)
-    racer.start()
-    with engine.connect() as watch:
-        wait_for(lambda: outcome or watch.execute(text(
-            "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-            "AND query LIKE 'CREATE%'")).first(), "our CREATE waiting on the rival's")
-    assert not outcome, outcome  # still waiting: the rival holds the catalog rows
-    rival_transaction.commit()
-    rival.close()
-    racer.join(timeout=10)
+    racer = threading.Thread(target=race, daemon=True)
+    try:
+        rival_pid = rival.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+        for statement in broker.routes.sql.ddl:
+            rival.exec_driver_sql(statement)
+        racer.start()
+        with engine.connect() as watch:
+            wait_for(lambda: outcome or watch.execute(text(
+                "SELECT 1 FROM pg_stat_activity WHERE :rival = ANY(pg_blocking_pids(pid))"),
+                {"rival": rival_pid}).first(), "our CREATE waiting on the rival's", timeout=30)
+        assert not outcome, outcome  # still waiting: the rival holds the catalog rows
+        rival_transaction.commit()
+    finally:
+        rival.close()  # rolls back if the test failed before the commit
+    racer.join(timeout=30)
     assert outcome == [True]
     assert set(names) <= set(inspect(engine).get_table_names())
 
