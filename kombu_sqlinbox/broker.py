@@ -68,6 +68,9 @@ class Broker:
         self.routes = Routes(self.database, options.table_prefix, options.create_tables,
                              wake=self.wakeup.poke, sweep_interval=options.sweep_interval,
                              sweep_batch=options.sweep_batch)
+        #: how a message for transient queues is encoded (the codec's view of their table)
+        self.transient_template = QueueTable("", self.routes.spec, options.defaults, False,
+                                             True, self.routes, transient=True)
         self.pid = os.getpid()
         self.closed = False
 
@@ -165,12 +168,6 @@ class Broker:
         if known is not None and known.transient != transient:
             self.forget_table(queue)
         return self.table(queue)
-
-    @property
-    def transient_template(self) -> QueueTable:
-        """How a message for transient queues is encoded (the codec's view of their table)."""
-        return QueueTable("", self.routes.spec, self.options.defaults, False, True, self.routes,
-                          transient=True)
 
     def listen(self, table: QueueTable) -> None:
         """Wake this process's consumers when a message for ``table`` is published

@@ -217,11 +217,14 @@ class Routes:
 
     def forget(self, queue: str) -> None:
         """Delete a queue's registry row, bindings and transient messages."""
-        self._declared.pop(queue, None)
-        self._bound.pop(queue, None)
-        self._transient.pop(queue, None)
+        self._forget_here(queue)
         if self.available():
             self._write(lambda conn: self._forget(conn, [queue]))
+
+    def _forget_here(self, queue: str) -> None:
+        """Drop what this process remembers of a deleted queue."""
+        for remembered in (self._declared, self._bound, self._transient, self._touched):
+            remembered.pop(queue, None)  # type: ignore[attr-defined]
 
     def _forget(self, conn: Connection, queues: list[str]) -> None:
         for statement in self.sql.forget:
@@ -359,8 +362,7 @@ class Routes:
 
         expired = self.database.run(expire, durable=False, repeatable=True)
         for name, _ in expired:
-            self._transient.pop(name, None)
-            self._declared.pop(name, None)
+            self._forget_here(name)
         if expired:
             logger.info("sqlinbox: %d expired queue(s) deleted", len(expired))
         return [name for name, transient in expired if not transient]
