@@ -28,7 +28,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from kombu_sqlinbox.binding import BOUND, current
+from kombu_sqlinbox.binding import BOUND, batching, current
 
 __all__ = ["NotBound", "after_commit", "bind", "current", "defer_with", "unbound"]
 
@@ -140,8 +140,11 @@ def bind(target: Target | Any) -> Iterator[Connection]:
     :mod:`celery_ext.django`) for the code inside the block.
 
     Tracked publishes inside write their outbox record in this transaction and are
-    sent only once it commits. The binding ends with the block; the transaction does
-    not: the caller commits or rolls back as usual, inside or after the block.
+    sent only once it commits. Tasks sent inside to sqlinbox queues are held and
+    written as one multi-row INSERT per queue table when the transaction commits, a
+    savepoint begins or ends, or the block ends (see :mod:`kombu_sqlinbox.binding`).
+    The binding ends with the block; the transaction does not: the caller commits or
+    rolls back as usual, inside or after the block.
     Bind before opening the savepoints whose rollback should drop messages.
     """
     if not isinstance(target, (Session, Connection)):
@@ -163,7 +166,8 @@ def bind(target: Target | Any) -> Iterator[Connection]:
                         f"connection, not {target!r}")
     token = BOUND.set(target)
     try:
-        yield conn
+        with batching():
+            yield conn
     finally:
         BOUND.reset(token)
 
