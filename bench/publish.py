@@ -96,28 +96,36 @@ def raw_rate(raw: RawQueue, count: int) -> float:
     return rate(count, raw.publish(count, 1))
 
 
+def publisher(target: Target, ctx: Context, count: int,
+              closers: list[Callable[[], Any]]) -> Callable[[], float]:
+    """A measurement of ``target``'s publish rate; what it opened goes on ``closers``."""
+    if target.broker == "raw":
+        raw = RawQueue(target, table_name_for_queue(ctx.queue_name("raw"), ctx.prefix))
+        closers.append(raw.close)
+        return partial(raw_rate, raw, count)
+    conn = connect(target)
+    closers.append(conn.release)
+    queue = kombu_queue(ctx.queue_name("pub"))
+    channel = conn.channel()
+    closers.append(partial(queue(channel).delete))
+    producer = declared_producer(channel, queue)
+    return partial(producer_rate, producer, ctx.count(target, count))
+
+
 def single(targets: dict[str, Target], ctx: Context, count: int, rounds: int) -> dict[str, Cell]:
     """Publish msg/s of each target, alternating; kombu sqla gets a tenth of the count."""
     modes: dict[str, Callable[[], float]] = {}
     closers: list[Callable[[], Any]] = []
+    failed: dict[str, Cell] = {}
     try:
         for name, target in targets.items():
-            if target.broker == "raw":
-                assert target.database is not None
-                raw = RawQueue(target, table_name_for_queue(ctx.queue_name("raw"), ctx.prefix))
-                closers.append(raw.close)
-                modes[name] = partial(raw_rate, raw, count)
-                continue
-            conn = connect(target)
-            closers.append(conn.release)
-            queue = kombu_queue(ctx.queue_name("pub"))
-            channel = conn.channel()
-            producer = declared_producer(channel, queue)
-            closers.append(partial(queue(channel).delete))
-            modes[name] = partial(producer_rate, producer, ctx.count(target, count))
-        for measure in modes.values():  # warm pools, caches and prepared statements
-            measure()
-        return alternate(modes, rounds, lambda v: f"{v:,.0f}")
+            try:
+                modes[name] = publisher(target, ctx, count, closers)
+                modes[name]()  # warm pools, caches and prepared statements
+            except Exception as exc:  # one broker failing spoils only its own figure
+                modes.pop(name, None)
+                failed[name] = Cell.failed(exc)
+        return {**alternate(modes, rounds, lambda v: f"{v:,.0f}"), **failed}
     finally:
         for close in reversed(closers):
             try:
@@ -198,6 +206,16 @@ def celery(target: Target, ctx: Context, count: int, rounds: int) -> dict[str, C
         app.close()
 
 
+def failing_alone(measure: Callable[[], dict[str, Cell]],
+                  keys: tuple[str, ...]) -> dict[str, Cell]:
+    """``measure``'s figures; when it fails, each of ``keys`` reports the failure and the
+    section goes on."""
+    try:
+        return measure()
+    except Exception as exc:
+        return dict.fromkeys(keys, Cell.failed(exc))
+
+
 def run(args: argparse.Namespace) -> list[Row]:
     count = args.publish_count or (200 if args.quick else 1000)
     rounds = args.publish_rounds or (3 if args.quick else 5)
@@ -213,17 +231,20 @@ def run(args: argparse.Namespace) -> list[Row]:
         for name, cell in single(servers, ctx, count, rounds).items():
             add(None, name, {name: cell}, "publish")
         for target in SERVERS:
-            for figure, cell in celery(target, ctx, count, rounds).items():
+            for figure, cell in failing_alone(partial(celery, target, ctx, count, rounds),
+                                              ("apply_async", "producer")).items():
                 add(None, target.broker, {target.broker: cell}, figure)
         for database in args.databases:
             targets = {t.broker: t for t in ctx.targets(database, {"sqlinbox", "raw", "sqla"})}
             targets["memory"] = MEMORY
             for name, cell in single(targets, ctx, count, rounds).items():
                 add(database, name, {name: cell}, "publish")
-            for name, cell in bulk(database, ctx, rounds).items():
+            for name, cell in failing_alone(partial(bulk, database, ctx, rounds),
+                                            ("sqlinbox", "raw")).items():
                 add(database, name, {name: cell}, "bulk")
             sqlinbox = ctx.sqlinbox(database, "celery")
-            for figure, cell in celery(sqlinbox, ctx, count, rounds).items():
+            for figure, cell in failing_alone(partial(celery, sqlinbox, ctx, count, rounds),
+                                              ("apply_async", "producer")).items():
                 add(database, "sqlinbox", {"sqlinbox": cell}, figure)
     return rows
 

@@ -159,7 +159,9 @@ class Database:
               attempts: int = 10) -> None:
         """Insert ``rows`` in one transaction of their own, through a pooled connection's
         driver cursor (no SQLAlchemy statement machinery on the way: a publish costs the
-        round trips a bare driver loop makes). Retried as :meth:`run` retries work that is
+        round trips a bare driver loop makes): one statement the database commits itself
+        where the dialect allows (:attr:`.Dialect.autocommit_write`), else BEGIN (where the
+        dialect needs one), INSERT, COMMIT. Retried as :meth:`run` retries work that is
         not repeatable; driver errors are raised as SQLAlchemy's, as :meth:`run` raises."""
         sql = insert.sql(len(rows))
         for attempt in range(1, attempts + 1):
@@ -168,6 +170,11 @@ class Database:
             cursor = None
             try:
                 cursor = pooled.cursor()
+                if self.dialect.autocommit_write:
+                    committing = True  # the statement is the commit
+                    with self.dialect.autocommitting(pooled.dbapi_connection):
+                        cursor.execute(sql, insert.parameters(rows))
+                    return
                 if self.dialect.begin_write:
                     cursor.execute(self.dialect.begin_write)
                 cursor.execute(sql, insert.parameters(rows))

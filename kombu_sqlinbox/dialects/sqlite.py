@@ -37,6 +37,9 @@ class SQLiteDialect(Dialect):
     capabilities = Capabilities(returning=True)
     #: the write lock up front, as the engine's transactions take it (prepare_engine)
     begin_write = "BEGIN IMMEDIATE"
+    #: connections are in autocommit mode already (on_connect): a lone INSERT is its own
+    #: transaction, taking the write lock as it starts
+    autocommit_write = True
     #: SQLITE_MAX_VARIABLE_NUMBER's default (999 before SQLite 3.32)
     max_bind_params = 32766 if sqlite3.sqlite_version_info >= (3, 32) else 999
     generated_id_type = "INTEGER PRIMARY KEY AUTOINCREMENT"
