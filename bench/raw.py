@@ -99,30 +99,23 @@ class RawQueue:
         cursor.execute(sql, {**bound, **params, **{f"ids{n}": v for n, v in enumerate(ids)}})
 
     def publish(self, count: int, per_commit: int) -> float:
-        """``count`` rows, ``per_commit`` per transaction. One row per commit is one
-        statement the database commits itself where the driver gets that for free
-        (psycopg2's autocommit is a client-side switch; SQLite's connection is in
-        autocommit mode already), as durable as BEGIN, INSERT, COMMIT; else those."""
+        """``count`` rows, ``per_commit`` per transaction. On SQLite, whose connection is
+        in autocommit mode, one row per commit is a lone INSERT (a transaction of its
+        own, as durable as BEGIN, INSERT, COMMIT), as the transport sends it."""
         cursor = self.conn.cursor()
         sql, bound = self.sql(self.statements.insert)
         params = {**bound, **self.dialect.insert_params(PAYLOAD.encode(), HEADERS, 0, None)}
-        lone = per_commit == 1 and self.backend in ("postgresql", "sqlite")
-        if lone and self.backend == "postgresql":
-            self.conn.autocommit = True
+        lone = per_commit == 1 and self.backend == "sqlite"
         started = time.perf_counter()
-        try:
-            for _ in range(0, count, per_commit):
-                if lone:
-                    cursor.execute(sql, params)
-                    continue
-                self.begin(cursor)
-                for _ in range(per_commit):
-                    cursor.execute(sql, params)
-                self.conn.commit()
-            return time.perf_counter() - started
-        finally:
-            if lone and self.backend == "postgresql":
-                self.conn.autocommit = False
+        for _ in range(0, count, per_commit):
+            if lone:
+                cursor.execute(sql, params)
+                continue
+            self.begin(cursor)
+            for _ in range(per_commit):
+                cursor.execute(sql, params)
+            self.conn.commit()
+        return time.perf_counter() - started
 
     def publish_bulk(self, count: int) -> float:
         """``count`` rows in one multi-row INSERT and one commit: the ceiling of a bulk

@@ -172,8 +172,7 @@ class Database:
                 cursor = pooled.cursor()
                 if self.dialect.autocommit_write:
                     committing = True  # the statement is the commit
-                    with self.dialect.autocommitting(pooled.dbapi_connection):
-                        cursor.execute(sql, insert.parameters(rows))
+                    cursor.execute(sql, insert.parameters(rows))
                     return
                 if self.dialect.begin_write:
                     cursor.execute(self.dialect.begin_write)

@@ -236,9 +236,10 @@ class Dialect:
     #: what begins a transaction of ours on a bare driver connection (None: the driver
     #: begins one itself)
     begin_write: ClassVar[str | None] = None
-    #: a single publish statement runs as a transaction of its own (the database commits
-    #: it, as durably as a COMMIT would), saving the BEGIN and COMMIT round trips; see
-    #: :meth:`autocommitting`
+    #: the driver connection is in autocommit mode: a single publish statement is a
+    #: transaction of its own (as durable as BEGIN, INSERT, COMMIT), with no BEGIN or
+    #: COMMIT to send. Not on a server: a COMMIT costs one round trip next to the
+    #: commit's flush to disk, and its reply says whether the publish landed
     autocommit_write: ClassVar[bool] = False
     #: the most parameters one statement may bind
     max_bind_params: ClassVar[int] = 65535
@@ -807,11 +808,6 @@ class Dialect:
 
     def on_connect(self, dbapi_connection: Any) -> None:
         """Session settings every new connection gets."""
-
-    def autocommitting(self, dbapi_connection: Any) -> AbstractContextManager[None]:
-        """The driver connection commits each statement itself inside the block (where
-        :attr:`autocommit_write` is set), and is as it was after."""
-        return nullcontext()
 
     # -- operations (``celery sqlinbox``) ---------------------------------------
     def queue_stats(self, spec: TableSpec) -> TextClause:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import Connection, TextClause, bindparam, text
@@ -19,8 +18,6 @@ class PostgreSQLDialect(Dialect):
                                 returning=True)
     lock_clause = "FOR UPDATE OF r SKIP LOCKED"
     relaxed_commit = "SET LOCAL synchronous_commit = off"
-    #: psycopg2 and psycopg switch autocommit on the client, without a round trip
-    autocommit_write = True
     now = "now()"
     pinned_now = "to_timestamp(CAST(:sqlinbox_now AS double precision))"
     eta_value = "COALESCE(to_timestamp(:eta), now())"
@@ -109,15 +106,6 @@ class PostgreSQLDialect(Dialect):
         return (f"WITH published AS ({head}", row,
                 f"{tail} RETURNING 1) SELECT pg_notify(:channel, '') "
                 "WHERE EXISTS (SELECT 1 FROM published)", {**fixed, "channel": self.channel(spec)})
-
-    @contextmanager
-    def autocommitting(self, dbapi_connection: Any) -> Iterator[None]:
-        dbapi_connection.autocommit = True
-        try:
-            yield
-        finally:
-            if not dbapi_connection.closed:  # a connection that broke is discarded anyway
-                dbapi_connection.autocommit = False
 
     def wake(self, conn: Connection, spec: TableSpec) -> None:
         if self.notify:
