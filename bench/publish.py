@@ -64,6 +64,8 @@ RATIOS = (
      None),
     (f"sqlinbox bulk ÷ raw multi-row INSERT ({BULK:,} rows)", ("sqlinbox", "bulk"),
      ("raw", "bulk"), 0.5),
+    ("sqlinbox bulk ÷ memory:// publish (kombu's own per-message cost)",
+     ("sqlinbox", "bulk"), ("memory", "publish"), None),
     ("sqlinbox apply_async ÷ Producer.publish", ("sqlinbox", "apply_async"),
      ("sqlinbox", "producer"), None),
 )
