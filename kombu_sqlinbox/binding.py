@@ -30,8 +30,9 @@ from sqlalchemy.orm import Session
 
 BOUND: ContextVar[Connection | Session | None] = ContextVar(
     "sqlinbox_bound_transaction", default=None)
-#: the batches of the current batching block (None: publishes are written at once)
-BATCHES: ContextVar[list[Batch] | None] = ContextVar("sqlinbox_batches", default=None)
+#: the connections whose publishes the current batching block holds (None: publishes are
+#: written at once)
+BATCHES: ContextVar[list[Connection] | None] = ContextVar("sqlinbox_batches", default=None)
 
 
 def current() -> Connection | None:
@@ -48,21 +49,22 @@ Writer = Callable[[Connection, Any, list[Mapping[str, Any]]], None]
 
 
 class Batch:
-    """The publishes held for one connection's transaction, by table in arrival order."""
+    """The publishes held for one connection's transaction, by table in arrival order.
+    It keeps no reference to its connection, which the weak registry below forgets."""
 
-    def __init__(self, conn: Connection, write: Writer) -> None:
-        self.conn = conn
+    def __init__(self, write: Writer) -> None:
         self.write = write
         self.rows: dict[Any, list[Mapping[str, Any]]] = {}
 
     def add(self, key: Any, row: Mapping[str, Any]) -> None:
         self.rows.setdefault(key, []).append(row)
 
-    def flush(self) -> None:
-        """Write what is held, in the transaction (a table's rows in the order published)."""
+    def flush(self, conn: Connection) -> None:
+        """Write what is held, in ``conn``'s transaction (a table's rows in the order
+        published)."""
         rows, self.rows = self.rows, {}
         for key, held in rows.items():
-            self.write(self.conn, key, held)
+            self.write(conn, key, held)
 
     def drop(self) -> None:
         self.rows = {}
@@ -74,27 +76,28 @@ _BATCH_OF: WeakKeyDictionary[Connection, Batch] = WeakKeyDictionary()
 def batch_for(conn: Connection, write: Writer) -> Batch | None:
     """The batch of ``conn`` in the current batching block, made on the first publish
     (None outside such a block: write at once)."""
-    batches = BATCHES.get()
-    if batches is None:
+    batched = BATCHES.get()
+    if batched is None:
         return None
     found = _BATCH_OF.get(conn)
     if found is None:
-        found = _BATCH_OF[conn] = Batch(conn, write)
+        found = _BATCH_OF[conn] = Batch(write)
         # first, ahead of any commit listener that commits the DBAPI connection itself
-        event.listen(conn, "commit", lambda c: _BATCH_OF[c].flush(), insert=True)
-        event.listen(conn, "savepoint", lambda c, name: _BATCH_OF[c].flush())
-        event.listen(conn, "release_savepoint", lambda c, name, ctx: _BATCH_OF[c].flush())
+        event.listen(conn, "commit", lambda c: _BATCH_OF[c].flush(c), insert=True)
+        event.listen(conn, "savepoint", lambda c, name: _BATCH_OF[c].flush(c))
+        event.listen(conn, "release_savepoint", lambda c, name, ctx: _BATCH_OF[c].flush(c))
         event.listen(conn, "rollback_savepoint", lambda c, name, ctx: _BATCH_OF[c].drop())
         event.listen(conn, "rollback", lambda c: _BATCH_OF[c].drop())
-    if found not in batches:
-        batches.append(found)
+    if not any(conn is known for known in batched):
+        batched.append(conn)
     return found
 
 
-def pending(conn: Connection) -> Batch | None:
-    """The batch holding rows for ``conn``, if any (to write before what must follow them)."""
+def write_pending(conn: Connection) -> None:
+    """Write the rows held for ``conn``, if any (before what must see or follow them)."""
     found = _BATCH_OF.get(conn)
-    return found if found is not None and found.rows else None
+    if found is not None and found.rows:
+        found.flush(conn)
 
 
 @contextmanager
@@ -106,9 +109,7 @@ def batching() -> Iterator[None]:
     token = BATCHES.set([])
     try:
         yield
-        batches = BATCHES.get() or []
-        for batch in batches:
-            if batch.rows and batch.conn.in_transaction():
-                batch.flush()
+        for conn in BATCHES.get() or []:
+            write_pending(conn)
     finally:
         BATCHES.reset(token)

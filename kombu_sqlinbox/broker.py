@@ -83,7 +83,7 @@ class Broker:
         by :meth:`table`), the one place it exists until the caller commits."""
         caller = self.bound_caller()
         if caller is not None and self._tables.get(table.queue) is not table:
-            self.write_held(caller)
+            binding.write_pending(caller)
             return work(caller)
         return self.run(work, read_only=True)
 
@@ -212,7 +212,7 @@ class Broker:
             if batch is not None:
                 batch.add((table.spec, insert), params)
                 return
-            self.write_held(caller)  # rows published before this one go first
+            binding.write_pending(caller)  # rows published before this one go first
             self.dialect.publish(caller, table.spec, [params])
             return
         if insert is None:
@@ -228,14 +228,6 @@ class Broker:
         if found is None or found[0] is not table:
             found = self._inserts[table.queue] = (table, self.database.rows_insert(table.spec))
         return found[1]
-
-    @staticmethod
-    def write_held(caller: Connection) -> None:
-        """Write the bound publishes held for ``caller`` (before a statement that must see
-        them or follow them)."""
-        batch = binding.pending(caller)
-        if batch is not None:
-            batch.flush()
 
     @staticmethod
     def _write_held(conn: Connection, key: tuple[TableSpec, RowsInsert],
