@@ -22,6 +22,7 @@ from kombu import Connection
 from sqlalchemy import Engine, event, text
 
 import celery_ext
+from celery_ext.binding import defer_with
 from kombu_sqlinbox import TableBuilder
 from tests.integration.support import get, get_within
 from tests.ordering.apps.common import check_serial_in_order, transport_options
@@ -173,3 +174,23 @@ def test_a_bulk_publish_wakes_an_idle_consumer_in_another_process(ordering: Orde
     wait_until(partial(arrived, ordering, "idle", 3), 8, "the bulk to arrive",
                alive=[consumer], interval=0.01)
     assert max(arrivals(ordering, "idle")) < 5, json.dumps(arrivals(ordering, "idle"))
+
+
+def test_a_transaction_another_framework_commits_writes_each_row_at_once(
+        ordering: Ordering, engine: Engine) -> None:
+    """Django's binding (``defer_with``): SQLAlchemy sees neither its commit nor its
+    savepoints, so nothing is held; each publish is written as it is made."""
+    conn_ = ordering.connect("jobs", "keyed")
+    conn_.default_channel.queue_declare("jobs")
+    producer = conn_.Producer()
+    with (inserts_into(engine, f"{ordering.prefix}keyed_jobs") as inserts,
+          engine.connect() as conn):
+        conn.begin()
+        defer_with(conn, lambda callback: None)
+        with celery_ext.bind(conn):
+            producer.publish({"n": 0}, routing_key="jobs")
+            assert len(inserts) == 1, "the row was held"
+            producer.publish({"n": 1}, routing_key="jobs")
+            assert len(inserts) == 2, "the row was held"
+        conn.commit()
+    assert [get_within(conn_, "jobs").payload["n"] for _ in range(2)] == [0, 1]
