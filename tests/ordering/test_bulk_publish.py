@@ -3,7 +3,8 @@
 The rows of a bound block are held and written when the caller commits (or a savepoint
 begins or ends, or the block ends): one statement per queue table, in the order sent,
 each row with its own options. They exist only if the caller commits; a rollback, also
-to a savepoint, drops what it covers. A declared publish statement runs per row.
+to a savepoint, drops what it covers. A declared publish statement runs per row, and
+a transaction another framework commits (Django's) is not batched.
 """
 
 from __future__ import annotations
