@@ -5,7 +5,9 @@
                         [--json PATH] [section options: see --help]
 
 Sections: ``core`` (publish, consume, latency, racers, Celery end to end against a raw
-driver loop, kombu sqla, Redis and RabbitMQ), ``ordering`` (FIFO groups, partition keys,
+driver loop, kombu sqla, Redis and RabbitMQ), ``publish`` (one message per commit against
+the raw driver loop and memory://, a bound bulk publish against a multi-row INSERT,
+Celery's apply_async against Producer.publish), ``ordering`` (FIFO groups, partition keys,
 NOTIFY latency), ``transactional`` (transactional vs plain tasks/s), ``outbox``
 (apply_async overhead, republish rate), ``layout`` (a reply queue's life in the shared
 transient table and in a table of its own), ``remote`` (``celery inspect ping`` round
@@ -21,10 +23,10 @@ from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the bench package, not its modules
 
-from bench import core, layout, ordering, outbox, remote, transactional  # noqa: E402
+from bench import core, layout, ordering, outbox, publish, remote, transactional  # noqa: E402
 from bench.cli import main  # noqa: E402
 
-SECTIONS = [core.SECTION, ordering.SECTION, transactional.SECTION, outbox.SECTION,
+SECTIONS = [core.SECTION, publish.SECTION, ordering.SECTION, transactional.SECTION, outbox.SECTION,
             layout.SECTION, remote.SECTION]
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -28,7 +28,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from kombu_sqlinbox.binding import BOUND, current
+from kombu_sqlinbox.binding import BOUND, batching, current
 
 __all__ = ["NotBound", "after_commit", "bind", "current", "defer_with", "unbound"]
 
@@ -140,8 +140,12 @@ def bind(target: Target | Any) -> Iterator[Connection]:
     :mod:`celery_ext.django`) for the code inside the block.
 
     Tracked publishes inside write their outbox record in this transaction and are
-    sent only once it commits. The binding ends with the block; the transaction does
-    not: the caller commits or rolls back as usual, inside or after the block.
+    sent only once it commits. Tasks sent inside to sqlinbox queues are held and
+    written as one multi-row INSERT per queue table when the transaction commits, a
+    savepoint begins or ends, or the block ends (see :mod:`kombu_sqlinbox.binding`);
+    Django's transactions, which SQLAlchemy does not commit, write each row at once.
+    The binding ends with the block; the transaction does not: the caller commits or
+    rolls back as usual, inside or after the block.
     Bind before opening the savepoints whose rollback should drop messages.
     """
     if not isinstance(target, (Session, Connection)):
@@ -163,7 +167,10 @@ def bind(target: Target | Any) -> Iterator[Connection]:
                         f"connection, not {target!r}")
     token = BOUND.set(target)
     try:
-        yield conn
+        # a transaction another framework commits (Django's) is not batched: its commits
+        # and savepoints happen where SQLAlchemy's events cannot see them
+        with nullcontext() if conn in _DEFERRERS else batching():
+            yield conn
     finally:
         BOUND.reset(token)
 

@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection
@@ -30,6 +30,7 @@ from .database import Database
 from .database import engine_for as engine_for  # re-exported: imported from here
 from .database import same_database as same_database
 from .database import sqlalchemy_url as sqlalchemy_url
+from .dialects import RowsInsert
 from .errors import ConfigurationError
 from .options import TransportOptions
 from .routing import Declared, Routes
@@ -59,6 +60,7 @@ class Broker:
         self.ping = self.database.ping
         self._tables: dict[str, QueueTable] = {}
         self._tables_lock = threading.Lock()
+        self._inserts: dict[str, tuple[QueueTable, RowsInsert | None]] = {}
         #: queues declared with a message TTL (seconds; ``x-message-ttl``) in this process
         self.message_ttls: dict[str, float] = {}
         self.dialect.notify = options.notify and self.dialect.notify
@@ -81,6 +83,7 @@ class Broker:
         by :meth:`table`), the one place it exists until the caller commits."""
         caller = self.bound_caller()
         if caller is not None and self._tables.get(table.queue) is not table:
+            binding.write_pending(caller)
             return work(caller)
         return self.run(work, read_only=True)
 
@@ -198,13 +201,41 @@ class Broker:
     def publish(self, table: QueueTable, params: dict[str, Any],
                 caller: Connection | None = None) -> None:
         """Insert one message: in the caller's bound transaction when there is one (it
-        then exists only if the caller commits), else in a transaction of our own."""
+        then exists only if the caller commits; held for a multi-row INSERT when the
+        binding batches, see :mod:`.binding`), else in a transaction of our own, through
+        the driver's cursor. A declared publish statement runs through SQLAlchemy, one
+        row at a time."""
+        insert = self._rows_insert(table)
         if caller is not None:
             self.check_same_database(caller, table.queue)
+            batch = binding.batch_for(caller, self._write_held) if insert else None
+            if batch is not None:
+                batch.add((table.spec, insert), params)
+                return
+            binding.write_pending(caller)  # rows published before this one go first
             self.dialect.publish(caller, table.spec, [params])
             return
-        self.run(lambda conn: self.dialect.publish(conn, table.spec, [params]))
+        if insert is None:
+            self.run(lambda conn: self.dialect.publish(conn, table.spec, [params]))
+        else:
+            self.database.write(insert, [params])
         self.wakeup.poke()
+
+    def _rows_insert(self, table: QueueTable) -> RowsInsert | None:
+        """The table's publish statement for the driver, remembered by queue name (cheaper
+        to look up than by its table's layout)."""
+        found = self._inserts.get(table.queue)
+        if found is None or found[0] is not table:
+            found = self._inserts[table.queue] = (table, self.database.rows_insert(table.spec))
+        return found[1]
+
+    @staticmethod
+    def _write_held(conn: Connection, key: tuple[TableSpec, RowsInsert],
+                    rows: list[Mapping[str, Any]]) -> None:
+        """A batch's rows of one table: one INSERT per chunk the server's limits allow."""
+        _, insert = key
+        for chunk in insert.chunks(rows):
+            conn.exec_driver_sql(insert.sql(len(chunk)), insert.parameters(chunk))
 
     def check_same_database(self, caller: Connection, queue: str) -> None:
         if not same_database(self.engine, caller.engine):

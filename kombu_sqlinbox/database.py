@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, create_engine, inspect
@@ -18,7 +18,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError
 
 from . import binding
 from .clock import key_of
-from .dialects import Dialect, dialect_class, dialect_for
+from .dialects import Dialect, RowsInsert, dialect_class, dialect_for
 from .errors import ConfigurationError
 from .tables import TableSpec
 
@@ -134,15 +134,73 @@ class Database:
                     transaction.commit()
                     return result
             except DBAPIError as exc:
-                unknown = committing and exc.connection_invalidated
-                if unknown and not (repeatable or read_only):
-                    raise
-                retry = exc.connection_invalidated or self.dialect.is_transient(exc)
-                if not retry or attempt == attempts:
-                    raise
-                # racing claimers deadlock in bursts on MariaDB: back off, jittered
-                time.sleep(random.uniform(0.005, 0.02) * attempt)
+                self._retry_or_raise(exc, committing and not (repeatable or read_only),
+                                     attempt, attempts)
         raise AssertionError("unreachable")
+
+    def _retry_or_raise(self, exc: DBAPIError, committing: bool, attempt: int,
+                        attempts: int) -> None:
+        """Back off before the next attempt, or raise ``exc``: a transaction that may have
+        committed (``committing``, its connection lost) or an error no attempt cures."""
+        if committing and exc.connection_invalidated:
+            raise exc
+        retry = exc.connection_invalidated or self.dialect.is_transient(exc)
+        if not retry or attempt == attempts:
+            raise exc
+        # racing claimers deadlock in bursts on MariaDB: back off, jittered
+        time.sleep(random.uniform(0.005, 0.02) * attempt)
+
+    def rows_insert(self, spec: TableSpec) -> RowsInsert | None:
+        """The table's publish statement for this engine's driver (see
+        :meth:`.Dialect.rows_insert`)."""
+        return self.dialect.rows_insert(spec, self.engine.dialect.paramstyle)
+
+    def write(self, insert: RowsInsert, rows: Sequence[Mapping[str, Any]],
+              attempts: int = 10) -> None:
+        """Insert ``rows`` in one transaction of their own, through a pooled connection's
+        driver cursor (no SQLAlchemy statement machinery on the way: a publish costs the
+        round trips a bare driver loop makes): one statement the database commits itself
+        where the dialect allows (:attr:`.Dialect.autocommit_write`), else BEGIN (where the
+        dialect needs one), INSERT, COMMIT. Retried as :meth:`run` retries work that is
+        not repeatable; driver errors are raised as SQLAlchemy's, as :meth:`run` raises."""
+        sql = insert.sql(len(rows))
+        for attempt in range(1, attempts + 1):
+            committing = False
+            pooled = self.engine.raw_connection()
+            cursor = None
+            try:
+                cursor = pooled.cursor()
+                if self.dialect.autocommit_write:
+                    committing = True  # the statement is the commit
+                    cursor.execute(sql, insert.parameters(rows))
+                    return
+                if self.dialect.begin_write:
+                    cursor.execute(self.dialect.begin_write)
+                cursor.execute(sql, insert.parameters(rows))
+                committing = True
+                pooled.commit()
+                return
+            except self.engine.dialect.loaded_dbapi.Error as driver_error:
+                exc = self._driver_failure(driver_error, pooled, cursor, sql)
+                self._retry_or_raise(exc, committing, attempt, attempts)
+            finally:
+                if cursor is not None:
+                    cursor.close()
+                pooled.close()
+
+    def _driver_failure(self, error: Any, pooled: Any, cursor: Any, sql: str) -> DBAPIError:
+        """A driver error as SQLAlchemy raises it; a connection it shows dead is
+        invalidated (so the pool opens a fresh one), any other is rolled back."""
+        dialect = self.engine.dialect
+        lost = dialect.is_disconnect(error, pooled.dbapi_connection, cursor)
+        if lost:
+            pooled.invalidate(error)
+        else:
+            pooled.rollback()
+        wrapped = DBAPIError.instance(sql, None, error, dialect.loaded_dbapi.Error,
+                                      connection_invalidated=lost, dialect=dialect)
+        assert isinstance(wrapped, DBAPIError)  # a driver error always wraps as one
+        return wrapped
 
     def bound_caller(self) -> Connection | None:
         """The bound caller's transaction (:mod:`.binding`) when it is on this database."""

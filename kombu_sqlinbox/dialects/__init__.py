@@ -14,6 +14,7 @@ from .base import (
     ClaimedRow,
     Dialect,
     RoutingStatements,
+    RowsInsert,
     Statements,
     Tokens,
     plain_payload,
@@ -24,8 +25,8 @@ from .sqlite import SQLiteDialect
 
 __all__ = [
     "Capabilities", "ClaimedRow", "Dialect", "MySQLDialect", "PostgreSQLDialect",
-    "RoutingStatements", "SQLiteDialect", "Statements", "Tokens", "dialect_class", "dialect_for",
-    "plain_payload", "register", "url_schemes",
+    "RoutingStatements", "RowsInsert", "SQLiteDialect", "Statements", "Tokens",
+    "dialect_class", "dialect_for", "plain_payload", "register", "url_schemes",
 ]
 
 _REGISTRY: dict[str, type[Dialect]] = {}

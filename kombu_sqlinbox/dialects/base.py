@@ -118,6 +118,71 @@ class RoutingStatements:
         return queues, bindings, transient
 
 
+#: a named parameter in a statement's text (``:name``; not a ``::`` cast)
+NAMED_PARAMETER = re.compile(r"(?<![:\w]):(\w+)")
+#: parameter styles a statement can be rewritten into for the driver's own cursor
+POSITIONAL_MARKERS = {"qmark": "?", "format": "%s", "pyformat": "%s"}
+
+
+@dataclass(frozen=True, eq=False)
+class RowsInsert:
+    """A table's publish statement for any number of rows, in the driver's own parameter
+    style: ``head``, ``row`` once per row (comma separated), ``tail``. It runs on the
+    driver's cursor, so a publish costs the database's round trip rather than SQLAlchemy's
+    per-statement work, and a bulk publish is one statement per chunk of rows."""
+
+    head: str
+    row: str
+    tail: str
+    #: the parameter names each part takes, in order
+    names: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
+    #: values the dialect fixes (a NOTIFY channel)
+    fixed: Mapping[str, Any]
+    clock: Clock | None
+    #: the most rows one statement may carry: the server's limit on bound parameters
+    max_rows: int
+    #: the largest statement the server accepts (None: no such limit)
+    max_bytes: int | None
+
+    def sql(self, rows: int) -> str:
+        return self.head + ", ".join([self.row] * rows) + self.tail
+
+    def parameters(self, rows: Sequence[Mapping[str, Any]]) -> tuple[Any, ...]:
+        fixed = dict(self.fixed)
+        if self.clock is not None:
+            fixed[PARAMETER] = self.clock.value()
+        head, row_names, tail = self.names
+        values = [fixed[name] for name in head]
+        for row in rows:
+            values += [fixed[name] if name in fixed else row[name] for name in row_names]
+        values += [fixed[name] for name in tail]
+        return tuple(values)
+
+    def chunks(self, rows: Sequence[Mapping[str, Any]]) -> list[Sequence[Mapping[str, Any]]]:
+        """``rows`` split so that no statement exceeds the server's limits."""
+        found: list[Sequence[Mapping[str, Any]]] = []
+        start, size = 0, 0
+        for at, row in enumerate(rows):
+            weight = len(row.get("payload") or b"") + len(row.get("headers") or "") + 256
+            if at > start and (at - start >= self.max_rows or (
+                    self.max_bytes is not None and size + weight > self.max_bytes // 2)):
+                found.append(rows[start:at])
+                start, size = at, 0
+            size += weight
+        if start < len(rows):
+            found.append(rows[start:])
+        return found
+
+
+def _driver_style(sql: str, paramstyle: str) -> tuple[str, tuple[str, ...]]:
+    """``sql`` with its ``:name`` parameters as the driver's positional markers, and their
+    names in order."""
+    marker = POSITIONAL_MARKERS[paramstyle]
+    if marker == "%s":
+        sql = sql.replace("%", "%%")
+    return NAMED_PARAMETER.sub(marker, sql), tuple(NAMED_PARAMETER.findall(sql))
+
+
 #: the roles a claim returns (:meth:`Dialect.returned_columns`), those a table declares
 RETURNED_ROLES = (Role.ID, Role.ATTEMPT, Role.PAYLOAD, Role.HEADERS, Role.GROUP,
                   Role.PARTITION_KEY, Role.PRIORITY, Role.AVAILABLE_AT)
@@ -168,6 +233,16 @@ class Dialect:
     engine_defaults: ClassVar[Mapping[str, Any]] = {}
     #: the largest statement the server accepts, when it has such a limit
     max_statement_bytes: int | None = None
+    #: what begins a transaction of ours on a bare driver connection (None: the driver
+    #: begins one itself)
+    begin_write: ClassVar[str | None] = None
+    #: the driver connection is in autocommit mode: a single publish statement is a
+    #: transaction of its own (as durable as BEGIN, INSERT, COMMIT), with no BEGIN or
+    #: COMMIT to send. Not on a server: a COMMIT costs one round trip next to the
+    #: commit's flush to disk, and its reply says whether the publish landed
+    autocommit_write: ClassVar[bool] = False
+    #: the most parameters one statement may bind
+    max_bind_params: ClassVar[int] = 65535
 
     def __init__(self, engine: Engine | None = None) -> None:
         #: None where only the statements' text is wanted (DDL for a migration)
@@ -176,6 +251,7 @@ class Dialect:
         #: ``notify`` option turned it off for this instance
         self.notify = self.capabilities.wakeups
         self._statements: dict[TableSpec, Statements] = {}
+        self._rows_inserts: dict[tuple[TableSpec, str], RowsInsert | None] = {}
         self._routing: dict[str, RoutingStatements] = {}
         #: the clock installed for this database (:mod:`kombu_sqlinbox.clock`), if any
         self.clock: Clock | None = None if engine is None else clock_for(engine.url)
@@ -432,6 +508,33 @@ class Dialect:
 
     def insert_statement(self, spec: TableSpec) -> TextClause:
         return text(self.insert_sql(spec))
+
+    def insert_parts(self, spec: TableSpec) -> tuple[str, str, str, dict[str, Any]] | None:
+        """The default publish statement as (head, one row's VALUES, tail, fixed values),
+        which repeats the row for a multi-row INSERT; None for a declared publish
+        statement, which is any SQL and runs one row at a time."""
+        if spec.publish is not None:
+            return None
+        head, _, row = self.insert_sql(spec).partition(" VALUES ")
+        return head + " VALUES ", row, "", {}
+
+    def rows_insert(self, spec: TableSpec, paramstyle: str) -> RowsInsert | None:
+        """:meth:`insert_parts` for a driver of ``paramstyle``, built once per table; None
+        where the statement is declared or the driver takes another parameter style."""
+        key = (spec, paramstyle)
+        if key not in self._rows_inserts:
+            parts = self.insert_parts(spec)
+            found = None
+            if parts is not None and paramstyle in POSITIONAL_MARKERS:
+                *texts, fixed = parts
+                converted = [_driver_style(part, paramstyle) for part in texts]
+                head, row, tail = (sql for sql, _ in converted)
+                names = (converted[0][1], converted[1][1], converted[2][1])
+                found = RowsInsert(head, row, tail, names, fixed, self.clock,
+                                   max(1, self.max_bind_params // max(1, len(names[1]))),
+                                   self.max_statement_bytes)
+            self._rows_inserts[key] = found
+        return self._rows_inserts[key]
 
     def publish(self, conn: Connection, spec: TableSpec, params: Sequence[dict[str, Any]]) -> None:
         conn.execute(self.statements(spec).insert, list(params))

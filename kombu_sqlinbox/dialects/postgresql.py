@@ -89,12 +89,23 @@ class PostgreSQLDialect(Dialect):
 
     def insert_statement(self, spec: TableSpec) -> TextClause:
         """The insert and its NOTIFY in one statement: one round trip per publish."""
-        if not self.notify:
+        parts = self.insert_parts(spec)
+        if not self.notify or parts is None:
             return super().insert_statement(spec)
-        return text(
-            f"WITH published AS ({self.insert_sql(spec)} RETURNING 1) "
-            "SELECT pg_notify(:channel, '') FROM published"
-        ).bindparams(bindparam("channel", value=self.channel(spec)))
+        head, row, tail, fixed = parts
+        return text(head + row + tail).bindparams(
+            *(bindparam(name, value=value) for name, value in fixed.items()))
+
+    def insert_parts(self, spec: TableSpec) -> tuple[str, str, str, dict[str, Any]] | None:
+        """With wake-ups, the rows' INSERT wrapped in one NOTIFY of the table's channel,
+        however many rows it writes."""
+        parts = super().insert_parts(spec)
+        if not self.notify or parts is None:
+            return parts
+        head, row, tail, fixed = parts
+        return (f"WITH published AS ({head}", row,
+                f"{tail} RETURNING 1) SELECT pg_notify(:channel, '') "
+                "WHERE EXISTS (SELECT 1 FROM published)", {**fixed, "channel": self.channel(spec)})
 
     def wake(self, conn: Connection, spec: TableSpec) -> None:
         if self.notify:

@@ -7,6 +7,7 @@ stable within one statement, so a claim compares every row with one instant.
 from __future__ import annotations
 
 import re
+import sqlite3
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -34,6 +35,13 @@ class SQLiteDialect(Dialect):
     eta_value = f"COALESCE(:eta, {NOW})"
     #: a single writer: claims need no row locks
     capabilities = Capabilities(returning=True)
+    #: the write lock up front, as the engine's transactions take it (prepare_engine)
+    begin_write = "BEGIN IMMEDIATE"
+    #: connections are in autocommit mode already (on_connect): a lone INSERT is its own
+    #: transaction, taking the write lock as it starts
+    autocommit_write = True
+    #: SQLITE_MAX_VARIABLE_NUMBER's default (999 before SQLite 3.32)
+    max_bind_params = 32766 if sqlite3.sqlite_version_info >= (3, 32) else 999
     generated_id_type = "INTEGER PRIMARY KEY AUTOINCREMENT"
     column_types = {
         Role.ID: "INTEGER NOT NULL",

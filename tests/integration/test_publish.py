@@ -1,0 +1,57 @@
+"""A publish outside a binding: its INSERT on the pooled driver connection's cursor.
+
+A busy database is retried (the row lands once); a driver whose parameter style the
+transport does not rewrite publishes through SQLAlchemy instead. A lost COMMIT reply
+is in test_lost_commits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from sqlalchemy.engine import Engine
+
+from kombu_sqlinbox.dialects.sqlite import SQLiteDialect
+
+from .conftest import Connect
+from .support import broker_of, count_rows, get_within, publish, rows_locked, table_of
+
+BUSY = 0.2
+
+
+@pytest.mark.databases("sqlite")
+def test_a_publish_finding_the_write_lock_held_is_retried_and_lands_once(
+        connect: Connect, engine: Engine, table_prefix: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(SQLiteDialect, "busy_timeout", BUSY)  # locked in BUSY s, not 30
+    conn = connect()
+    publish(conn, "jobs", {"n": 0})
+    table = table_of("jobs", table_prefix)
+    took: list[float] = []
+
+    def publish_timed() -> None:
+        started = time.monotonic()
+        publish(conn, "jobs", {"n": 1})
+        took.append(time.monotonic() - started)
+
+    publisher = threading.Thread(target=publish_timed)
+    with rows_locked(engine, table):
+        publisher.start()
+        publisher.join(3 * BUSY)  # the lock is held this long: the first attempts fail
+    publisher.join(10)
+    assert took and took[0] >= 2 * BUSY, f"the publish never waited out the lock: {took}"
+    assert count_rows(engine, table) == 2
+    assert [get_within(conn, "jobs").payload["n"] for _ in range(2)] == [0, 1]
+
+
+@pytest.mark.databases("sqlite")
+def test_a_driver_of_another_parameter_style_publishes_through_sqlalchemy(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    conn = connect(engine_options={"paramstyle": "named"})
+    publish(conn, "jobs", {"n": 1})
+    broker = broker_of(conn)
+    assert broker.database.rows_insert(broker.table("jobs").spec) is None
+    assert count_rows(engine, table_of("jobs", table_prefix)) == 1
+    assert get_within(conn, "jobs").payload == {"n": 1}
