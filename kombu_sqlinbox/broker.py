@@ -62,11 +62,11 @@ class Broker:
         #: queues declared with a message TTL (seconds; ``x-message-ttl``) in this process
         self.message_ttls: dict[str, float] = {}
         self.dialect.notify = options.notify and self.dialect.notify
-        self.wakeup = Wakeup(self.database)
+        self.wakeup = Wakeup(self.database, local=options.notify)
         self.keeper = LeaseKeeper(self.database, wake=self.wakeup.poke)
-        self.forms = claim_forms(self.database, self.keeper)
+        self.forms = claim_forms(self.database, self.keeper, self.wakeup)
         self.routes = Routes(self.database, options.table_prefix, options.create_tables,
-                             wake=self.wakeup.poke, sweep_interval=options.sweep_interval,
+                             wake=self.wakeup.published, sweep_interval=options.sweep_interval,
                              sweep_batch=options.sweep_batch)
         #: how a message for transient queues is encoded (the codec's view of their table)
         self.transient_template = QueueTable("", self.routes.spec, options.defaults, False,
@@ -171,8 +171,11 @@ class Broker:
 
     def listen(self, table: QueueTable) -> None:
         """Wake this process's consumers when a message for ``table`` is published
-        elsewhere, where the database has wake-ups."""
-        if self.dialect.notify:
+        elsewhere: by NOTIFY where the database has it, else by the same-host signal
+        where there is one."""
+        if not self.dialect.notify:
+            self.wakeup.listen(None)  # the same-host signal alone, where there is one
+        else:
             self.wakeup.listen(self.routes.channel(table.queue) if table.transient
                                else self.dialect.channel(table.spec))
 
@@ -203,8 +206,10 @@ class Broker:
             self.check_same_database(caller, table.queue)
             self.dialect.publish(caller, table.spec, [params])
             return
-        self.run(lambda conn: self.dialect.publish(conn, table.spec, [params]))
-        self.wakeup.poke()
+        # a queue whose tasks may be lost in a database crash does not wait for the disk
+        self.run(lambda conn: self.dialect.publish(conn, table.spec, [params]),
+                 durable=table.options.synchronous_commit)
+        self.wakeup.published()
 
     def check_same_database(self, caller: Connection, queue: str) -> None:
         if not same_database(self.engine, caller.engine):

@@ -18,6 +18,7 @@ class PostgreSQLDialect(Dialect):
                                 returning=True)
     lock_clause = "FOR UPDATE OF r SKIP LOCKED"
     relaxed_commit = "SET LOCAL synchronous_commit = off"
+    relaxed_session = "SET synchronous_commit = off"
     now = "now()"
     pinned_now = "to_timestamp(CAST(:sqlinbox_now AS double precision))"
     eta_value = "COALESCE(to_timestamp(:eta), now())"
