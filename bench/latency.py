@@ -268,7 +268,7 @@ def targets_for(ctx: Context, database: str | None, setups: list[str]) -> list[T
 
 def measure(target: Target, ctx: Context, count: int) -> list[Row]:
     rows = []
-    cells = {
+    cells: dict[str, Callable[[], Cell]] = {
         "latency": lambda: spread(samples(target, ctx, count, GAP)[0]),
         "after_idle": lambda: spread(samples(target, ctx, IDLE_SAMPLES, IDLE_GAP,
                                              fixed_gap=True)[0]),

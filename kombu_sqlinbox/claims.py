@@ -871,13 +871,12 @@ class Wakeup:
 
     def claim(self, work: Callable[[Connection], T]) -> T:
         """Run a claim (one repeatable statement) on the LISTEN connection when it is up
-        (psycopg2, which keeps what arrives during a statement; a notification that did is
+        and its driver keeps what arrives during a statement (a notification that did is
         a pending wake-up); else, or when that connection fails, in a transaction of the
         pool's. Either way its commit does not wait for the disk."""
         with self._lock:
             session = self._session
-            if session is not None and isinstance(getattr(self._listener, "notifies", None),
-                                                  list):
+            if session is not None and self.dialect.keeps_notifications(self._listener):
                 try:
                     result = work(session)
                     session.commit()  # autocommit: ends SQLAlchemy's view of a transaction

@@ -812,6 +812,12 @@ class Dialect:
     def listen(self, dbapi_connection: Any, channels: Iterable[str]) -> None:
         raise NotImplementedError
 
+    def keeps_notifications(self, dbapi_connection: Any) -> bool:
+        """Whether notifications that arrive on a LISTEN connection while it runs a
+        statement are still there for :meth:`take_notifications` (else the connection
+        must only wait)."""
+        return False
+
     def signal_directory(self) -> str | None:
         """Where processes of this database on one host meet for wake-ups without the
         server (a directory; None: the database has no such place)."""

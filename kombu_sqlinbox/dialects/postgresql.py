@@ -118,7 +118,13 @@ class PostgreSQLDialect(Dialect):
             arrived = bool(dbapi_connection.notifies)
             dbapi_connection.notifies.clear()
             return arrived
-        return any(True for _ in dbapi_connection.notifies(timeout=0))
+        return bool(list(dbapi_connection.notifies(timeout=0)))
+
+    def keeps_notifications(self, dbapi_connection: Any) -> bool:
+        """psycopg2 (its ``notifies`` list) and psycopg from 3.2 (its backlog) keep what
+        arrives during a statement for :meth:`take_notifications`."""
+        return (isinstance(getattr(dbapi_connection, "notifies", None), list)
+                or hasattr(dbapi_connection, "_notifies_backlog"))
 
     def try_key_locks(self, conn: Connection, space: int, keys: Sequence[str]) -> list[bool]:
         rows = conn.execute(text(
