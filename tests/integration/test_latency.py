@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import select
 import time
+from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -23,6 +25,14 @@ BACKOFF = {"notify": False, "polling_interval": 0.4, "polling_interval_min": 0.0
            "polling_backoff": 2, "sweep_interval": 600}
 
 
+def acking(got: list[Any]) -> Callable[[Any, Any], None]:
+    """A consumer callback keeping each body and acking its message."""
+    def callback(body: Any, message: Any) -> None:
+        got.append(body)
+        message.ack()
+    return callback
+
+
 def claim_rounds(engine: Engine) -> list[float]:
     """When each transaction began on ``engine`` from now on (an idle consumer's
     transactions are its claim rounds)."""
@@ -38,12 +48,12 @@ def test_polling_backs_off_when_idle_and_speeds_up_after_a_message(
     publisher.default_channel.queue_declare("jobs")
     got: list[Any] = []
     with Consumer(consumer_conn.default_channel, [Queue("jobs")], accept=["json"],
-                  callbacks=[lambda body, message: (got.append(body), message.ack())]):
+                  callbacks=[acking(got)]):
         rounds = claim_rounds(broker_of(consumer_conn).engine)
         started = time.monotonic()
         with pytest.raises(TimeoutError):
             consumer_conn.drain_events(timeout=2.5)
-        gaps = [b - a for a, b in zip(rounds, rounds[1:], strict=False)]
+        gaps = [b - a for a, b in pairwise(rounds)]
         assert gaps[0] < 0.1, gaps  # quick at first ...
         assert all(0.3 < gap < 0.6 for gap in gaps[-3:]), gaps  # ... then the ceiling
         late = [moment for moment in rounds if moment > started + 1.5]
@@ -111,7 +121,7 @@ def listening_consumer(connect: Connect, queue: str) -> tuple[Any, Consumer, lis
     conn.default_channel.queue_declare(queue)
     got: list[Any] = []
     consumer = Consumer(conn.default_channel, [Queue(queue)], accept=["json"],
-                        callbacks=[lambda body, message: (got.append(body), message.ack())])
+                        callbacks=[acking(got)])
     consumer.consume()
     with pytest.raises(TimeoutError):
         conn.drain_events(timeout=0.1)
