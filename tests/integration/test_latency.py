@@ -4,6 +4,7 @@ connection, and the per-queue ``synchronous_commit`` of publishes (figures:
 
 from __future__ import annotations
 
+import contextlib
 import select
 import time
 from collections.abc import Callable
@@ -54,7 +55,7 @@ def test_polling_backs_off_when_idle_and_speeds_up_after_a_message(
         with pytest.raises(TimeoutError):
             consumer_conn.drain_events(timeout=2.5)
         gaps = [b - a for a, b in pairwise(rounds)]
-        assert gaps[0] < 0.1, gaps  # quick at first ...
+        assert gaps[0] < 0.25, gaps  # quick at first ...
         assert all(0.3 < gap < 0.6 for gap in gaps[-3:]), gaps  # ... then the ceiling
         late = [moment for moment in rounds if moment > started + 1.5]
         rate = (len(late) - 1) / (late[-1] - late[0])
@@ -123,10 +124,15 @@ def listening_consumer(connect: Connect, queue: str) -> tuple[Any, Consumer, lis
     consumer = Consumer(conn.default_channel, [Queue(queue)], accept=["json"],
                         callbacks=[acking(got)])
     consumer.consume()
-    with pytest.raises(TimeoutError):
-        conn.drain_events(timeout=0.1)
-    assert broker_of(conn).wakeup._listener is not None
+    wait_for(lambda: idle_until_listening(conn), "the LISTEN connection")
     return conn, consumer, got
+
+
+def idle_until_listening(conn: Any) -> bool:
+    """One idle wait (which connects the LISTEN connection); whether it is up."""
+    with contextlib.suppress(TimeoutError):
+        conn.drain_events(timeout=0.5)
+    return broker_of(conn).wakeup._listener is not None
 
 
 def listener_pid(wakeup: Wakeup) -> int:
@@ -148,9 +154,8 @@ def test_a_claim_on_a_dead_listen_connection_goes_to_the_pool(
     assert message is not None and message.payload == {"i": 1}
     message.ack()
     assert wakeup._listener is None  # dropped; the next wait connects another
-    with pytest.raises(TimeoutError):
-        conn.drain_events(timeout=0.1)
-    assert wakeup._listener is not None and listener_pid(wakeup) != dead
+    wait_for(lambda: idle_until_listening(conn), "a new LISTEN connection")
+    assert listener_pid(wakeup) != dead
     publish(connect(), "jobs", {"i": 2})
     conn.drain_events(timeout=5)
     assert got == [{"i": 2}]  # nothing twice, nothing lost

@@ -80,8 +80,8 @@ def test_without_notify_another_process_waits_for_its_polling_interval(
 
 def test_a_publish_wakes_a_consumer_of_the_same_process(ordering: Ordering) -> None:
     """Publisher and consumer share the process's broker: the publish pokes the wait.
-    ``notify=False`` so that on PostgreSQL only the poke can be what wakes it."""
-    options = {"polling_interval": 5, "notify": False}
+    ``notify=False`` and no quick polling, so that only the poke can be what wakes it."""
+    options = {"polling_interval": 5, "polling_interval_min": 5, "notify": False}
     consumer_conn = ordering.connect("jobs", "plain", **options)
     publisher = ordering.connect("jobs", "plain", **options)
     publisher.default_channel.queue_declare("jobs")
