@@ -11,7 +11,9 @@ Celery's apply_async against Producer.publish), ``ordering`` (FIFO groups, parti
 NOTIFY latency), ``transactional`` (transactional vs plain tasks/s), ``outbox``
 (apply_async overhead, republish rate), ``layout`` (a reply queue's life in the shared
 transient table and in a table of its own), ``remote`` (``celery inspect ping`` round
-trip, event delivery and heartbeats against Redis and RabbitMQ). Each section module
+trip, event delivery and heartbeats against Redis and RabbitMQ), ``latency`` (idle
+publish -> receive on each database against Redis, Redis ``appendfsync always`` and
+RabbitMQ; the PostgreSQL breakdown; what an idle consumer costs). Each section module
 also runs alone: ``python bench/ordering.py --help``.
 Not a test: the figures depend on the machine and on whatever else runs on it.
 """
@@ -23,10 +25,11 @@ from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the bench package, not its modules
 
-from bench import core, layout, ordering, outbox, publish, remote, transactional  # noqa: E402
+from bench import core, latency, layout, ordering, outbox, publish, remote, transactional  # noqa: E402
 from bench.cli import main  # noqa: E402
 
-SECTIONS = [core.SECTION, publish.SECTION, ordering.SECTION, transactional.SECTION, outbox.SECTION,
+SECTIONS = [core.SECTION, publish.SECTION, latency.SECTION, ordering.SECTION,
+            transactional.SECTION, outbox.SECTION,
             layout.SECTION, remote.SECTION]
 
 if __name__ == "__main__":

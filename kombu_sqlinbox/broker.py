@@ -64,11 +64,11 @@ class Broker:
         #: queues declared with a message TTL (seconds; ``x-message-ttl``) in this process
         self.message_ttls: dict[str, float] = {}
         self.dialect.notify = options.notify and self.dialect.notify
-        self.wakeup = Wakeup(self.database)
+        self.wakeup = Wakeup(self.database, local=options.notify)
         self.keeper = LeaseKeeper(self.database, wake=self.wakeup.poke)
-        self.forms = claim_forms(self.database, self.keeper)
+        self.forms = claim_forms(self.database, self.keeper, self.wakeup)
         self.routes = Routes(self.database, options.table_prefix, options.create_tables,
-                             wake=self.wakeup.poke, sweep_interval=options.sweep_interval,
+                             wake=self.wakeup.published, sweep_interval=options.sweep_interval,
                              sweep_batch=options.sweep_batch)
         #: how a message for transient queues is encoded (the codec's view of their table)
         self.transient_template = QueueTable("", self.routes.spec, options.defaults, False,
@@ -174,8 +174,11 @@ class Broker:
 
     def listen(self, table: QueueTable) -> None:
         """Wake this process's consumers when a message for ``table`` is published
-        elsewhere, where the database has wake-ups."""
-        if self.dialect.notify:
+        elsewhere: by NOTIFY where the database has it, else by the same-host signal
+        where there is one."""
+        if not self.dialect.notify:
+            self.wakeup.listen(None)  # the same-host signal alone, where there is one
+        else:
             self.wakeup.listen(self.routes.channel(table.queue) if table.transient
                                else self.dialect.channel(table.spec))
 
@@ -215,11 +218,14 @@ class Broker:
             binding.write_pending(caller)  # rows published before this one go first
             self.dialect.publish(caller, table.spec, [params])
             return
+        # a queue whose tasks may be lost in a database crash does not wait for the disk
+        durable = table.options.synchronous_commit
         if insert is None:
-            self.run(lambda conn: self.dialect.publish(conn, table.spec, [params]))
+            self.run(lambda conn: self.dialect.publish(conn, table.spec, [params]),
+                     durable=durable)
         else:
-            self.database.write(insert, [params])
-        self.wakeup.poke()
+            self.database.write(insert, [params], durable=durable)
+        self.wakeup.published()
 
     def _rows_insert(self, table: QueueTable) -> RowsInsert | None:
         """The table's publish statement for the driver, remembered by queue name (cheaper

@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import select
+import socket
 import threading
 import time
 import zlib
@@ -48,6 +49,8 @@ from .tables import Role
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+#: how a lease claim's statement is run (see :meth:`Wakeup.claim`)
+ClaimRunner = Callable[[Callable[[Connection], list[ClaimedRow]]], list[ClaimedRow]]
 
 
 class ClaimForm:
@@ -99,9 +102,14 @@ class LeaseClaims(ClaimForm):
 
     name = "lease"
 
-    def __init__(self, database: Database, keeper: LeaseKeeper) -> None:
+    def __init__(self, database: Database, keeper: LeaseKeeper,
+                 run_claim: ClaimRunner | None = None) -> None:
         super().__init__(database)
         self.keeper = keeper
+        #: runs the claim statement: by default a transaction of the pool's whose commit
+        #: does not wait for the disk; the broker's :meth:`Wakeup.claim`
+        self.run_claim: ClaimRunner = run_claim or (
+            lambda work: database.run(work, durable=False, repeatable=True))
 
     def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
         """Lease up to ``limit`` rows and register them with the keeper before returning."""
@@ -109,9 +117,8 @@ class LeaseClaims(ClaimForm):
         lease = table.options.visibility_timeout
         # a claim repeated after a lost commit reply takes other rows; the rows of the
         # first come back after one lease, their attempt counted, as after a crash
-        rows = self.database.run(
-            lambda conn: dialect.claim(conn, table.spec, limit, lease, skip=skip),
-            durable=False, repeatable=True)
+        rows = self.run_claim(
+            lambda conn: dialect.claim(conn, table.spec, limit, lease, skip=skip))
         self.keeper.hold(self.held_for(table, row) for row in rows)
         return rows
 
@@ -352,9 +359,12 @@ class AdvisoryClaims(LeaseClaims):
                 self._give_back(space, keys)
 
 
-def claim_forms(database: Database, keeper: LeaseKeeper) -> dict[str, ClaimForm]:
-    """Every claim form on ``database`` by name, the lease-based ones sharing ``keeper``."""
-    forms = (LeaseClaims(database, keeper), RowLockClaims(database),
+def claim_forms(database: Database, keeper: LeaseKeeper,
+                wakeup: Wakeup | None = None) -> dict[str, ClaimForm]:
+    """Every claim form on ``database`` by name, the lease-based ones sharing ``keeper``;
+    lease claims run on ``wakeup``'s LISTEN connection where it has one."""
+    forms = (LeaseClaims(database, keeper, wakeup.claim if wakeup else None),
+             RowLockClaims(database),
              AdvisoryClaims(database, keeper))
     return {form.name: form for form in forms}
 
@@ -702,33 +712,126 @@ def isolated(parts: dict[K, V], run: Callable[[dict[K, V]], object],
     return []
 
 
+class LocalSignal:
+    """Wake-ups between the processes of one host, without the database server (SQLite).
+
+    Each consuming process binds a Unix datagram socket in a directory next to the
+    database file; a publisher sends a byte to every socket there after its commit.
+    The byte is only a hint: the row is in the table whatever becomes of it, and a
+    consumer that missed one finds the row at its next poll. A socket whose process
+    died (a ``kill -9`` leaves it behind) refuses the byte, and the publisher removes it.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.socket: socket.socket | None = None
+        self.path: str | None = None
+        self.failed = False
+        self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sender.setblocking(False)
+        self._pid = os.getpid()
+
+    def bind(self) -> socket.socket | None:
+        """This process's socket, bound on first need; None when the directory cannot
+        hold one (not writable, the path too long): the consumer polls."""
+        if self.socket is None and not self.failed:
+            path = os.path.join(self.directory, f"{os.getpid()}-{os.urandom(3).hex()}")
+            bound = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+                bound.bind(path)
+            except OSError as exc:
+                bound.close()
+                self.failed = True
+                logger.warning("sqlinbox: no same-host wake-ups through %s (%s); consumers "
+                               "poll", self.directory, exc)
+                return None
+            bound.setblocking(False)
+            self.socket, self.path = bound, path
+        return self.socket
+
+    def send(self) -> None:
+        """Wake every consumer of the database on this host (after a commit)."""
+        try:
+            names = os.listdir(self.directory)
+        except OSError:  # no consumer ever bound here
+            return
+        for name in names:
+            path = os.path.join(self.directory, name)
+            if path == self.path:
+                continue  # this process's own consumers are poked through its pipe
+            try:
+                self._sender.sendto(b"!", path)
+            except ConnectionRefusedError:  # nobody reads it: its process died
+                with contextlib.suppress(OSError):  # another publisher removed it first
+                    os.unlink(path)
+            except OSError:  # its queue is full (a wake-up is pending), or it just went
+                pass
+
+    def take(self) -> None:
+        """Read the bytes that arrived, so that the next wait blocks."""
+        assert self.socket is not None
+        with contextlib.suppress(BlockingIOError):
+            while self.socket.recv(4096):
+                pass
+
+    def close(self) -> None:
+        self._sender.close()
+        if self.socket is not None:
+            self.socket.close()
+            if self._pid == os.getpid():  # a forked child leaves its parent's socket
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path or "")
+            self.socket = None
+
+
 class Wakeup:
-    """What an idle consumer waits on instead of sleeping a whole polling interval.
+    """What an idle consumer waits on instead of sleeping a whole polling interval: an
+    in-process pipe (a local publish, a key set free), PostgreSQL's LISTEN connection,
+    and on SQLite the same-host :class:`LocalSignal`.
 
     Threads of one process share it (an event receiver in one, ``inspect`` calls in
     another, as in Flower): every use of the LISTEN connection and its channels holds
     :attr:`_lock`, as psycopg2 connections are not safe to use from two threads at once;
     the wait itself (``select``) does not.
+
+    The LISTEN connection also runs the process's lease claims (:meth:`claim`): in
+    autocommit, a claim is one round trip straight after the wake-up, with no pool
+    checkout, BEGIN or COMMIT.
     """
 
-    def __init__(self, database: Database) -> None:
+    def __init__(self, database: Database, local: bool = True) -> None:
         self.database = database
         self.dialect = database.dialect
         self._read, self._write = os.pipe()
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
         self._channels: set[str] = set()
-        self._listener: Any = None  # a detached DBAPI connection that LISTENs
+        self._listener: Any = None  # the DBAPI connection that LISTENs
+        self._session: Connection | None = None  # the same, as SQLAlchemy runs statements
         self._lock = threading.Lock()
+        directory = self.dialect.signal_directory() if local else None
+        self.signal = LocalSignal(directory) if directory else None
+        self._consuming = False
 
     def poke(self) -> None:
         """Wake a consumer of this process now (a local publish, a key set free)."""
         with contextlib.suppress(BlockingIOError):  # a full pipe: a wake-up is pending
             os.write(self._write, b"!")
 
-    def listen(self, name: str) -> None:
-        """Ask for a NOTIFY wake-up on a channel (a consumed queue's), where the database
-        has them."""
+    def published(self) -> None:
+        """A publish committed: wake the consumers of this process and, where there is a
+        same-host signal, those of the other processes."""
+        self.poke()
+        if self.signal is not None:
+            self.signal.send()
+
+    def listen(self, name: str | None) -> None:
+        """This process consumes: ask for a NOTIFY wake-up on channel ``name`` (a consumed
+        queue's) where the database has them, and for the same-host signal."""
+        self._consuming = True
+        if name is None:
+            return
         with self._lock:
             if name in self._channels:
                 return
@@ -741,36 +844,68 @@ class Wakeup:
                 return
         self.poke()  # a consumer waiting in an event loop connects the listener now
 
-    def _connect_listener(self) -> Any:
+    def _connect_listener(self) -> Connection:
         raw = self.database.engine.raw_connection()
         connection: Any = raw.driver_connection  # read before detach() forgets it
-        raw.detach()
+        raw.detach()  # never back in the pool: its session settings stay its own
         connection.autocommit = True
-        self.dialect.listen(connection, self._channels)
-        return connection
+        session = Connection(self.database.engine, connection=raw)
+        try:
+            self.dialect.listen(connection, self._channels)
+            if self.dialect.relaxed_session:  # it only claims: see LeaseClaims.claim
+                session.exec_driver_sql(self.dialect.relaxed_session)
+                session.commit()
+        except Exception:
+            session.close()
+            raise
+        self._listener = connection
+        return session
 
     def _drop_listener(self) -> None:
-        if self._listener is not None:
+        if self._session is not None:
             try:
-                self._listener.close()
+                self._session.close()
             except Exception:
                 logger.debug("closing a dead LISTEN connection failed", exc_info=True)
-        self._listener = None
+        self._listener = self._session = None
+
+    def claim(self, work: Callable[[Connection], T]) -> T:
+        """Run a claim (one repeatable statement) on the LISTEN connection when it is up
+        and its driver keeps what arrives during a statement (a notification that did is
+        a pending wake-up); else, or when that connection fails, in a transaction of the
+        pool's. Either way its commit does not wait for the disk."""
+        with self._lock:
+            session = self._session
+            if session is not None and self.dialect.keeps_notifications(self._listener):
+                try:
+                    result = work(session)
+                    session.commit()  # autocommit: ends SQLAlchemy's view of a transaction
+                    if self.dialect.take_notifications(self._listener):
+                        self.poke()
+                    return result
+                except DBAPIError as exc:
+                    logger.warning("sqlinbox: a claim on the LISTEN connection failed (%s); "
+                                   "claiming on the pool", exc)
+                    self._drop_listener()
+        return self.database.run(work, durable=False, repeatable=True)
 
     def sources(self) -> list[Any]:
-        """What a consumer waits on: the in-process pipe, and the LISTEN connection where
-        the database has NOTIFY and a queue is consumed (connected on first need, and
-        again after it died; while the database is away, none: the consumer polls)."""
+        """What a consumer waits on: the in-process pipe; the LISTEN connection where the
+        database has NOTIFY and a queue is consumed (connected on first need, and again
+        after it died; while the database is away, none: the consumer polls); the
+        same-host signal's socket where there is one."""
         sources: list[Any] = [self._read]
         with self._lock:
             if self._channels and self._listener is None:
                 try:
-                    self._listener = self._connect_listener()
+                    self._session = self._connect_listener()
                 except Exception as exc:  # the database is away: poll until it is back
                     logger.warning("sqlinbox: LISTEN connection failed (%s); polling until "
                                    "it works", exc)
             if self._listener is not None:
                 sources.append(self._listener)
+        if self._consuming and self.signal is not None and self.signal.bind() is not None:
+            sources.append(self.signal.socket)
         return sources
 
     def take(self, ready: Collection[Any]) -> None:
@@ -781,6 +916,8 @@ class Wakeup:
                     pass
             except BlockingIOError:
                 pass
+        if self.signal is not None and self.signal.socket in ready:
+            self.signal.take()
         with self._lock:
             # the listener waited on: another thread may have dropped it meanwhile
             if self._listener is not None and self._listener in ready:
@@ -804,5 +941,7 @@ class Wakeup:
     def close(self) -> None:
         with self._lock:
             self._drop_listener()
+        if self.signal is not None:
+            self.signal.close()
         os.close(self._read)
         os.close(self._write)

@@ -156,13 +156,14 @@ class Database:
         return self.dialect.rows_insert(spec, self.engine.dialect.paramstyle)
 
     def write(self, insert: RowsInsert, rows: Sequence[Mapping[str, Any]],
-              attempts: int = 10) -> None:
+              attempts: int = 10, durable: bool = True) -> None:
         """Insert ``rows`` in one transaction of their own, through a pooled connection's
         driver cursor (no SQLAlchemy statement machinery on the way: a publish costs the
         round trips a bare driver loop makes): one statement the database commits itself
         where the dialect allows (:attr:`.Dialect.autocommit_write`), else BEGIN (where the
         dialect needs one), INSERT, COMMIT. Retried as :meth:`run` retries work that is
-        not repeatable; driver errors are raised as SQLAlchemy's, as :meth:`run` raises."""
+        not repeatable; driver errors are raised as SQLAlchemy's, as :meth:`run` raises.
+        Rows that are not ``durable`` skip the commit's wait for the disk, as in :meth:`run`."""
         sql = insert.sql(len(rows))
         for attempt in range(1, attempts + 1):
             committing = False
@@ -176,6 +177,8 @@ class Database:
                     return
                 if self.dialect.begin_write:
                     cursor.execute(self.dialect.begin_write)
+                if not durable and self.dialect.relaxed_commit:
+                    cursor.execute(self.dialect.relaxed_commit)
                 cursor.execute(sql, insert.parameters(rows))
                 committing = True
                 pooled.commit()

@@ -34,6 +34,8 @@ class QueueOptions:
     visibility_timeout: float = 30.0
     isolation_level: str | None = None
     sqlite_begin: str = "IMMEDIATE"
+    #: False: the queue's publishes commit without waiting for the disk (PostgreSQL)
+    synchronous_commit: bool = True
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,10 @@ class TransportOptions:
     """All transport options, parsed; see the configuration reference in the docs."""
 
     polling_interval: float = 0.2
+    #: an idle consumer's first wait after a delivery; each empty round waits
+    #: ``polling_backoff`` times longer, up to ``polling_interval``
+    polling_interval_min: float = 0.005
+    polling_backoff: float = 1.25
     create_tables: bool = True
     table_prefix: str = "sqlinbox_"
     engine_options: Mapping[str, Any] = field(default_factory=dict)
@@ -75,6 +81,12 @@ def _number(key: str, value: Any, minimum: float, integer: bool = False,
     return value
 
 
+def _flag(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"transport option {key}={value!r}: expected True/False")
+    return value
+
+
 def _declaration(key: str, value: Any) -> TableSpec:
     if isinstance(value, str):
         module, _, name = value.partition(":")
@@ -95,7 +107,7 @@ def _declaration(key: str, value: Any) -> TableSpec:
 
 def _queue_options(prefix: str, raw: Mapping[str, Any], base: QueueOptions) -> QueueOptions:
     known = {"table", "max_attempts", "dead_letter_queue", "claim", "visibility_timeout",
-             "isolation_level", "sqlite_begin"}
+             "isolation_level", "sqlite_begin", "synchronous_commit"}
     if not isinstance(raw, Mapping):
         raise ConfigurationError(
             f"transport option {prefix.rstrip('.')}: expected a dict of queue options, "
@@ -128,6 +140,8 @@ def _queue_options(prefix: str, raw: Mapping[str, Any], base: QueueOptions) -> Q
                 raise ConfigurationError(
                     f"transport option {name}={value!r}: expected 'deferred' or 'immediate'")
             changes[key] = str(value).upper()
+        elif key == "synchronous_commit":
+            changes[key] = _flag(name, value)
         elif key == "dead_letter_queue":
             if value is not None and (not isinstance(value, str) or not value):
                 raise ConfigurationError(
@@ -140,7 +154,7 @@ def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
     """Check and convert ``transport_options``; raise naming the first bad key."""
     raw = dict(raw or {})
     queue_keys = {"max_attempts", "dead_letter_queue", "claim", "visibility_timeout",
-                  "isolation_level", "sqlite_begin"}
+                  "isolation_level", "sqlite_begin", "synchronous_commit"}
     defaults = _queue_options("", {k: raw.pop(k) for k in list(raw) if k in queue_keys},
                               QueueOptions())
     if "table" in raw:
@@ -153,9 +167,11 @@ def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
             # zero would claim in a busy loop whenever the queues are empty
             result[key] = float(_number(key, value, 0, above=True))
         elif key in ("create_tables", "notify", "event_loop"):
-            if not isinstance(value, bool):
-                raise ConfigurationError(f"transport option {key}={value!r}: expected True/False")
-            result[key] = value
+            result[key] = _flag(key, value)
+        elif key == "polling_interval_min":
+            result[key] = float(_number(key, value, 0, above=True))
+        elif key == "polling_backoff":
+            result[key] = float(_number(key, value, 1))
         elif key == "table_prefix":
             result[key] = str(value)
         elif key in ("max_batch", "sweep_batch"):

@@ -64,6 +64,27 @@ def _key(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
+class Cadence:
+    """How long an idle consumer waits before it claims again, where no wake-up comes
+    first: ``polling_interval_min`` after a delivery, ``polling_backoff`` times longer
+    after each empty round, up to the transport's ``polling_interval``. Work tends to
+    come in bursts, so a consumer that just had some looks again soon; one idle for a
+    while costs one round of claims per ``polling_interval``."""
+
+    def __init__(self, low: float, factor: float) -> None:
+        self.low, self.factor = low, factor
+        self._next = low
+
+    def active(self) -> None:
+        self._next = self.low
+
+    def idle(self, ceiling: float) -> float:
+        """The next wait (seconds), never above ``ceiling``; the one after grows."""
+        wait = min(self._next, ceiling)
+        self._next = min(self._next * self.factor, ceiling)
+        return wait
+
+
 
 
 class QoS(virtual.QoS):
@@ -459,6 +480,7 @@ class Transport(virtual.Transport):
         self.options = parse_options(client.transport_options)
         super().__init__(client, **kwargs)
         self.polling_interval = self.options.polling_interval
+        self.cadence = Cadence(self.options.polling_interval_min, self.options.polling_backoff)
         self._broker: Broker | None = None
         self._loop: Any = None  # the kombu hub consumed from, if any
         self._readers: dict[int, Any] = {}
@@ -500,47 +522,66 @@ class Transport(virtual.Transport):
 
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:
         """kombu's virtual loop, with the polling sleep replaced by the broker's wake-up
-        (NOTIFY on PostgreSQL, an in-process poke everywhere)."""
+        (NOTIFY on PostgreSQL, the same-host signal on SQLite, an in-process poke
+        everywhere) and the :class:`Cadence`'s wait."""
         started = monotonic()
-        interval = self.polling_interval
-        if timeout and interval > timeout:
-            interval = timeout
         while True:
             try:
                 self.cycle.get(self._deliver, timeout=timeout)
+                self.cadence.active()
                 return
             except Empty:
                 if timeout is not None and monotonic() - started >= timeout:
                     raise TimeoutError() from None
                 self.broker.sweep()
+                interval = self.cadence.idle(self.polling_interval)
+                if timeout:
+                    interval = min(interval, timeout)
                 self.broker.wakeup.wait(interval)
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         """Consume from kombu's event loop (Celery's, with :confval:`event_loop`): the
-        wake-up's sources (the in-process pipe, the LISTEN socket) are the hub's readers,
-        and a timer claims every polling interval, as the blocking loop's wait would."""
+        wake-up's sources (the in-process pipe, the LISTEN socket, the same-host signal)
+        are the hub's readers, and a timer claims after the :class:`Cadence`'s wait, as
+        the blocking loop's wait would."""
         self._leave_event_loop()  # registered again (a reconnect): one timer, one set of readers
         self._loop, self._readers = loop, {}
-        self._poll_timer = loop.call_repeatedly(self.polling_interval, self._on_poll, loop)
+        self._on_timer(loop)
+
+    def _on_timer(self, loop: Any) -> None:
+        """Claim, then set the timer for the next round."""
         self._on_poll(loop)
+        self._schedule(loop)
+
+    def _schedule(self, loop: Any) -> None:
+        """The timer of the next round (one at a time), after the cadence's wait."""
+        if self._poll_timer is not None:
+            self._poll_timer.cancel()
+        self._poll_timer = loop.call_later(self.cadence.idle(self.polling_interval),
+                                           self._on_timer, loop)
 
     def _leave_event_loop(self) -> None:
         """Cancel the timer and drop the readers: a closed connection must not go on
         claiming from the hub."""
         if self._loop is not None:
-            self._poll_timer.cancel()
+            if self._poll_timer is not None:
+                self._poll_timer.cancel()
             for fd in self._readers:
                 self._loop.remove_reader(fd)
-        self._loop, self._readers = None, {}
+        self._loop, self._readers, self._poll_timer = None, {}, None
 
     def close_connection(self, connection: Any) -> None:
         self._leave_event_loop()
         super().close_connection(connection)
 
-    def _on_poll(self, loop: Any) -> None:
-        """A turn of the loop that may deliver: the polling timer, or a reader woke."""
+    def _on_poll(self, loop: Any) -> bool:
+        """A turn of the loop that may deliver: the polling timer, or a reader woke.
+        Whether it delivered (the cadence's next wait is then its shortest)."""
         self._watch(loop)
-        self._consume_ready()
+        if self._consume_ready():
+            self.cadence.active()
+            return True
+        return False
 
     def _watch(self, loop: Any) -> None:
         """Keep the hub's readers the wake-up's current sources (the LISTEN connection
@@ -555,19 +596,21 @@ class Transport(virtual.Transport):
 
     def _on_readable(self, loop: Any, source: Any) -> None:
         self.broker.wakeup.take([source])
-        self._on_poll(loop)
+        if self._on_poll(loop):
+            self._schedule(loop)  # the next round comes soon now
 
-    def _consume_ready(self) -> None:
+    def _consume_ready(self) -> bool:
         """Deliver what is ready, a claim's worth at a time; more in a later turn of the
         loop, so timers and acks from other threads are not kept waiting. The wake-up
         pipe brings that turn about (the hub's poll would not return for a callback
-        scheduled from one of its own callbacks)."""
-        for _ in range(self.options.max_batch):
+        scheduled from one of its own callbacks). Whether anything was delivered."""
+        for delivered in range(self.options.max_batch):
             try:
                 self.cycle.get(self._deliver, timeout=0)
             except Empty:
-                return
+                return delivered > 0
         self.broker.wakeup.poke()
+        return True
 
     def establish_connection(self) -> Any:
         self.broker.ping()

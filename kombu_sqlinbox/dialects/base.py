@@ -229,6 +229,8 @@ class Dialect:
     generated_id_type: ClassVar[str]
     #: run first in a transaction whose commit need not wait for the disk
     relaxed_commit: ClassVar[str | None] = None
+    #: the same for a whole session (the LISTEN connection, which only claims)
+    relaxed_session: ClassVar[str | None] = None
     #: create_engine() arguments this database's engines get unless the user sets them
     engine_defaults: ClassVar[Mapping[str, Any]] = {}
     #: the largest statement the server accepts, when it has such a limit
@@ -912,6 +914,17 @@ class Dialect:
 
     def listen(self, dbapi_connection: Any, channels: Iterable[str]) -> None:
         raise NotImplementedError
+
+    def keeps_notifications(self, dbapi_connection: Any) -> bool:
+        """Whether notifications that arrive on a LISTEN connection while it runs a
+        statement are still there for :meth:`take_notifications` (else the connection
+        must only wait)."""
+        return False
+
+    def signal_directory(self) -> str | None:
+        """Where processes of this database on one host meet for wake-ups without the
+        server (a directory; None: the database has no such place)."""
+        return None
 
     def take_notifications(self, dbapi_connection: Any) -> bool:
         raise NotImplementedError

@@ -18,6 +18,7 @@ class PostgreSQLDialect(Dialect):
                                 returning=True)
     lock_clause = "FOR UPDATE OF r SKIP LOCKED"
     relaxed_commit = "SET LOCAL synchronous_commit = off"
+    relaxed_session = "SET synchronous_commit = off"
     now = "now()"
     pinned_now = "to_timestamp(CAST(:sqlinbox_now AS double precision))"
     eta_value = "COALESCE(to_timestamp(:eta), now())"
@@ -128,7 +129,13 @@ class PostgreSQLDialect(Dialect):
             arrived = bool(dbapi_connection.notifies)
             dbapi_connection.notifies.clear()
             return arrived
-        return any(True for _ in dbapi_connection.notifies(timeout=0))
+        return bool(list(dbapi_connection.notifies(timeout=0)))
+
+    def keeps_notifications(self, dbapi_connection: Any) -> bool:
+        """psycopg2 (its ``notifies`` list) and psycopg from 3.2 (its backlog) keep what
+        arrives during a statement for :meth:`take_notifications`."""
+        return (isinstance(getattr(dbapi_connection, "notifies", None), list)
+                or hasattr(dbapi_connection, "_notifies_backlog"))
 
     def try_key_locks(self, conn: Connection, space: int, keys: Sequence[str]) -> list[bool]:
         rows = conn.execute(text(

@@ -6,6 +6,7 @@ stable within one statement, so a claim compares every row with one instant.
 
 from __future__ import annotations
 
+import os
 import re
 import sqlite3
 from collections.abc import Iterator, Mapping
@@ -57,6 +58,13 @@ class SQLiteDialect(Dialect):
     }
 
     explain_prefix = "EXPLAIN QUERY PLAN"
+
+    def signal_directory(self) -> str | None:
+        """``<database file>-wake``: writers and readers of a file share its host."""
+        database = self.engine.url.database if self.engine is not None else None
+        if not database or database.startswith("file:"):  # a URI: no plain path to use
+            return None
+        return os.path.abspath(database) + "-wake"
 
     def plan_lines(self, conn: Connection, statement: TextClause,
                    params: Mapping[str, Any]) -> list[str]:

@@ -10,14 +10,18 @@ these tests only bound them.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
 from kombu import Consumer, Queue
+from sqlalchemy.engine import make_url
 
 from tests.ordering.conftest import Ordering, publish
 from tests.processes import wait_until
@@ -64,7 +68,9 @@ def test_notify_wakes_an_idle_consumer_in_another_process(ordering: Ordering) ->
 def test_without_notify_another_process_waits_for_its_polling_interval(
         ordering: Ordering) -> None:
     interval = 2.0
-    delays = delays_to_another_process(ordering, polling_interval=interval, notify=False)
+    # polling_interval_min too: no quick look right after a delivery finds the next row
+    delays = delays_to_another_process(ordering, polling_interval=interval, notify=False,
+                                       polling_interval_min=interval)
     assert all(delay < interval + 1 for delay in delays), delays
     # a publish may land before the consumer's own next claim right after a delivery (no
     # wake-up needed then); the others wait for the polling interval, since nothing wakes it
@@ -74,8 +80,8 @@ def test_without_notify_another_process_waits_for_its_polling_interval(
 
 def test_a_publish_wakes_a_consumer_of_the_same_process(ordering: Ordering) -> None:
     """Publisher and consumer share the process's broker: the publish pokes the wait.
-    ``notify=False`` so that on PostgreSQL only the poke can be what wakes it."""
-    options = {"polling_interval": 5, "notify": False}
+    ``notify=False`` and no quick polling, so that only the poke can be what wakes it."""
+    options = {"polling_interval": 5, "polling_interval_min": 5, "notify": False}
     consumer_conn = ordering.connect("jobs", "plain", **options)
     publisher = ordering.connect("jobs", "plain", **options)
     publisher.default_channel.queue_declare("jobs")
@@ -103,3 +109,90 @@ def test_a_publish_wakes_a_consumer_of_the_same_process(ordering: Ordering) -> N
             consumer_conn.drain_events(timeout=10)
         thread.join(10)
     assert len(delays) == MESSAGES and max(delays) < 0.5, delays
+
+
+# -- the same-host signal (SQLite) ------------------------------------------------------
+#: polling so slow that only the signal can explain a quick delivery
+NO_POLLING = {"polling_interval": 30, "polling_interval_min": 30}
+
+
+def signal_directory(ordering: Ordering) -> Path:
+    """Where the consumers of the test's SQLite file bind their sockets."""
+    return Path(f"{Path(make_url(ordering.db_url).database or '').resolve()}-wake")
+
+
+def sockets(directory: Path) -> list[Path]:
+    return sorted(directory.iterdir()) if directory.is_dir() else []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("database", ["sqlite"])
+def test_the_same_host_signal_wakes_a_consumer_in_another_process(
+        ordering: Ordering) -> None:
+    delays = delays_to_another_process(ordering, **NO_POLLING)
+    assert max(delays) < 1.0, f"publish -> delivery took {delays} s with the signal"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("database", ["sqlite"])
+def test_a_killed_consumers_socket_is_removed_and_nothing_is_lost(
+        ordering: Ordering) -> None:
+    """``kill -9`` leaves the consumer's socket behind: the next publish finds it dead and
+    removes it; its message goes, once, to the consumer started after."""
+    conn = ordering.connect("jobs", "plain", **NO_POLLING)
+    conn.default_channel.queue_declare("jobs")
+    doomed = ordering.consumer("doomed", "jobs", "plain", mode="latency",
+                               options=NO_POLLING, drain_timeout=60)
+    directory = signal_directory(ordering)
+    left = wait_until(lambda: sockets(directory), 30, "the consumer's socket")
+    doomed.kill()
+    doomed.wait(10)
+    assert sockets(directory) == left  # nobody removed it
+    publish(conn, "jobs", [({"i": 0, "sent": time.time()}, {})])
+    assert not sockets(directory), "the dead consumer's socket is still there"
+    ordering.consumer("next", "jobs", "plain", mode="latency", options=NO_POLLING,
+                      drain_timeout=60, expect=2)
+    publish(conn, "jobs", [({"i": 1, "sent": time.time()}, {})])
+    wait_until(partial(arrived, ordering, "next", 2), 20, "both messages to arrive",
+               interval=0.01)
+    assert len(arrivals(ordering, "next")) == 2
+    assert max(arrivals(ordering, "next")[1:]) < 1.0  # the live one is woken
+
+
+@pytest.mark.parametrize("database", ["sqlite"])
+def test_a_socket_whose_queue_is_full_does_not_fail_a_publish(ordering: Ordering) -> None:
+    """A consumer that reads its socket late: once its queue is full, sends to it fail
+    (EAGAIN) and the publishes go on; the socket stays, as its process lives."""
+    conn = ordering.connect("jobs", "plain", **NO_POLLING)
+    conn.default_channel.queue_declare("jobs")
+    directory = signal_directory(ordering)
+    directory.mkdir(exist_ok=True)
+    slow = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    slow.bind(str(directory / "slow"))
+    try:
+        publish(conn, "jobs", [({"i": i, "sent": time.time()}, {}) for i in range(30)])
+        assert sockets(directory) == [directory / "slow"]
+        slow.setblocking(False)
+        waiting = 0
+        with contextlib.suppress(BlockingIOError):
+            while slow.recv(16):
+                waiting += 1
+        assert 0 < waiting < 30  # its queue filled up; the rest were refused
+    finally:
+        slow.close()
+    got = [conn.default_channel.basic_get("jobs") for _ in range(31)]
+    assert sorted(m.payload["i"] for m in got if m is not None) == list(range(30))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("database", ["sqlite"])
+def test_no_signal_directory_falls_back_to_polling(ordering: Ordering) -> None:
+    """A file where the directory should be: consumers cannot bind (they poll) and
+    publishers find no directory to list; every message still arrives, by polling."""
+    directory = signal_directory(ordering)
+    directory.write_text("not a directory")
+    polling = {"polling_interval": 0.3, "polling_interval_min": 0.3}
+    delays = delays_to_another_process(ordering, **polling)
+    assert len(delays) == MESSAGES and max(delays) < 5, delays
+    (idle,) = [proc for proc in ordering.processes.procs if proc.name == "idle"]
+    assert "no same-host wake-ups" in idle.output()

@@ -54,7 +54,8 @@ def declaration(prefix: str, kind: str) -> TableSpec | None:
 def transport_options(prefix: str, queue: str, kind: str, **queue_options: Any) -> dict[str, Any]:
     """Transport options with ``queue`` on its ``kind`` of table; ``queue_options`` go to
     the queue (claim, max_attempts, ...) except the global ones."""
-    global_keys = {"polling_interval", "notify", "max_batch"}
+    global_keys = {"polling_interval", "polling_interval_min", "polling_backoff", "notify",
+                   "max_batch"}
     options: dict[str, Any] = {"table_prefix": prefix, "polling_interval": 0.05}
     options.update({k: v for k, v in queue_options.items() if k in global_keys})
     settings = {k: v for k, v in queue_options.items() if k not in global_keys}

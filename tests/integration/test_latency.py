@@ -1,0 +1,180 @@
+"""What keeps an idle consumer quick and cheap: adaptive polling, claims on the LISTEN
+connection, and the per-queue ``synchronous_commit`` of publishes (figures:
+``bench/latency.py``; these tests prove the behaviour)."""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import time
+from collections.abc import Callable
+from itertools import pairwise
+from typing import Any
+
+import pytest
+from kombu import Consumer, Queue
+from sqlalchemy import event, text
+from sqlalchemy.engine import Engine
+
+from kombu_sqlinbox import binding
+from kombu_sqlinbox.claims import Wakeup
+from tests.integration.conftest import Connect
+from tests.integration.support import broker_of, publish, table_of, wait_for
+
+#: a consumer that only polls (no NOTIFY, no same-host signal), backing off quickly
+BACKOFF = {"notify": False, "polling_interval": 0.4, "polling_interval_min": 0.01,
+           "polling_backoff": 2, "sweep_interval": 600}
+
+
+def acking(got: list[Any]) -> Callable[[Any, Any], None]:
+    """A consumer callback keeping each body and acking its message."""
+    def callback(body: Any, message: Any) -> None:
+        got.append(body)
+        message.ack()
+    return callback
+
+
+def claim_rounds(engine: Engine) -> list[float]:
+    """When each transaction began on ``engine`` from now on (an idle consumer's
+    transactions are its claim rounds)."""
+    began: list[float] = []
+    event.listen(engine, "begin", lambda conn: began.append(time.monotonic()))
+    return began
+
+
+def test_polling_backs_off_when_idle_and_speeds_up_after_a_message(
+        connect: Connect) -> None:
+    consumer_conn = connect(**BACKOFF)
+    publisher = connect()  # another broker: its publish does not poke the consumer's
+    publisher.default_channel.queue_declare("jobs")
+    got: list[Any] = []
+    with Consumer(consumer_conn.default_channel, [Queue("jobs")], accept=["json"],
+                  callbacks=[acking(got)]):
+        rounds = claim_rounds(broker_of(consumer_conn).engine)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            consumer_conn.drain_events(timeout=2.5)
+        gaps = [b - a for a, b in pairwise(rounds)]
+        assert gaps[0] < 0.25, gaps  # quick at first ...
+        assert all(0.3 < gap < 0.6 for gap in gaps[-3:]), gaps  # ... then the ceiling
+        late = [moment for moment in rounds if moment > started + 1.5]
+        rate = (len(late) - 1) / (late[-1] - late[0])
+        assert rate < 1 / 0.3, f"{rate:.1f} claim rounds/s when idle: {gaps}"
+        publish(publisher, "jobs", {"i": 1})
+        consumer_conn.drain_events(timeout=5)
+        delivered = time.monotonic()
+        assert got == [{"i": 1}]
+        with pytest.raises(TimeoutError):
+            consumer_conn.drain_events(timeout=0.3)
+        after = [moment for moment in rounds if moment > delivered]
+        assert len(after) >= 4, "no quick claims right after the delivery"
+
+
+@pytest.mark.parametrize("database", ["postgresql"])
+def test_synchronous_commit_off_applies_to_that_queues_publishes_alone(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """A trigger records the setting each publish's transaction ran with, and on which
+    session: one pooled connection serves the lossy queue, then the other queue."""
+    one_connection = {"engine_options": {"pool_size": 1, "max_overflow": 0}}
+    conn = connect(queues={"lossy": {"synchronous_commit": False}}, **one_connection)
+    for queue in ("lossy", "kept"):
+        conn.default_channel.queue_declare(queue)
+    seen = f"{table_prefix}seen"
+    with engine.begin() as db:
+        db.execute(text(f"CREATE TABLE {seen} (tbl TEXT, setting TEXT, pid INTEGER)"))
+        db.execute(text(
+            f"CREATE FUNCTION {seen}_record() RETURNS trigger AS $$ BEGIN "
+            f"INSERT INTO {seen} VALUES (TG_TABLE_NAME, "
+            "current_setting('synchronous_commit'), pg_backend_pid()); RETURN NEW; END "
+            "$$ LANGUAGE plpgsql"))
+        for queue in ("lossy", "kept"):
+            db.execute(text(f"CREATE TRIGGER {seen}_{queue} AFTER INSERT ON "
+                            f"{table_of(queue, table_prefix)} FOR EACH ROW EXECUTE "
+                            f"FUNCTION {seen}_record()"))
+    try:
+        for queue in ("lossy", "kept", "lossy", "kept"):
+            conn.Producer().publish({"q": queue}, routing_key=queue)
+        with engine.connect() as caller:  # a bound publish: the caller's transaction
+            token = binding.BOUND.set(caller)
+            try:
+                conn.Producer().publish({"q": "bound"}, routing_key="lossy")
+                bound_setting = caller.execute(
+                    text("SELECT current_setting('synchronous_commit')")).scalar_one()
+            finally:
+                binding.BOUND.reset(token)
+            caller.commit()
+        with engine.connect() as db:
+            rows = db.execute(text(f"SELECT tbl, setting, pid FROM {seen}")).all()
+    finally:
+        with engine.begin() as db:
+            db.execute(text(f"DROP TABLE {seen}"))
+            db.execute(text(f"DROP FUNCTION {seen}_record() CASCADE"))
+    lossy, kept = table_of("lossy", table_prefix), table_of("kept", table_prefix)
+    assert [(tbl, setting) for tbl, setting, _ in rows] == [
+        (lossy, "off"), (kept, "on"), (lossy, "off"), (kept, "on"), (lossy, "on")]
+    assert len({pid for _, _, pid in rows[:4]}) == 1  # one pooled session throughout
+    assert bound_setting == "on"  # the caller's transaction keeps its own durability
+
+
+def listening_consumer(connect: Connect, queue: str) -> tuple[Any, Consumer, list[Any]]:
+    """A consumer whose broker's LISTEN connection is up (the first wait connects it)."""
+    conn = connect(polling_interval=5)
+    conn.default_channel.queue_declare(queue)
+    got: list[Any] = []
+    consumer = Consumer(conn.default_channel, [Queue(queue)], accept=["json"],
+                        callbacks=[acking(got)])
+    consumer.consume()
+    wait_for(lambda: idle_until_listening(conn), "the LISTEN connection")
+    return conn, consumer, got
+
+
+def idle_until_listening(conn: Any) -> bool:
+    """One idle wait (which connects the LISTEN connection); whether it is up."""
+    with contextlib.suppress(TimeoutError):
+        conn.drain_events(timeout=0.5)
+    return broker_of(conn).wakeup._listener is not None
+
+
+def listener_pid(wakeup: Wakeup) -> int:
+    assert wakeup._session is not None
+    return int(wakeup._session.execute(text("SELECT pg_backend_pid()")).scalar_one())
+
+
+@pytest.mark.parametrize("database", ["postgresql"])
+def test_a_claim_on_a_dead_listen_connection_goes_to_the_pool(
+        connect: Connect, engine: Engine) -> None:
+    conn, consumer, got = listening_consumer(connect, "jobs")
+    wakeup = broker_of(conn).wakeup
+    dead = listener_pid(wakeup)
+    with engine.connect() as db:
+        db.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": dead})
+        db.commit()
+    publish(connect(), "jobs", {"i": 1})
+    message = conn.default_channel.basic_get("jobs")  # a claim, before any wait
+    assert message is not None and message.payload == {"i": 1}
+    message.ack()
+    assert wakeup._listener is None  # dropped; the next wait connects another
+    wait_for(lambda: idle_until_listening(conn), "a new LISTEN connection")
+    assert listener_pid(wakeup) != dead
+    publish(connect(), "jobs", {"i": 2})
+    conn.drain_events(timeout=5)
+    assert got == [{"i": 2}]  # nothing twice, nothing lost
+    assert conn.default_channel.basic_get("jobs") is None
+    consumer.cancel()
+
+
+@pytest.mark.parametrize("database", ["postgresql"])
+def test_a_notification_that_arrives_during_a_claim_is_a_pending_wake_up(
+        connect: Connect, engine: Engine) -> None:
+    """psycopg2 reads it with the claim's reply, off the socket the wait selects on: the
+    claim pokes the in-process pipe instead, so the next wait returns at once."""
+    conn, consumer, _ = listening_consumer(connect, "jobs")
+    wakeup = broker_of(conn).wakeup
+    channel = broker_of(conn).dialect.channel(broker_of(conn).table("jobs").spec)
+    with engine.connect() as db:
+        db.execute(text("SELECT pg_notify(:channel, '')"), {"channel": channel})
+        db.commit()
+    wait_for(lambda: select.select([wakeup._listener], [], [], 0.05)[0], "the notification")
+    assert conn.default_channel.basic_get("jobs") is None  # the claim reads it
+    assert select.select([wakeup._read], [], [], 0)[0], "the pipe was not poked"
+    consumer.cancel()
