@@ -36,6 +36,7 @@ class MySQLDialect(Dialect):
     now = NOW
     pinned_now = "FROM_UNIXTIME(:sqlinbox_now)"
     eta_value = f"COALESCE(FROM_UNIXTIME(:eta), {NOW})"
+    floor_time = "FROM_UNIXTIME(:{})"
     generated_id_type = "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY"
     column_types = {
         Role.ID: "BIGINT NOT NULL",
@@ -93,6 +94,18 @@ class MySQLDialect(Dialect):
             else:
                 tables[-1] = f"{tables[-1][:-1]}, INDEX {match[1]} ({match[2]}))"
         return [f"{table} ENGINE=InnoDB DEFAULT CHARSET=utf8mb4" for table in tables]
+
+    def above_floor(self, spec: TableSpec) -> str:
+        """The floor as the start of an index range: InnoDB walks every delete-marked entry
+        a range holds, so the floor must bound the range, not filter it. Behind the
+        priority (the index's first column) it bounds only the default priority's range
+        (0, where nearly every row is); the other priorities are read whole."""
+        floor = super().above_floor(spec)
+        if not floor or not spec.has(Role.PRIORITY):
+            return floor
+        priority = f"r.{self.quote(spec.name_of(Role.PRIORITY))}"
+        return (f" AND ({priority} > 0 OR {priority} < 0 OR ({priority} = 0"
+                f"{floor}))")
 
     def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
         """No UPDATE ... RETURNING here: lock the rows, then lease them, same transaction."""
