@@ -37,6 +37,9 @@ FLOOR_REFRESH = 5.0
 #: seconds the floor stays below the oldest row it saw: a publish committing late (its
 #: transaction's start is its ready time) or with a slightly past ETA stays above it
 FLOOR_MARGIN = 10.0
+#: a claim that picks candidates before it locks them (MySQL) picks this many per row
+#: wanted, so that rows other claims lock at that moment leave it enough
+CANDIDATES = 2
 
 
 @dataclass(frozen=True)
@@ -476,7 +479,7 @@ class Dialect:
         RETURNING`` where the database has it, else by locking the rows, then leasing them."""
         statements = self.claim_statements_for(spec, ids, skip)
         params = {"limit": limit, "lease": lease, "ids": list(ids or ()), "skip": list(skip),
-                  "floor": self.claim_floor(conn, spec)}
+                  "floor": self.claim_floor(conn, spec), "candidates": limit * CANDIDATES}
         if self.capabilities.returning:
             (claim,) = statements
             return self.claimed(spec, conn.execute(claim, params).all())

@@ -108,8 +108,21 @@ class MySQLDialect(Dialect):
                 f"{floor}))")
 
     def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
-        """No UPDATE ... RETURNING here: lock the rows, then lease them, same transaction."""
+        """No UPDATE ... RETURNING here: lock the rows, then lease them, same transaction.
+
+        An ordered selection picks its candidates (``:candidates`` of them) in a plain
+        read, and only those are locked, by id: a locking read visits the row of every
+        delete-marked index entry it passes, which a plain read skips, and while purge
+        lags (a snapshot held open) those entries pile up ahead of the ready rows. The
+        candidates are checked again under the lock; one another claim holds is passed
+        over, so a claim racing others may take fewer than ``:limit``."""
         f = self.fields(spec)
+        ordered = f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit"
+        if selection.endswith(ordered):
+            candidates = (f"SELECT r.{f['id']} FROM {f['table']} AS r "
+                          f"{selection.removesuffix(':limit')}:candidates")
+            selection = (f"WHERE r.{f['id']} IN (SELECT c.{f['id']} FROM ({candidates}) AS c) "
+                         f"AND {self.ready_filter(spec)} {ordered}")
         select = (f"SELECT {self.returned_columns(spec, 'r')} FROM {f['table']} AS r "
                   f"{selection} {self.lock_clause}")
         lease = (
