@@ -33,7 +33,7 @@ from ..tables import ROUTING_TABLES, ColumnSpec, Role, TableSpec
 Tokens = Mapping[int, Sequence[int]]
 #: seconds a table's claim floor (:meth:`Dialect.claim_floor`) is kept before it is read
 #: again; a row that became ready below it waits at most this long
-FLOOR_REFRESH = 5.0
+FLOOR_REFRESH = 30.0
 #: seconds the floor stays below the oldest row it saw: a publish committing late (its
 #: transaction's start is its ready time) or with a slightly past ETA stays above it
 FLOOR_MARGIN = 10.0
