@@ -29,7 +29,6 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +48,7 @@ from bench.report import grid
 from bench.targets import SERVERS, kombu_queue
 from kombu_sqlinbox.dialects.base import Dialect
 from kombu_sqlinbox.tables import table_name_for_queue
+from tests.databases import snapshot_held
 
 NAME = "mvcc"
 DATABASES = ("postgresql", "mysql")
@@ -175,23 +175,6 @@ def consumer(url: str, prefetch: int, acked: Any, claims: Any, stop: Any, ready:
 
 
 # -- the held snapshot and the samples ------------------------------------------------------
-@contextlib.contextmanager
-def snapshot_held(engine: Engine, database: str) -> Iterator[None]:
-    """A session idle in a transaction that has read (and, on PostgreSQL, holds an xid)
-    for as long as the block runs."""
-    with engine.connect() as conn:
-        if database == "postgresql":
-            conn.exec_driver_sql("BEGIN ISOLATION LEVEL REPEATABLE READ")
-            conn.exec_driver_sql("SELECT txid_current(), count(*) FROM pg_class").all()
-        else:
-            conn.exec_driver_sql("START TRANSACTION WITH CONSISTENT SNAPSHOT")
-            conn.exec_driver_sql("SELECT COUNT(*) FROM information_schema.tables").all()
-        try:
-            yield
-        finally:
-            conn.exec_driver_sql("ROLLBACK")
-
-
 def dead_rows(engine: Engine, database: str, table: str) -> dict[str, Any]:
     """PostgreSQL: dead and live tuples, table+index MB; MariaDB: history list length
     (undo records purge has yet to remove) and table+index MB."""

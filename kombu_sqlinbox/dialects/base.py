@@ -195,8 +195,10 @@ class Dialect:
         self.notify = self.capabilities.wakeups
         self._statements: dict[TableSpec, Statements] = {}
         self._routing: dict[str, RoutingStatements] = {}
-        #: per table: its claim floor, and the monotonic time it is to be read again
+        #: per table: its claim floor, and the monotonic time it was read
         self._floors: dict[TableSpec, tuple[float, float]] = {}
+        #: seconds a claim floor is kept before it is read again
+        self.floor_refresh = FLOOR_REFRESH
         #: the clock installed for this database (:mod:`kombu_sqlinbox.clock`), if any
         self.clock: Clock | None = None if engine is None else clock_for(engine.url)
         if self.clock is not None:
@@ -499,17 +501,18 @@ class Dialect:
         nor InnoDB's purge can remove them, and a claim reading from the index's start
         visits every one. Below the floor it passes over them in the index alone. The
         floor is the oldest ready time of any row in the table (ready, leased, or due
-        later), less :data:`FLOOR_MARGIN`, read again every :data:`FLOOR_REFRESH` seconds:
-        a row can fall below it only by committing more than the margin after its ready
-        time, and then waits for the next reading."""
+        later), less :data:`FLOOR_MARGIN`, read again every :attr:`floor_refresh` seconds:
+        a row falls below it only by committing more than the margin after its ready time
+        (a transaction's start, for a publish inside one) or with an ETA further than the
+        margin in the past, and then waits for the next reading."""
         statement = self.statements(spec).floor
         if statement is None:
             return None
         now = time.monotonic()
         known = self._floors.get(spec)
-        if known is None or known[1] <= now:
+        if known is None or now - known[1] >= self.floor_refresh:
             oldest = float(conn.execute(statement).scalar_one())
-            known = self._floors[spec] = (oldest - FLOOR_MARGIN, now + FLOOR_REFRESH)
+            known = self._floors[spec] = (oldest - FLOOR_MARGIN, now)
         return known[0]
 
     def forget_floor(self, spec: TableSpec) -> None:
