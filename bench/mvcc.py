@@ -75,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "concurrency 2 at the default multiplier)")
     group.add_argument("--mvcc-sample", type=float, default=10.0,
                        help="seconds per line of the table (default 10)")
+    group.add_argument("--mvcc-queue", default=QUEUE,
+                       help=f"the queue (default {QUEUE}): runs side by side take one each")
 
 
 def database_url(database: str) -> str:
@@ -100,12 +102,12 @@ def transport_url(url: str) -> str:
 
 
 # -- the child processes -------------------------------------------------------------------
-def publisher(url: str, rate: float, seconds: float, published: Any, ready: Any,
+def publisher(url: str, name: str, rate: float, seconds: float, published: Any, ready: Any,
               start: Any) -> None:
     """Publish ``rate`` messages a second for ``seconds`` from :data:`PUBLISHERS` threads
     (a publish waits for its commit), each message on its schedule (a late one goes at
     once: the rate is kept over the run, not per message)."""
-    queue = kombu_queue(QUEUE)
+    queue = kombu_queue(name)
     connections = [Connection(transport_url(url), transport_options={"table_prefix": PREFIX})
                    for _ in range(PUBLISHERS)]
     producers = [declared_producer(conn.default_channel, queue) for conn in connections]
@@ -133,7 +135,8 @@ def publisher(url: str, rate: float, seconds: float, published: Any, ready: Any,
         conn.release()
 
 
-def consumer(url: str, prefetch: int, acked: Any, claims: Any, stop: Any, ready: Any) -> None:
+def consumer(url: str, name: str, prefetch: int, acked: Any, claims: Any, stop: Any,
+             ready: Any) -> None:
     """Consume and ack until ``stop``; every claim statement's duration (and its end time)
     goes to ``claims`` once a second. The timing wraps the dialect's claim here, in the
     bench: the transport carries no instrumentation."""
@@ -154,7 +157,7 @@ def consumer(url: str, prefetch: int, acked: Any, claims: Any, stop: Any, ready:
         with acked.get_lock():
             acked.value += 1
 
-    queue = kombu_queue(QUEUE)
+    queue = kombu_queue(name)
     with Connection(transport_url(url), transport_options={"table_prefix": PREFIX}) as conn:
         channel = conn.channel()
         worker = Consumer(channel, [queue], callbacks=[on_message], accept=["json"])
@@ -204,7 +207,7 @@ def measure(database: str, args: argparse.Namespace, seconds: float) -> Cell:
     """One database's run: the samples (in ``details``), the figure the claims' worst
     p99."""
     url = database_url(database)
-    table = table_name_for_queue(QUEUE, PREFIX)
+    table = table_name_for_queue(args.mvcc_queue, PREFIX)
     engine = create_engine(url, isolation_level="AUTOCOMMIT", pool_size=2)
     published, acked = SPAWN.Value("q", 0), SPAWN.Value("q", 0)
     claims, stop, start = SPAWN.Queue(), SPAWN.Event(), SPAWN.Event()
@@ -213,13 +216,15 @@ def measure(database: str, args: argparse.Namespace, seconds: float) -> Cell:
     with engine.connect() as conn:
         conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
     with Connection(transport_url(url), transport_options={"table_prefix": PREFIX}) as conn:
-        kombu_queue(QUEUE)(conn.default_channel).declare()
+        kombu_queue(args.mvcc_queue)(conn.default_channel).declare()
     samples: list[dict[str, Any]] = []
     timings: list[tuple[float, float]] = []
     children = [SPAWN.Process(target=consumer,
-                              args=(url, args.mvcc_prefetch, acked, claims, stop, ready[0])),
+                              args=(url, args.mvcc_queue, args.mvcc_prefetch, acked, claims,
+                                    stop, ready[0])),
                 SPAWN.Process(target=publisher,
-                              args=(url, args.mvcc_rate, seconds, published, ready[1], start))]
+                              args=(url, args.mvcc_queue, args.mvcc_rate, seconds, published,
+                                    ready[1], start))]
     try:
         with snapshot_held(engine, database):
             for child in children:
