@@ -8,8 +8,9 @@ answer skips its tests with what to start; with ``CI=true`` it fails them.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,21 @@ def drop_tables(engine: Engine, prefix: str) -> None:
         for name in inspect(conn).get_table_names():
             if name.startswith(prefix):
                 conn.execute(text(f"DROP TABLE IF EXISTS {quote(name)}"))
+
+
+@contextlib.contextmanager
+def snapshot_held(engine: Engine, database: str) -> Iterator[None]:
+    """A session idle in a transaction that has read (on PostgreSQL also taken an xid), for
+    as long as the block runs: what keeps vacuum (InnoDB purge) from removing rows deleted
+    meanwhile. ``engine`` must be in autocommit mode: the transaction is begun by hand."""
+    with engine.connect() as conn:
+        if database == "postgresql":
+            conn.exec_driver_sql("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            conn.exec_driver_sql("SELECT txid_current(), count(*) FROM pg_class").all()
+        else:
+            conn.exec_driver_sql("START TRANSACTION WITH CONSISTENT SNAPSHOT")
+            conn.exec_driver_sql("SELECT COUNT(*) FROM information_schema.tables").all()
+        try:
+            yield
+        finally:
+            conn.exec_driver_sql("ROLLBACK")

@@ -1,4 +1,5 @@
--- claim on a table with a FIFO group (examples/crm): only a group's head qualifies
+-- claim on a table with a FIFO group (examples/crm): only a group's head qualifies;
+-- rows below the claim floor (:floor, see Performance) are passed over in the index
 UPDATE "crm_outbound" AS q
 SET "locked_until" = now() + make_interval(secs => :lease),
     "attempt" = q."attempt" + 1
@@ -7,6 +8,7 @@ FROM (SELECT r."id" FROM "crm_outbound" AS r
         AND r."available_at" <= now()
         AND NOT EXISTS (SELECT 1 FROM "crm_outbound" AS ahead
                         WHERE ahead."target" = r."target" AND ahead."id" < r."id")
+        AND r."available_at" >= to_timestamp(CAST(:floor AS double precision))
       ORDER BY r."available_at", r."id"
       LIMIT :limit
       FOR UPDATE OF r SKIP LOCKED) AS c

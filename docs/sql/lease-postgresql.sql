@@ -5,6 +5,7 @@ SET "locked_until" = now() + make_interval(secs => :lease),
 FROM (SELECT r."id" FROM "sqlinbox_celery" AS r
       WHERE (r."locked_until" IS NULL OR r."locked_until" < now())
         AND r."available_at" <= now()
+        AND r."available_at" >= to_timestamp(CAST(:floor AS double precision))
       ORDER BY r."priority" DESC, r."available_at", r."id"
       LIMIT :limit
       FOR UPDATE OF r SKIP LOCKED) AS c

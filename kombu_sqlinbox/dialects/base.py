@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields, replace
@@ -30,6 +31,15 @@ from ..tables import ROUTING_TABLES, ColumnSpec, Role, TableSpec
 
 #: attempt -> ids held with that attempt (the attempt is the lease's fencing token)
 Tokens = Mapping[int, Sequence[int]]
+#: seconds a table's claim floor (:meth:`Dialect.claim_floor`) is kept before it is read
+#: again; a row that became ready below it waits at most this long
+FLOOR_REFRESH = 30.0
+#: seconds the floor stays below the oldest row it saw: a publish committing late (its
+#: transaction's start is its ready time) or with a slightly past ETA stays above it
+FLOOR_MARGIN = 10.0
+#: a claim that picks candidates before it locks them (MySQL) picks this many per row
+#: wanted, so that rows other claims lock at that moment leave it enough
+CANDIDATES = 2
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,9 @@ class Statements:
     size: TextClause
     purge: TextClause
     drop: TextClause
+    #: the epoch seconds of the table's oldest ready time (now, when it is empty), where
+    #: claims take a floor (:attr:`Dialect.floor_time`)
+    floor: TextClause | None = None
 
 
 @dataclass(frozen=True)
@@ -245,6 +258,11 @@ class Dialect:
     autocommit_write: ClassVar[bool] = False
     #: the most parameters one statement may bind
     max_bind_params: ClassVar[int] = 65535
+    #: ``:floor`` (epoch seconds) as a time value where claims read past the rows below
+    #: a floor (:meth:`claim_floor`): an MVCC database, whose deleted rows stay in the
+    #: claim index while any snapshot older than their deletion is open (None: a claim
+    #: reads from the index's start)
+    floor_time: ClassVar[str | None] = None
 
     def __init__(self, engine: Engine | None = None) -> None:
         #: None where only the statements' text is wanted (DDL for a migration)
@@ -255,6 +273,10 @@ class Dialect:
         self._statements: dict[TableSpec, Statements] = {}
         self._rows_inserts: dict[tuple[TableSpec, str], RowsInsert | None] = {}
         self._routing: dict[str, RoutingStatements] = {}
+        #: per table: its claim floor, and the monotonic time it was read
+        self._floors: dict[TableSpec, tuple[float, float]] = {}
+        #: seconds a claim floor is kept before it is read again
+        self.floor_refresh = FLOOR_REFRESH
         #: the clock installed for this database (:mod:`kombu_sqlinbox.clock`), if any
         self.clock: Clock | None = None if engine is None else clock_for(engine.url)
         if self.clock is not None:
@@ -335,8 +357,17 @@ class Dialect:
         if skipping:
             key = f"r.{self.quote(spec.name_of(Role.PARTITION_KEY))}"
             skip = f" AND ({key} IS NULL OR {key} NOT IN :skip)"
-        return (f"WHERE {self.ready_filter(spec)}{skip} ORDER BY {self.claim_order(spec, 'r')} "
-                "LIMIT :limit")
+        return (f"WHERE {self.ready_filter(spec)}{self.above_floor(spec)}{skip} "
+                f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit")
+
+    def above_floor(self, spec: TableSpec) -> str:
+        """The claim's condition that skips the index entries below the table's floor
+        (see :meth:`claim_floor`) without reading their rows; empty where claims take
+        no floor."""
+        if self.floor_time is None or not spec.has(Role.AVAILABLE_AT):
+            return ""
+        return (f" AND r.{self.quote(spec.name_of(Role.AVAILABLE_AT))} >= "
+                f"{self.floor_time.format('floor')}")
 
     def claim_order(self, spec: TableSpec, alias: str = "") -> str:
         """Priority first (AMQP: higher first), then the time a row became ready, then id."""
@@ -427,6 +458,10 @@ class Dialect:
         key = f"r.{f['partition_key']}" if spec.has(Role.PARTITION_KEY) else "NULL"
         key_head = (" AND " + self.head_of(spec, Role.PARTITION_KEY)
                     if spec.has(Role.PARTITION_KEY) else "")
+        floor = None
+        if self.floor_time is not None and spec.has(Role.AVAILABLE_AT):
+            oldest = f"COALESCE(MIN({f['available_at']}), {self.now})"
+            floor = text(f"SELECT {self.epoch(oldest)} FROM {f['table']}")
         candidates = (
             f"SELECT r.{f['id']}, {key} FROM {f['table']} AS r WHERE {self.ready_filter(spec)}"
             f"{key_head} ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit")
@@ -447,6 +482,7 @@ class Dialect:
             size=text(f"SELECT COUNT(*) FROM {f['table']} {waiting}"),
             purge=text(f"DELETE FROM {f['table']} {waiting}"),
             drop=text(self.drop_ddl(spec)),
+            floor=floor,
         )
 
     # -- operations --------------------------------------------------------
@@ -549,7 +585,8 @@ class Dialect:
         partition keys in ``skip``) in the caller's transaction: in one ``UPDATE ...
         RETURNING`` where the database has it, else by locking the rows, then leasing them."""
         statements = self.claim_statements_for(spec, ids, skip)
-        params = {"limit": limit, "lease": lease, "ids": list(ids or ()), "skip": list(skip)}
+        params = {"limit": limit, "lease": lease, "ids": list(ids or ()), "skip": list(skip),
+                  "floor": self.claim_floor(conn, spec), "candidates": limit * CANDIDATES}
         if self.capabilities.returning:
             (claim,) = statements
             return self.claimed(spec, conn.execute(claim, params).all())
@@ -559,6 +596,34 @@ class Dialect:
             return []
         conn.execute(lease_rows, {"ids": [row.id for row in rows], "lease": lease})
         return self.claimed(spec, rows, leased=False)
+
+    def claim_floor(self, conn: Connection, spec: TableSpec) -> float | None:
+        """The ready time (epoch seconds) below which a claim of ``spec`` looks for no row.
+
+        A queue deletes the rows it has done with in claim order, so they pile up at the
+        head of the claim index; while a snapshot older than their deletion stays open
+        anywhere in the database (a transaction left idle, a long report), neither vacuum
+        nor InnoDB's purge can remove them, and a claim reading from the index's start
+        visits every one. Below the floor it passes over them in the index alone. The
+        floor is the oldest ready time of any row in the table (ready, leased, or due
+        later), less :data:`FLOOR_MARGIN`, read again every :attr:`floor_refresh` seconds:
+        a row falls below it only by committing more than the margin after its ready time
+        (a transaction's start, for a publish inside one) or with an ETA further than the
+        margin in the past, and then waits for the next reading."""
+        statement = self.statements(spec).floor
+        if statement is None:
+            return None
+        now = time.monotonic()
+        known = self._floors.get(spec)
+        if known is None or now - known[1] >= self.floor_refresh:
+            oldest = float(conn.execute(statement).scalar_one())
+            known = self._floors[spec] = (oldest - FLOOR_MARGIN, now)
+        return known[0]
+
+    def forget_floor(self, spec: TableSpec) -> None:
+        """Read the floor of ``spec`` again at its next claim (its table was emptied or
+        made anew)."""
+        self._floors.pop(spec, None)
 
     def claim_statements_for(self, spec: TableSpec, ids: Sequence[int] | None,
                              skip: Sequence[Any]) -> tuple[TextClause, ...]:
@@ -647,13 +712,17 @@ class Dialect:
     plan_settings: ClassVar[tuple[str, ...]] = ()
 
     def explain(self, spec: TableSpec) -> TextClause:
-        """EXPLAIN of the claim's row selection: the part an index must serve."""
+        """EXPLAIN of the claim's row selection: the part an index must serve (below a
+        floor at the epoch, which passes over nothing but has the floor's plan)."""
         f = self.fields(spec)
-        return self.clocked(text(
+        floor = self.above_floor(spec)
+        statement = text(
             f"{self.explain_prefix} SELECT r.{f['id']} FROM {f['table']} AS r "
-            f"WHERE {self.ready_filter(spec)} "
-            f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit {self.lock_clause}"
-        ))
+            f"WHERE {self.ready_filter(spec)}{floor} "
+            f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit {self.lock_clause}")
+        if floor:
+            statement = statement.bindparams(bindparam("floor", value=0.0))
+        return self.clocked(statement)
 
     def explained(self, statement: TextClause) -> TextClause:
         """``statement`` under :attr:`explain_prefix`, with its bound parameters: planned
@@ -728,7 +797,9 @@ class Dialect:
         return (sqltypes.DateTime,)
 
     def ensure_table(self, conn: Connection, spec: TableSpec, create: bool) -> bool:
-        """Create (when allowed) and check a table; returns whether its payload column is text."""
+        """Create (when allowed) and check a table; returns whether its payload column is text.
+        A claim floor kept from a table of that name before is forgotten."""
+        self.forget_floor(spec)
         inspector = inspect(conn)
         if not inspector.has_table(spec.table, schema=spec.schema):
             if not create:

@@ -36,6 +36,7 @@ class MySQLDialect(Dialect):
     now = NOW
     pinned_now = "FROM_UNIXTIME(:sqlinbox_now)"
     eta_value = f"COALESCE(FROM_UNIXTIME(:eta), {NOW})"
+    floor_time = "FROM_UNIXTIME(:{})"
     generated_id_type = "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY"
     column_types = {
         Role.ID: "BIGINT NOT NULL",
@@ -94,10 +95,39 @@ class MySQLDialect(Dialect):
                 tables[-1] = f"{tables[-1][:-1]}, INDEX {match[1]} ({match[2]}))"
         return [f"{table} ENGINE=InnoDB DEFAULT CHARSET=utf8mb4" for table in tables]
 
+    def above_floor(self, spec: TableSpec) -> str:
+        """The floor as the start of an index range: InnoDB walks every delete-marked entry
+        a range holds, so the floor must bound the range, not filter it. Behind the
+        priority (the index's first column) it bounds only the default priority's range
+        (0, where nearly every row is); the other priorities are read whole."""
+        floor = super().above_floor(spec)
+        if not floor or not spec.has(Role.PRIORITY):
+            return floor
+        priority = f"r.{self.quote(spec.name_of(Role.PRIORITY))}"
+        return (f" AND ({priority} > 0 OR {priority} < 0 OR ({priority} = 0"
+                f"{floor}))")
+
     def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
-        """No UPDATE ... RETURNING here: lock the rows, then lease them, same transaction."""
+        """No UPDATE ... RETURNING here: lock the rows, then lease them, same transaction.
+
+        An ordered selection picks its candidates (``:candidates`` of them) in a plain
+        read, and only those are locked, by id: a locking read visits the row of every
+        delete-marked index entry it passes, which a plain read skips, and while purge
+        lags (a snapshot held open) those entries pile up ahead of the ready rows. The
+        candidates are checked again under the lock; one another claim holds is passed
+        over, so a claim racing others may take fewer than ``:limit``."""
         f = self.fields(spec)
-        select = (f"SELECT {self.returned_columns(spec, 'r')} FROM {f['table']} AS r "
+        ordered = f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit"
+        rows = f"{f['table']} AS r"
+        if selection.endswith(ordered):
+            candidates = (f"SELECT r.{f['id']} FROM {f['table']} AS r "
+                          f"{selection.removesuffix(':limit')}:candidates")
+            # STRAIGHT_JOIN: the candidates first, whatever the table's statistics say (a
+            # table that looks small would otherwise be scanned whole)
+            rows = (f"({candidates}) AS c STRAIGHT_JOIN {f['table']} AS r "
+                    f"ON r.{f['id']} = c.{f['id']}")
+            selection = f"WHERE {self.ready_filter(spec)} {ordered}"
+        select = (f"SELECT {self.returned_columns(spec, 'r')} FROM {rows} "
                   f"{selection} {self.lock_clause}")
         lease = (
             f"UPDATE {f['table']} SET {f['locked_until']} = {self.later(':lease')}, "

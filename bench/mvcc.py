@@ -1,0 +1,369 @@
+"""The MVCC trap: a queue under steady load while another session keeps a snapshot open.
+
+    python bench/mvcc.py [--databases postgresql,mysql] [--mvcc-minutes N]
+                         [--mvcc-rate MSG_S] [--mvcc-prefetch N] [--mvcc-sample S]
+
+Also a section of ``bench/run.py`` (``--sections mvcc``; ``--quick``: 1 minute). For each
+server database, at the same time: a publisher process sends ``--mvcc-rate`` messages a
+second, paced, into a queue that a consumer process (the transport's kombu consumer at
+``--mvcc-prefetch``, acking each message) drains, while a third session holds a
+transaction open the whole time (PostgreSQL: REPEATABLE READ after a read, with an
+xid; MariaDB: ``START TRANSACTION WITH CONSISTENT SNAPSHOT`` and a read), so neither
+vacuum nor InnoDB purge can remove what the queue deletes. Every ``--mvcc-sample``
+seconds a line: messages published and acked in the window, the backlog (published,
+not yet acked), the claims' p50/p99 in the window (each claim statement timed in the
+consumer by wrapping the dialect's claim), and the dead rows: PostgreSQL's
+``n_dead_tup``/``n_live_tup`` and table+index size, MariaDB's history list length
+and table size. PostgreSQL runs in a database of its own (``<db>_mvcc``, created
+when missing) so the held snapshot stops vacuum there only. MariaDB's purge is
+server-wide: the run holds it back for everyone on the server.
+Not a test: the figures depend on the machine and on whatever else runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import queue as stdlib_queue
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+if __name__ == "__main__":  # run as a script: import the bench package, not its modules
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from kombu import Connection, Consumer
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import Engine, make_url
+
+import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox alias)
+from bench.children import SPAWN
+from bench.cli import run_alone
+from bench.kombu_bench import body, declared_producer
+from bench.registry import Cell, Row, Section, goal, progress
+from bench.report import grid
+from bench.targets import SERVERS, kombu_queue
+from kombu_sqlinbox.dialects.base import Dialect
+from kombu_sqlinbox.tables import table_name_for_queue
+from tests.databases import snapshot_held
+
+NAME = "mvcc"
+DATABASES = ("postgresql", "mysql")
+PREFIX = "mvcc_"
+QUEUE = "mvccbench"
+#: publishing threads: at 200 msg/s one alone waits too long on its commits
+PUBLISHERS = 4
+#: seconds a child process may take to start (imports, connections)
+START_LIMIT = 120.0
+#: what the run must keep to: the last backlog within this many seconds of publishing ...
+FLAT_SECONDS = 2.0
+#: ... and every window's claim p99 under this many milliseconds
+P99_LIMIT = 50.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("mvcc")
+    group.add_argument("--mvcc-minutes", type=float, default=0,
+                       help="minutes of load per database (default 10, quick 1)")
+    group.add_argument("--mvcc-rate", type=float, default=200.0,
+                       help="messages published a second (default 200)")
+    group.add_argument("--mvcc-prefetch", type=int, default=8,
+                       help="the consumer's prefetch (default 8: a Celery worker of "
+                            "concurrency 2 at the default multiplier)")
+    group.add_argument("--mvcc-sample", type=float, default=10.0,
+                       help="seconds per line of the table (default 10)")
+    group.add_argument("--mvcc-queue", default=QUEUE,
+                       help=f"the queue (default {QUEUE}): runs side by side take one each")
+
+
+def database_url(database: str) -> str:
+    """The server's URL; PostgreSQL's pointed at a database of this run's own (created
+    when missing): there the held snapshot stops vacuum for no one else."""
+    url = make_url(SERVERS[database])
+    if database != "postgresql":
+        return url.render_as_string(hide_password=False)
+    own = f"{url.database}_mvcc"
+    admin = create_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            if conn.execute(text("SELECT 1 FROM pg_database WHERE datname = :n"),
+                            {"n": own}).first() is None:
+                conn.execute(text(f'CREATE DATABASE "{own}"'))
+    finally:
+        admin.dispose()
+    return url.set(database=own).render_as_string(hide_password=False)
+
+
+def transport_url(url: str) -> str:
+    return "sqlinbox+" + url
+
+
+# -- the child processes -------------------------------------------------------------------
+def publisher(url: str, name: str, rate: float, seconds: float, published: Any, ready: Any,
+              start: Any) -> None:
+    """Publish ``rate`` messages a second for ``seconds`` from :data:`PUBLISHERS` threads
+    (a publish waits for its commit), each message on its schedule (a late one goes at
+    once: the rate is kept over the run, not per message)."""
+    queue = kombu_queue(name)
+    connections = [Connection(transport_url(url), transport_options={"table_prefix": PREFIX})
+                   for _ in range(PUBLISHERS)]
+    producers = [declared_producer(conn.default_channel, queue) for conn in connections]
+    ready.set()
+    start.wait(START_LIMIT)
+    began = time.monotonic()
+
+    def send(index: int) -> None:
+        sent = index
+        while (now := time.monotonic()) < began + seconds:
+            due = began + sent / rate
+            if due > now:
+                time.sleep(due - now)
+            producers[index].publish(body(sent), retry=False)
+            sent += PUBLISHERS
+            with published.get_lock():
+                published.value += 1
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(PUBLISHERS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for conn in connections:
+        conn.release()
+
+
+def consumer(url: str, name: str, prefetch: int, acked: Any, claims: Any, stop: Any,
+             ready: Any) -> None:
+    """Consume and ack until ``stop``; every claim statement's duration (and its end time)
+    goes to ``claims`` once a second. The timing wraps the dialect's claim here, in the
+    bench: the transport carries no instrumentation."""
+    timings: list[tuple[float, float]] = []
+    claim = Dialect.claim
+
+    def timed(self: Dialect, *args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return claim(self, *args, **kwargs)
+        finally:
+            timings.append((time.time(), time.perf_counter() - began))
+
+    Dialect.claim = timed  # type: ignore[method-assign]
+
+    def on_message(payload: dict[str, Any], message: Any) -> None:
+        message.ack()
+        with acked.get_lock():
+            acked.value += 1
+
+    queue = kombu_queue(name)
+    with Connection(transport_url(url), transport_options={"table_prefix": PREFIX}) as conn:
+        channel = conn.channel()
+        worker = Consumer(channel, [queue], callbacks=[on_message], accept=["json"])
+        worker.qos(prefetch_count=prefetch)
+        worker.consume()
+        ready.set()
+        sent = time.monotonic()
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=0.5)
+            if time.monotonic() - sent >= 1.0:
+                claims.put(timings[:])
+                timings.clear()
+                sent = time.monotonic()
+        claims.put(timings[:])
+        worker.cancel()
+        channel.close()
+
+
+# -- the held snapshot and the samples ------------------------------------------------------
+def dead_rows(engine: Engine, database: str, table: str) -> dict[str, Any]:
+    """PostgreSQL: dead and live tuples, table+index MB; MariaDB: history list length
+    (undo records purge has yet to remove) and table+index MB."""
+    with engine.connect() as conn:
+        if database == "postgresql":
+            row = conn.execute(text(
+                "SELECT n_dead_tup, n_live_tup, pg_total_relation_size(relid) "
+                "FROM pg_stat_user_tables WHERE relname = :t"), {"t": table}).first()
+            if row is None:
+                return {}
+            return {"dead": row[0], "live": row[1], "mb": row[2] / 2**20}
+        status = conn.execute(text("SHOW ENGINE INNODB STATUS")).one()[2]
+        history = next(int(line.split()[-1]) for line in status.splitlines()
+                       if line.startswith("History list length"))
+        size = conn.execute(text(
+            "SELECT data_length + index_length FROM information_schema.tables "
+            "WHERE table_schema = DATABASE() AND table_name = :t"), {"t": table}).scalar()
+        return {"history": history, "mb": (size or 0) / 2**20}
+
+
+def percentile(values: list[float], top: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(top * (len(ordered) - 1)))]
+
+
+def measure(database: str, args: argparse.Namespace, seconds: float) -> Cell:
+    """One database's run: the samples (in ``details``), the figure the claims' worst
+    p99."""
+    url = database_url(database)
+    table = table_name_for_queue(args.mvcc_queue, PREFIX)
+    engine = create_engine(url, isolation_level="AUTOCOMMIT", pool_size=2)
+    published, acked = SPAWN.Value("q", 0), SPAWN.Value("q", 0)
+    claims, stop, start = SPAWN.Queue(), SPAWN.Event(), SPAWN.Event()
+    ready = [SPAWN.Event(), SPAWN.Event()]
+    # the queue exists (empty) before the snapshot is taken
+    with engine.connect() as conn:
+        conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
+    with Connection(transport_url(url), transport_options={"table_prefix": PREFIX}) as conn:
+        kombu_queue(args.mvcc_queue)(conn.default_channel).declare()
+    samples: list[dict[str, Any]] = []
+    timings: list[tuple[float, float]] = []
+    children = [SPAWN.Process(target=consumer,
+                              args=(url, args.mvcc_queue, args.mvcc_prefetch, acked, claims,
+                                    stop, ready[0])),
+                SPAWN.Process(target=publisher,
+                              args=(url, args.mvcc_queue, args.mvcc_rate, seconds, published,
+                                    ready[1], start))]
+    try:
+        with snapshot_held(engine, database):
+            for child in children:
+                child.start()
+            if not all(event.wait(START_LIMIT) for event in ready):
+                raise RuntimeError("the consumer or the publisher did not start")
+            start.set()
+            began = time.time()
+            last = {"published": 0, "acked": 0}
+            while children[1].is_alive() or not samples:
+                window_end = began + (len(samples) + 1) * args.mvcc_sample
+                while time.time() < window_end and children[1].is_alive():
+                    time.sleep(min(0.5, max(0.0, window_end - time.time())))
+                    with contextlib.suppress(stdlib_queue.Empty):
+                        while True:
+                            timings += claims.get_nowait()
+                if not children[0].is_alive():
+                    raise RuntimeError("the consumer process ended")
+                now = time.time()
+                window = [d * 1000 for end, d in timings if end <= now]
+                timings = [t for t in timings if t[0] > now]
+                counts = {"published": published.value, "acked": acked.value}
+                sample = {
+                    "t": now - began,
+                    "published": counts["published"] - last["published"],
+                    "acked": counts["acked"] - last["acked"],
+                    "backlog": counts["published"] - counts["acked"],
+                    "claims": len(window),
+                    "p50": statistics.median(window) if window else None,
+                    "p99": percentile(window, 0.99) if window else None,
+                    **dead_rows(engine, database, table),
+                }
+                last = counts
+                samples.append(sample)
+                progress(f"{NAME} {database} " + line(sample))
+    finally:
+        stop.set()
+        for child in children:
+            child.join(15)
+            if child.is_alive():
+                child.kill()
+        with engine.connect() as conn:
+            conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
+        engine.dispose()
+    worst = max((s["p99"] for s in samples if s["p99"] is not None), default=None)
+    return Cell(worst, "n/a" if worst is None else f"{worst:.1f}",
+                {"samples": samples, "rate": args.mvcc_rate, "seconds": seconds,
+                 "prefetch": args.mvcc_prefetch})
+
+
+def line(sample: dict[str, Any]) -> str:
+    return " ".join(f"{key}={value:.1f}" if isinstance(value, float) else f"{key}={value}"
+                    for key, value in sample.items())
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    """Both databases at once, each in a thread with its own processes."""
+    seconds = 60 * (args.mvcc_minutes or (1 if args.quick else 10))
+    chosen = [d for d in args.databases if d in DATABASES]
+    cells: dict[str, Cell] = {}
+
+    def one(database: str) -> None:
+        try:
+            cells[database] = measure(database, args, seconds)
+        except Exception as exc:
+            cells[database] = Cell.failed(exc)
+
+    threads = [threading.Thread(target=one, args=(d,)) for d in chosen]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [cells[d].row(NAME, d, "snapshot held", "p99_max") for d in chosen]
+
+
+def figure(value: Any, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def markdown(rows: list[Row], args: argparse.Namespace) -> str:
+    """Per database: a line per sample, then the summary line."""
+    parts = []
+    for row in rows:
+        samples = row["details"].get("samples")
+        if not samples:
+            parts.append(f"{row['database']}: {row['text']}")
+            continue
+        postgres = row["database"] == "postgresql"
+        dead = ("n_dead_tup", "n_live_tup") if postgres else ("history list length",)
+        headings = ["t (s)", "published/s", "acked/s", "backlog", "claims", "claim p50 ms",
+                    "claim p99 ms", *dead, "table+index MB"]
+        lines = []
+        before = 0.0
+        for s in samples:
+            span = max(1e-9, s["t"] - before)
+            before = s["t"]
+            kept = [figure(s.get("dead"), 0), figure(s.get("live"), 0)] if postgres else [
+                figure(s.get("history"), 0)]
+            lines.append([f"{s['t']:.0f}", figure(s["published"] / span, 0),
+                          figure(s["acked"] / span, 0), s["backlog"], s["claims"],
+                          figure(s["p50"], 2), figure(s["p99"], 2), *kept, figure(s.get("mb"))])
+        details = row["details"]
+        parts.append(f"**{row['database']}**, {details['rate']:g} msg/s for "
+                     f"{details['seconds'] / 60:g} min, prefetch {details['prefetch']}, "
+                     "a snapshot held throughout\n\n" + grid(headings, lines) + "\n\n"
+                     + summary(row["database"], samples, details["seconds"]))
+    return "\n\n".join(parts)
+
+
+def summary(database: str, samples: list[dict[str, Any]], seconds: float) -> str:
+    backlog = [s["backlog"] for s in samples]
+    p99 = [s["p99"] for s in samples if s["p99"] is not None]
+    rate = sum(s["published"] for s in samples) / max(1e-9, samples[-1]["t"])
+    key = "dead" if database == "postgresql" else "history"
+    kept = [s.get(key) for s in samples]
+    name = "n_dead_tup" if key == "dead" else "history list length"
+    return (f"Summary {database}: published {rate:.0f} msg/s over {samples[-1]['t']:.0f} s; "
+            f"backlog first/last/max {backlog[0]}/{backlog[-1]}/{max(backlog)}; "
+            f"claim p99 max {figure(max(p99, default=None), 2)} ms; "
+            f"{name} first/last {figure(kept[0], 0)}/{figure(kept[-1], 0)}.")
+
+
+def targets(rows: list[Row]) -> list[Row]:
+    """Claim p99 under 50 ms in every window; the backlog at the end under 2 s of load."""
+    found = []
+    for row in rows:
+        samples = row["details"].get("samples")
+        if not samples:
+            continue
+        found.append(goal(NAME, row["database"], "claim p99, worst window (ms)", row["value"],
+                          P99_LIMIT, at_most=True))
+        found.append(goal(NAME, row["database"], "backlog at the end (messages)",
+                          samples[-1]["backlog"], FLAT_SECONDS * row["details"]["rate"],
+                          at_most=True))
+    return found
+
+
+SECTION = Section(NAME, "The MVCC trap: steady load beside a snapshot held open",
+                  add_arguments, run, markdown, targets)
+
+if __name__ == "__main__":
+    run_alone(SECTION)
