@@ -107,11 +107,13 @@ class LeaseClaims(ClaimForm):
         """Lease up to ``limit`` rows and register them with the keeper before returning."""
         dialect = self.dialect
         lease = table.options.visibility_timeout
+
+        def claim(conn: Connection) -> list[ClaimedRow]:
+            return dialect.claim(conn, table.spec, limit, lease, skip=skip)
+
         # a claim repeated after a lost commit reply takes other rows; the rows of the
         # first come back after one lease, their attempt counted, as after a crash
-        rows = self.database.run(
-            lambda conn: dialect.claim(conn, table.spec, limit, lease, skip=skip),
-            durable=False, repeatable=True)
+        rows = self.keeper.folded(claim)
         self.keeper.hold(self.held_for(table, row) for row in rows)
         return rows
 
@@ -390,6 +392,14 @@ class Failing:
 Group = tuple[QueueTable, Settlement]
 
 
+def grouped(batch: Iterable[Queued]) -> dict[Group, list[Queued]]:
+    """Settlements by group, each group in queue order."""
+    groups: dict[Group, list[Queued]] = defaultdict(list)
+    for queued in batch:
+        groups[(queued.held.table, queued.how)].append(queued)
+    return groups
+
+
 def next_backoff(backoff: float) -> float:
     """The wait after one more failure: doubling, from the first to the longest."""
     return min(max(backoff * 2, BACKOFF_FIRST), BACKOFF_MAX)
@@ -535,14 +545,19 @@ class LeaseKeeper:
 
     def _write(self, due: list[Queued]) -> None:
         """Everything due in one transaction (group commit); if that fails, each group."""
-        groups: dict[Group, list[Queued]] = defaultdict(list)
-        for queued in due:
-            groups[(queued.held.table, queued.how)].append(queued)
-        isolated(groups, lambda parts: self._commit(
+        isolated(grouped(due), lambda parts: self._commit(
             [queued for entries in parts.values() for queued in entries]),
             self._failed, self._done)
 
     def _commit(self, batch: list[Queued]) -> None:
+        work, written = self._settling(batch)
+        # fenced: run again after a commit whose reply was lost, it finds nothing to do
+        written(self.database.run(work, durable=False, repeatable=True))
+
+    def _settling(self, batch: list[Queued]) -> tuple[Callable[[Connection], int],
+                                                      Callable[[int], None]]:
+        """The statements that write ``batch`` in the caller's transaction (returning the
+        rows they touched), and what to do once that transaction committed."""
         grouped: dict[tuple[QueueTable, Settlement, float], dict[int, list[int]]] = defaultdict(
             lambda: defaultdict(list))
         for queued in batch:
@@ -561,15 +576,55 @@ class LeaseKeeper:
                 dialect.wake(conn, table.spec)
             return touched
 
-        # fenced: run again after a commit whose reply was lost, it finds nothing to do
-        touched = self.database.run(work, durable=False, repeatable=True)
-        if touched < len(batch):
-            logger.info(
-                "sqlinbox: %d of %d settled rows had already left this process (settled "
-                "by a task's own transaction, or claimed again after their lease lapsed)",
-                len(batch) - touched, len(batch))
-        if heads:
-            self.wake()
+        def written(touched: int) -> None:
+            if touched < len(batch):
+                logger.info(
+                    "sqlinbox: %d of %d settled rows had already left this process (settled "
+                    "by a task's own transaction, or claimed again after their lease "
+                    "lapsed)", len(batch) - touched, len(batch))
+            if heads:
+                self.wake()
+
+        return work, written
+
+    # -- settling in a claim's transaction --------------------------------------
+    def folded(self, claim: Callable[[Connection], list[ClaimedRow]]) -> list[ClaimedRow]:
+        """Run ``claim`` (fenced, so repeatable) in a transaction that also writes the
+        settlements queued so far: a busy consumer's acks then cost no commit of their
+        own. They count as written once that transaction committed, as when the settling
+        thread writes them. If it fails, they go back to the settling thread (its
+        isolation and back-off decide) and the claim runs alone."""
+        with self._lock:
+            batch = [queued for queued in self._pending
+                     if (queued.held.table, queued.how) not in self._failing]
+            if batch:
+                taken = {id(queued) for queued in batch}
+                self._pending = [queued for queued in self._pending if id(queued) not in taken]
+                self._writing.extend(batch)
+        if not batch:
+            return self.database.run(claim, durable=False, repeatable=True)
+        work, written = self._settling(batch)
+        try:
+            touched, rows = self.database.run(
+                lambda conn: (work(conn), claim(conn)), durable=False, repeatable=True)
+        except DBAPIError as exc:
+            logger.info("sqlinbox: a claim with %d settlements failed (%s); the settling "
+                        "thread writes them, the claim runs alone", len(batch), exc)
+            self._hand_back(batch)
+            return self.database.run(claim, durable=False, repeatable=True)
+        written(touched)
+        for group, entries in grouped(batch).items():
+            self._done(group, entries)
+        return rows
+
+    def _hand_back(self, batch: list[Queued]) -> None:
+        """Settlements a claim took but could not write: the settling thread's again."""
+        with self._lock:
+            returned = {id(queued) for queued in batch}
+            self._writing = [queued for queued in self._writing if id(queued) not in returned]
+            self._pending[:0] = batch
+            self._ensure_threads()
+        self._settle_wake.set()
 
     def _done(self, group: Group, entries: list[Queued]) -> None:
         """A group's settlements are written (or dropped): the rows leave this process."""
