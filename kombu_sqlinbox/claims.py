@@ -364,6 +364,10 @@ def claim_forms(database: Database, keeper: LeaseKeeper) -> dict[str, ClaimForm]
 #: how long closing a channel, a broker or the process waits for the settlements queued
 #: so far to be written
 SETTLE_LIMIT = 10.0
+#: how long the settling thread lets settlements gather before it writes them: acks that
+#: arrive one by one (a Celery worker's, one per task) then share a commit, or ride on
+#: the consumer's next claim
+SETTLE_GATHER = 0.005
 #: the first and the longest wait before a failed settlement group or extension is retried
 BACKOFF_FIRST = 0.2
 BACKOFF_MAX = 5.0
@@ -377,6 +381,7 @@ class Queued:
     how: Settlement
     held: Held
     delay: float
+    at: float  # when it was queued (monotonic)
 
 
 @dataclass
@@ -427,6 +432,8 @@ class LeaseKeeper:
         self._failing: dict[Group, Failing] = {}
         self._queued = 0
         self._settle_wake = threading.Event()
+        #: someone waits for the settlements (flush, stop): write them without gathering
+        self._hurry = threading.Event()
         self._extend_wake = threading.Event()
         self._stopped = False
         self._threads: dict[str, threading.Thread] = {}
@@ -454,7 +461,7 @@ class LeaseKeeper:
         """Queue a settlement; the settling thread writes it with whatever else is due."""
         with self._lock:
             self._queued += 1
-            self._pending.append(Queued(self._queued, how, held, delay))
+            self._pending.append(Queued(self._queued, how, held, delay, time.monotonic()))
             self._ensure_threads()
         self._settle_wake.set()
 
@@ -471,6 +478,7 @@ class LeaseKeeper:
             target = self._queued
             if self._oldest() <= target:
                 self._ensure_threads()
+        self._hurry.set()
         self._settle_wake.set()
         with self._lock:
             while self._oldest() <= target:
@@ -522,12 +530,26 @@ class LeaseKeeper:
     def _settle_loop(self) -> None:
         while not self._stopped:
             with self._lock:
-                due, wait = self._take_due()
+                gather = self._gathering()
+                due, wait = ([], None) if gather else self._take_due()
+                if not self._pending and not self._writing:
+                    self._hurry.clear()
+            if gather:
+                self._hurry.wait(gather)
+                continue
             if due:
                 self._write(due)
                 continue
             self._settle_wake.wait(wait)
             self._settle_wake.clear()
+
+    def _gathering(self) -> float:
+        """How much longer the settlements queued may gather before they are written: up to
+        :data:`SETTLE_GATHER` after the oldest was queued, none once someone waits for them
+        (call locked)."""
+        if self._hurry.is_set() or not self._pending:
+            return 0.0
+        return max(0.0, self._pending[0].at + SETTLE_GATHER - time.monotonic())
 
     def _take_due(self) -> tuple[list[Queued], float | None]:
         """Move every settlement not held back by its group's back-off to ``_writing``;
