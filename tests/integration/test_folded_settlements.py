@@ -32,6 +32,7 @@ from .support import (
     wait_for,
 )
 from .test_keeper import undeletable
+from .test_lost_commits import broker_url  # noqa: F401  (every connection via the proxy)
 
 pytestmark = pytest.mark.databases("postgresql", "mysql")
 
@@ -108,12 +109,6 @@ def test_a_settlement_failing_in_a_claim_goes_back_to_the_settling_thread(
     assert count_rows(engine, stuck_table) == 0
     assert count_rows(engine, jobs) == 0
     assert get(conn, "stuck") is None and get(conn, "jobs") is None
-
-
-@pytest.fixture
-def broker_url(db_url: str, proxy: Proxy) -> str:
-    """Every kombu connection of these tests goes through the proxy."""
-    return "sqlinbox+" + proxy.url(db_url)
 
 
 def test_a_claim_with_acks_whose_commit_reply_is_lost_runs_again_and_loses_nothing(

@@ -431,8 +431,12 @@ def test_a_transient_queue_is_polled_once_per_claim_while_another_has_rows_ready
         producer.publish({"n": n}, routing_key="jobs", declare=[Queue("jobs")])
     tasks, control = conn.channel(), conn.channel()
     got: list[Any] = []
-    consumer = Consumer(tasks, [Queue("jobs")],
-                             callbacks=[lambda body, message: (got.append(body), message.ack())])
+
+    def take(body: Any, message: Any) -> None:
+        got.append(body)
+        message.ack()
+
+    consumer = Consumer(tasks, [Queue("jobs")], callbacks=[take])
     consumer.qos(prefetch_count=10)
     consumer.consume()
     pidbox = transient("node.pidbox", FANOUT)(control)
