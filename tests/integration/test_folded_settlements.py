@@ -80,6 +80,7 @@ def test_an_ack_is_written_by_the_next_claim_and_counts_once_committed(
         assert count_rows(engine, jobs) == 1  # the claim's transaction deleted the first
         assert keeper.held_count() == 2  # the second, and the slow ack still unwritten
         second.ack()
+    assert keeper.flush(timeout=10)
     assert count_rows(engine, jobs) == 0
 
 
