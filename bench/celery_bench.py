@@ -30,8 +30,10 @@ LATENCY_POOLS = ("prefork", "threads")
 IDLE = 0.5
 
 
-def run_worker(target: Target, ctx: Context, pool: str, tag: str) -> tuple[Cell, Cell | None]:
-    """Tasks/s of one worker on ``pool`` and, for :data:`LATENCY_POOLS`, its idle latency."""
+def run_worker(target: Target, ctx: Context, pool: str, tag: str,
+               idle: bool = True) -> tuple[Cell, Cell | None]:
+    """Tasks/s of one worker on ``pool`` and, for :data:`LATENCY_POOLS` (unless not
+    ``idle``), its idle latency."""
     queue = ctx.queue_name(tag)
     total = ctx.count(target, ctx.sizes.tasks)
     key = f"bench:{ctx.run_id}:{queue}"
@@ -46,7 +48,7 @@ def run_worker(target: Target, ctx: Context, pool: str, tag: str) -> tuple[Cell,
                       cap=ctx.sizes.cap)
             finished = time.time()
             latency = guarded(partial(idle_latency, app, process, queue, key, ctx, log)) \
-                if pool in LATENCY_POOLS else None
+                if idle and pool in LATENCY_POOLS else None
         first, last = (float(counter().get(f"{key}:{n}") or 0) for n in (1, total))
         cell = Cell.rate(total, finished - started, steady=round((total - 1) / (last - first), 1),
                          startup=round(first - started, 3))
@@ -106,3 +108,12 @@ def celery_event_loop(target: Target, ctx: Context) -> dict[str, Cell]:
     """The same with Celery's event loop (transport option ``event_loop``)."""
     looping = replace(target, transport_options={**target.transport_options, "event_loop": True})
     return pools(looping, ctx, "ev_", LATENCY_POOLS)
+
+
+@scenario("drain", {"drain_prefork": "worker drain prefork -c2 tasks/s"},
+          {"sqlinbox", "sqla", "redis", "rabbitmq"}, rank=49)
+def drain(target: Target, ctx: Context) -> dict[str, Cell]:
+    """The prefork -c2 worker's drain of the pre-filled backlog alone (the ``celery``
+    scenario's first column, without the other pools and the idle latency)."""
+    return {"drain_prefork": guarded(lambda: run_worker(target, ctx, "prefork", "drain",
+                                                        idle=False)[0])}

@@ -35,7 +35,7 @@ import zlib
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
@@ -49,8 +49,13 @@ from .tables import Role
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-#: how a lease claim's statement is run (see :meth:`Wakeup.claim`)
-ClaimRunner = Callable[[Callable[[Connection], list[ClaimedRow]]], list[ClaimedRow]]
+
+
+class ClaimRunner(Protocol):
+    """How a lease claim's transaction is run: :meth:`.Database.run_fenced`, or
+    :meth:`Wakeup.claim` on the LISTEN connection."""
+
+    def __call__(self, work: Callable[[Connection], T]) -> T: ...
 
 
 class ClaimForm:
@@ -108,17 +113,19 @@ class LeaseClaims(ClaimForm):
         self.keeper = keeper
         #: runs the claim statement: by default a transaction of the pool's whose commit
         #: does not wait for the disk; the broker's :meth:`Wakeup.claim`
-        self.run_claim: ClaimRunner = run_claim or (
-            lambda work: database.run(work, durable=False, repeatable=True))
+        self.run_claim: ClaimRunner = run_claim or database.run_fenced
 
     def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
         """Lease up to ``limit`` rows and register them with the keeper before returning."""
         dialect = self.dialect
         lease = table.options.visibility_timeout
+
+        def claim(conn: Connection) -> list[ClaimedRow]:
+            return dialect.claim(conn, table.spec, limit, lease, skip=skip)
+
         # a claim repeated after a lost commit reply takes other rows; the rows of the
         # first come back after one lease, their attempt counted, as after a crash
-        rows = self.run_claim(
-            lambda conn: dialect.claim(conn, table.spec, limit, lease, skip=skip))
+        rows = self.keeper.folded(claim, self.run_claim)
         self.keeper.hold(self.held_for(table, row) for row in rows)
         return rows
 
@@ -372,6 +379,10 @@ def claim_forms(database: Database, keeper: LeaseKeeper,
 #: how long closing a channel, a broker or the process waits for the settlements queued
 #: so far to be written
 SETTLE_LIMIT = 10.0
+#: how long the settling thread lets settlements gather before it writes them: acks that
+#: arrive one by one (a Celery worker's, one per task) then share a commit, or ride on
+#: the consumer's next claim
+SETTLE_GATHER = 0.005
 #: the first and the longest wait before a failed settlement group or extension is retried
 BACKOFF_FIRST = 0.2
 BACKOFF_MAX = 5.0
@@ -385,6 +396,7 @@ class Queued:
     how: Settlement
     held: Held
     delay: float
+    at: float  # when it was queued (monotonic)
 
 
 @dataclass
@@ -398,6 +410,14 @@ class Failing:
 
 #: settlements written together: one queue's acks, or its requeues, ...
 Group = tuple[QueueTable, Settlement]
+
+
+def grouped(batch: Iterable[Queued]) -> dict[Group, list[Queued]]:
+    """Settlements by group, each group in queue order."""
+    groups: dict[Group, list[Queued]] = defaultdict(list)
+    for queued in batch:
+        groups[(queued.held.table, queued.how)].append(queued)
+    return groups
 
 
 def next_backoff(backoff: float) -> float:
@@ -427,6 +447,8 @@ class LeaseKeeper:
         self._failing: dict[Group, Failing] = {}
         self._queued = 0
         self._settle_wake = threading.Event()
+        #: someone waits for the settlements (flush, stop): write them without gathering
+        self._hurry = threading.Event()
         self._extend_wake = threading.Event()
         self._stopped = False
         self._threads: dict[str, threading.Thread] = {}
@@ -454,7 +476,7 @@ class LeaseKeeper:
         """Queue a settlement; the settling thread writes it with whatever else is due."""
         with self._lock:
             self._queued += 1
-            self._pending.append(Queued(self._queued, how, held, delay))
+            self._pending.append(Queued(self._queued, how, held, delay, time.monotonic()))
             self._ensure_threads()
         self._settle_wake.set()
 
@@ -471,6 +493,7 @@ class LeaseKeeper:
             target = self._queued
             if self._oldest() <= target:
                 self._ensure_threads()
+        self._hurry.set()
         self._settle_wake.set()
         with self._lock:
             while self._oldest() <= target:
@@ -522,12 +545,26 @@ class LeaseKeeper:
     def _settle_loop(self) -> None:
         while not self._stopped:
             with self._lock:
-                due, wait = self._take_due()
+                gather = self._gathering()
+                due, wait = ([], None) if gather else self._take_due()
+                if not self._pending and not self._writing:
+                    self._hurry.clear()
+            if gather:
+                self._hurry.wait(gather)
+                continue
             if due:
                 self._write(due)
                 continue
             self._settle_wake.wait(wait)
             self._settle_wake.clear()
+
+    def _gathering(self) -> float:
+        """How much longer the settlements queued may gather before they are written: up to
+        :data:`SETTLE_GATHER` after the oldest was queued, none once someone waits for them
+        (call locked)."""
+        if self._hurry.is_set() or not self._pending:
+            return 0.0
+        return max(0.0, self._pending[0].at + SETTLE_GATHER - time.monotonic())
 
     def _take_due(self) -> tuple[list[Queued], float | None]:
         """Move every settlement not held back by its group's back-off to ``_writing``;
@@ -545,14 +582,19 @@ class LeaseKeeper:
 
     def _write(self, due: list[Queued]) -> None:
         """Everything due in one transaction (group commit); if that fails, each group."""
-        groups: dict[Group, list[Queued]] = defaultdict(list)
-        for queued in due:
-            groups[(queued.held.table, queued.how)].append(queued)
-        isolated(groups, lambda parts: self._commit(
+        isolated(grouped(due), lambda parts: self._commit(
             [queued for entries in parts.values() for queued in entries]),
             self._failed, self._done)
 
     def _commit(self, batch: list[Queued]) -> None:
+        work, written = self._settling(batch)
+        # fenced: run again after a commit whose reply was lost, it finds nothing to do
+        written(self.database.run_fenced(work))
+
+    def _settling(self, batch: list[Queued]) -> tuple[Callable[[Connection], int],
+                                                      Callable[[int], None]]:
+        """The statements that write ``batch`` in the caller's transaction (returning the
+        rows they touched), and what to do once that transaction committed."""
         grouped: dict[tuple[QueueTable, Settlement, float], dict[int, list[int]]] = defaultdict(
             lambda: defaultdict(list))
         for queued in batch:
@@ -571,15 +613,55 @@ class LeaseKeeper:
                 dialect.wake(conn, table.spec)
             return touched
 
-        # fenced: run again after a commit whose reply was lost, it finds nothing to do
-        touched = self.database.run(work, durable=False, repeatable=True)
-        if touched < len(batch):
-            logger.info(
-                "sqlinbox: %d of %d settled rows had already left this process (settled "
-                "by a task's own transaction, or claimed again after their lease lapsed)",
-                len(batch) - touched, len(batch))
-        if heads:
-            self.wake()
+        def written(touched: int) -> None:
+            if touched < len(batch):
+                logger.info(
+                    "sqlinbox: %d of %d settled rows had already left this process (settled "
+                    "by a task's own transaction, or claimed again after their lease "
+                    "lapsed)", len(batch) - touched, len(batch))
+            if heads:
+                self.wake()
+
+        return work, written
+
+    # -- settling in a claim's transaction --------------------------------------
+    def folded(self, claim: Callable[[Connection], list[ClaimedRow]],
+               run: ClaimRunner) -> list[ClaimedRow]:
+        """Run ``claim`` (fenced, so repeatable) through ``run`` with the settlements queued
+        so far written first: a busy consumer's acks then cost no commit of their
+        own. They count as written once that transaction committed, as when the settling
+        thread writes them. If it fails, they go back to the settling thread (its
+        isolation and back-off decide) and the claim runs alone."""
+        with self._lock:
+            batch = [queued for queued in self._pending
+                     if (queued.held.table, queued.how) not in self._failing]
+            if batch:
+                taken = {id(queued) for queued in batch}
+                self._pending = [queued for queued in self._pending if id(queued) not in taken]
+                self._writing.extend(batch)
+        if not batch:
+            return run(claim)
+        work, written = self._settling(batch)
+        try:
+            touched, rows = run(lambda conn: (work(conn), claim(conn)))
+        except DBAPIError as exc:
+            logger.info("sqlinbox: a claim with %d settlements failed (%s); the settling "
+                        "thread writes them, the claim runs alone", len(batch), exc)
+            self._hand_back(batch)
+            return run(claim)
+        written(touched)
+        for group, entries in grouped(batch).items():
+            self._done(group, entries)
+        return rows
+
+    def _hand_back(self, batch: list[Queued]) -> None:
+        """Settlements a claim took but could not write: the settling thread's again."""
+        with self._lock:
+            returned = {id(queued) for queued in batch}
+            self._writing = [queued for queued in self._writing if id(queued) not in returned]
+            self._pending[:0] = batch
+            self._ensure_threads()
+        self._settle_wake.set()
 
     def _done(self, group: Group, entries: list[Queued]) -> None:
         """A group's settlements are written (or dropped): the rows leave this process."""
@@ -887,7 +969,7 @@ class Wakeup:
                     logger.warning("sqlinbox: a claim on the LISTEN connection failed (%s); "
                                    "claiming on the pool", exc)
                     self._drop_listener()
-        return self.database.run(work, durable=False, repeatable=True)
+        return self.database.run_fenced(work)
 
     def sources(self) -> list[Any]:
         """What a consumer waits on: the in-process pipe; the LISTEN connection where the

@@ -138,6 +138,12 @@ class Database:
                                      attempt, attempts)
         raise AssertionError("unreachable")
 
+    def run_fenced(self, work: Callable[[Connection], T]) -> T:
+        """Run fenced ``work`` (claims, settlements, sweeps: run again after a lost commit
+        reply, it finds its rows gone) whose loss in a server crash means a redelivery,
+        never a lost message: repeatable, its commit not waiting for the disk."""
+        return self.run(work, durable=False, repeatable=True)
+
     def _retry_or_raise(self, exc: DBAPIError, committing: bool, attempt: int,
                         attempts: int) -> None:
         """Back off before the next attempt, or raise ``exc``: a transaction that may have

@@ -318,7 +318,7 @@ class Routes:
                     conn.execute(statement, {"ids": [row[0] for row in rows]})
             return rows
 
-        rows = self.database.run(take, durable=False, repeatable=True)
+        rows = self.database.run_fenced(take)
         return sorted((ClaimedRow(id=row[0], attempt=1, payload=plain_payload(row[1]),
                                   headers=row[2], group=None, partition_key=None,
                                   sort_key=(row[0],)) for row in rows),
@@ -360,7 +360,7 @@ class Routes:
             conn.execute(self.sql.orphans, limit)
             return expired
 
-        expired = self.database.run(expire, durable=False, repeatable=True)
+        expired = self.database.run_fenced(expire)
         for name, _ in expired:
             self._forget_here(name)
         if expired:

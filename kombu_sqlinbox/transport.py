@@ -261,6 +261,8 @@ class Channel(virtual.Channel):
         while True:
             row = self._next_free(queue, buffer)
             if row is None:
+                if table.transient and self._ready_elsewhere(queue):
+                    raise Empty()
                 limit = self._claim_size()
                 if limit <= 0:
                     self._starved = True
@@ -273,6 +275,16 @@ class Channel(virtual.Channel):
             message = self._deliverable(table, row)
             if message is not None:
                 return message
+
+    def _ready_elsewhere(self, queue: str) -> bool:
+        """Whether another queue of this connection (any channel) has a buffered row that
+        can go out now. kombu asks the queues in turn, so a worker's remote-control queue
+        (transient, on a channel of its own) would be polled once per task; while claimed
+        rows wait, it is polled once per claim instead."""
+        return any(row.partition_key is None or (name, row.partition_key) not in channel._busy_keys
+                   for channel in list(self.connection.channels)
+                   for name, buffer in list(channel._buffers.items()) if name != queue
+                   for row in list(buffer))
 
     def _next_free(self, queue: str, buffer: deque[ClaimedRow]) -> ClaimedRow | None:
         """The first buffered row whose partition key has nothing in work here: rows

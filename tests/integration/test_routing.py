@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from kombu import Connection, Exchange, Queue
+from kombu import Connection, Consumer, Exchange, Queue
 from kombu.exceptions import ChannelError
 from kombu.transport.virtual.exchange import TopicExchange
 from sqlalchemy import event, inspect, text
@@ -417,3 +417,41 @@ def test_malformed_expiration_is_no_ttl(connect: Connect) -> None:
         b"odd", properties={"expiration": "soon"}), "replies", "odd")
     broker_of(conn).sweep()
     assert get_within(conn, "odd").body == b"odd"
+
+
+def test_a_transient_queue_is_polled_once_per_claim_while_another_has_rows_ready(
+    connect: Connect, table_prefix: str,
+) -> None:
+    """kombu asks a connection's queues in turn: a worker's remote-control queue (transient,
+    on a channel of its own) is not polled before every task of a backlog, only when the
+    claimed rows ran out; its messages still come through."""
+    conn = connect()
+    producer = conn.Producer()
+    for n in range(20):
+        producer.publish({"n": n}, routing_key="jobs", declare=[Queue("jobs")])
+    tasks, control = conn.channel(), conn.channel()
+    got: list[Any] = []
+
+    def take(body: Any, message: Any) -> None:
+        got.append(body)
+        message.ack()
+
+    consumer = Consumer(tasks, [Queue("jobs")], callbacks=[take])
+    consumer.qos(prefetch_count=10)
+    consumer.consume()
+    pidbox = transient("node.pidbox", FANOUT)(control)
+    pidbox.declare()
+    pinged: list[Any] = []
+    Consumer(control, [pidbox], no_ack=True,
+                  callbacks=[lambda body, message: pinged.append(body)]).consume()
+    transient_table = table_prefix + "transient"
+    with statements_of(conn) as seen:
+        while len(got) < 20:
+            conn.drain_events(timeout=5)
+    # a poll's first statement (the claim of its rows) names the table in its FROM
+    polls = [sql for sql in seen if re.search(rf"FROM \W?{transient_table}\W", sql)]
+    assert 1 <= len(polls) <= 3, polls  # once per claim of ten, not once per message
+    producer.publish({"ping": 1}, exchange=FANOUT, declare=[FANOUT])
+    while not pinged:
+        conn.drain_events(timeout=5)
+    assert pinged == [{"ping": 1}]

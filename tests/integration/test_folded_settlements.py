@@ -1,0 +1,142 @@
+"""Settlements written in the next claim's transaction: they count once that commits, one
+that fails there goes back to the settling thread, and a lost commit reply loses nothing.
+
+To make an ack wait for the claim, the settling thread is kept busy first: it writes
+the ack of a queue ("slow") whose rows another transaction holds locked. SQLite has one
+writer, so a claim would wait for that transaction too: these tests need a server.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from kombu import Connection
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from tests.tcp_proxy import Proxy
+
+from .conftest import Connect
+from .support import (
+    broker_of,
+    count_rows,
+    get,
+    get_within,
+    publish,
+    rows,
+    rows_locked,
+    table_of,
+    wait_for,
+)
+from .test_keeper import undeletable
+from .test_lost_commits import broker_url  # noqa: F401  (every connection via the proxy)
+
+pytestmark = pytest.mark.databases("postgresql", "mysql")
+
+
+def lock_waiters(engine: Engine, table: str) -> int:
+    """Sessions whose statement on ``table`` waits for a row lock."""
+    if engine.dialect.name == "postgresql":
+        sql = ("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+               "AND query LIKE :like")
+    else:
+        sql = ("SELECT count(*) FROM information_schema.innodb_trx "
+               "WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE :like")
+    with engine.connect() as conn:
+        return int(conn.execute(text(sql), {"like": f"%{table}%"}).scalar_one())
+
+
+@contextmanager
+def settler_busy(conn: Connection, engine: Engine, table_prefix: str) -> Iterator[None]:
+    """The settling thread waits inside the block, writing an ack of queue "slow" whose
+    rows another transaction holds; that ack lands once the block ends."""
+    publish(conn, "slow", {"n": 0})
+    slow = get_within(conn, "slow")
+    table = table_of("slow", table_prefix)
+    with rows_locked(engine, table):
+        slow.ack()
+        wait_for(lambda: lock_waiters(engine, table), "the settling thread to wait")
+        yield
+    wait_for(lambda: count_rows(engine, table) == 0, "the slow ack to land")
+
+
+def test_an_ack_is_written_by_the_next_claim_and_counts_once_committed(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    conn = connect()
+    for n in (1, 2):
+        publish(conn, "jobs", {"n": n})
+    keeper = broker_of(conn).keeper
+    jobs = table_of("jobs", table_prefix)
+    with settler_busy(conn, engine, table_prefix):
+        first = get_within(conn, "jobs")
+        first.ack()
+        assert count_rows(engine, jobs) == 2  # queued: the settling thread is busy
+        second = get_within(conn, "jobs")
+        assert second.decode() == {"n": 2}
+        assert count_rows(engine, jobs) == 1  # the claim's transaction deleted the first
+        assert keeper.held_count() == 2  # the second, and the slow ack still unwritten
+        second.ack()
+    assert keeper.flush(timeout=10)
+    assert count_rows(engine, jobs) == 0
+
+
+def test_a_settlement_failing_in_a_claim_goes_back_to_the_settling_thread(
+    connect: Connect, engine: Engine, table_prefix: str, database: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A row that cannot be deleted: the claim that took its ack fails, runs again alone
+    and delivers; the ack is retried by the settling thread until it lands, once."""
+    caplog.set_level(logging.INFO, "kombu_sqlinbox.claims")
+    conn = connect()
+    publish(conn, "stuck", {"n": 0})
+    publish(conn, "jobs", {"n": 1})
+    stuck_table, jobs = table_of("stuck", table_prefix), table_of("jobs", table_prefix)
+    (pinned,) = rows(engine, stuck_table)
+    stuck = get_within(conn, "stuck")
+    with undeletable(engine, database, stuck_table, pinned["id"]):
+        with settler_busy(conn, engine, table_prefix):
+            stuck.ack()
+            job = get_within(conn, "jobs")
+            assert job.decode() == {"n": 1}
+            assert any("claim with 1 settlements failed" in record.getMessage()
+                       for record in caplog.records)
+            job.ack()
+        assert count_rows(engine, stuck_table) == 1  # still pinned, still retried
+    assert broker_of(conn).keeper.flush(timeout=10), "the ack did not land once it could"
+    assert count_rows(engine, stuck_table) == 0
+    assert count_rows(engine, jobs) == 0
+    assert get(conn, "stuck") is None and get(conn, "jobs") is None
+
+
+def test_a_claim_with_acks_whose_commit_reply_is_lost_runs_again_and_loses_nothing(
+    connect: Connect, engine: Engine, table_prefix: str, proxy: Proxy,
+) -> None:
+    """The commit lands, its reply is lost: run again, the fenced ack finds nothing to do
+    and the claim takes the next row; the acked message never comes back, the row of the
+    lost claim comes back once its lease lapses."""
+    lease = 5  # no extension commits while the claim runs: the cut is the claim's
+    conn = connect(visibility_timeout=lease)
+    for n in range(3):
+        publish(conn, "jobs", {"n": n})
+    jobs = table_of("jobs", table_prefix)
+    with settler_busy(conn, engine, table_prefix):
+        first = get_within(conn, "jobs")
+        assert first.decode() == {"n": 0}
+        first.ack()
+        proxy.cut_after_commit()
+        second = get_within(conn, "jobs")
+        assert proxy.commits_cut == 1
+        assert second.decode() == {"n": 2}
+        assert count_rows(engine, jobs) == 2
+    again = get_within(conn, "jobs", timeout=lease * 4)
+    assert again.decode() == {"n": 1}
+    assert again.delivery_info["redelivered"] is True
+    for message in (second, again):
+        message.ack()
+    assert broker_of(conn).keeper.flush(timeout=10)
+    assert count_rows(engine, jobs) == 0
+    assert get(conn, "jobs") is None
