@@ -282,29 +282,44 @@ class Dialect:
         if skipping:
             key = f"r.{f['partition_key']}"
             skip = f" AND ({key} IS NULL OR {key} NOT IN :skip)"
-        join = among = ""
+        join, among, order = "", "", self.claim_order(spec, "r")
         if heads:
-            join, among = self.among(f"r.{f['id']}",
-                                     f"SELECT h.id FROM ({self.fifo_heads(spec)}) AS h")
+            join, among, order = self.among(
+                f"r.{f['id']}", f"SELECT h.id FROM ({self.fifo_heads(spec)}) AS h", order)
         elif self.fifo(spec):
-            join, among = self.among(f"r.{f['id']}", (
+            join, among, order = self.among(f"r.{f['id']}", (
                 f"SELECT w.{f['id']} FROM (SELECT w.{f['id']} FROM {f['table']} AS w "
                 f"WHERE {self.ready_filter(spec, 'w', False)} "
-                f"ORDER BY {self.claim_order(spec, 'w')} LIMIT :window) AS w"))
+                f"ORDER BY {self.claim_order(spec, 'w')} LIMIT :window) AS w"), order)
         return (f"{join}WHERE {among}{self.ready_filter(spec, heads=not heads)}{skip} "
-                f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit")
+                f"ORDER BY {order} LIMIT :limit")
 
-    def among(self, row_id: str, ids: str) -> tuple[str, str]:
+    def among(self, row_id: str, ids: str, order: str) -> tuple[str, str, str]:
         """A join and a condition (each empty or ending in a space) keeping the rows whose
-        ``row_id`` the query ``ids`` returns: those few ids must drive the claim, not a
-        walk of the claim index checking each row."""
-        return "", f"{row_id} IN ({ids}) AND "
+        ``row_id`` the query ``ids`` returns, and the claim ``order`` to sort them by:
+        those few ids must drive the claim, not a walk of the claim index in ``order``
+        checking each row."""
+        return "", f"{row_id} IN ({ids}) AND ", order
+
+    #: a condition few rows meet, as this database's planner is told so (a rare NULL
+    #: group must be found through the group index, however few groups its statistics saw)
+    rare: ClassVar[str] = "{}"
 
     def fifo_heads(self, spec: TableSpec) -> str:
-        """The ids of a FIFO table's heads: a loose index scan of the ``(group, id)`` index
-        (a recursive CTE stepping from each group to the next, then its first unfinished
-        row), one probe per group, however long the groups are; then the first
-        ``:limit`` ready rows without a group (each is a head of its own), by id."""
+        """The ids of a FIFO table's heads: the first unfinished row of each group
+        (:meth:`group_heads`), then the first ``:limit`` ready rows without a group (each
+        a head of its own), by id."""
+        f = self.fields(spec)
+        ungrouped = self.rare.format(f"r.{f['group']} IS NULL")
+        return (f"{self.group_heads(spec)} UNION ALL SELECT * FROM (SELECT r.{f['id']} "
+                f"FROM {f['table']} AS r WHERE {ungrouped} AND "
+                f"{self.ready_filter(spec, heads=False)} "
+                f"ORDER BY r.{f['group']}, r.{f['id']} LIMIT :limit) AS n")
+
+    def group_heads(self, spec: TableSpec) -> str:
+        """The first unfinished row of each group, as ``id``: a loose index scan of the
+        ``(group, id)`` index (a recursive CTE stepping from each group to the next, then
+        to its first row), a probe or two per group, however long the groups are."""
         f = self.fields(spec)
         group, row_id = f["group"], f["id"]
         unfinished = (f" AND x.{f['processed_at']} IS NULL"
@@ -312,14 +327,10 @@ class Dialect:
         first = f"SELECT x.{{}} FROM {f['table']} AS x WHERE x.{group} {{}}{unfinished} "
         next_group = first.format(group, "> g.g") + f"ORDER BY x.{group} LIMIT 1"
         head = first.format(row_id, "= g.g") + f"ORDER BY x.{group}, x.{row_id} LIMIT 1"
-        return (
-            f"WITH RECURSIVE g (g) AS ("
-            f"SELECT * FROM ({first.format(group, 'IS NOT NULL')}ORDER BY x.{group} LIMIT 1) "
-            f"AS x UNION ALL SELECT ({next_group}) FROM g WHERE g.g IS NOT NULL) "
-            f"SELECT ({head}) AS id FROM g WHERE g.g IS NOT NULL "
-            f"UNION ALL SELECT * FROM (SELECT r.{row_id} FROM {f['table']} AS r "
-            f"WHERE r.{group} IS NULL AND {self.ready_filter(spec, heads=False)} "
-            f"ORDER BY r.{group}, r.{row_id} LIMIT :limit) AS n")
+        lowest = f"SELECT MIN(x.{group}) FROM {f['table']} AS x WHERE 1 = 1{unfinished}"
+        return (f"WITH RECURSIVE g (g) AS ({lowest} "
+                f"UNION ALL SELECT ({next_group}) FROM g WHERE g.g IS NOT NULL) "
+                f"SELECT ({head}) AS id FROM g WHERE g.g IS NOT NULL")
 
     def claim_order(self, spec: TableSpec, alias: str = "") -> str:
         """Priority first (AMQP: higher first), then the time a row became ready, then id."""
