@@ -217,7 +217,7 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
         table(rows, FIGURES),
         "",
         f"Claims: {CLAIMS} one-row claims per size (fewer past {CLAIMS_FOR:.0f} s, at least "
-        "3), each rolled back. Drains: {drained:,} rows, "
+        f"3), each rolled back. Drains: {drained:,} rows, "
         "one kombu consumer at prefetch 1 acking each. RSS: a `celery worker -P solo` "
         f"{RSS_AT[0]:.0f} s and {RSS_AT[1]:.0f} s after its start on the backlog.",
     ])
