@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -203,9 +204,11 @@ def run(args: argparse.Namespace) -> list[Row]:
     with Context(Sizes().quick() if args.quick else Sizes()) as ctx:
         for database in args.databases:
             drained = DRAIN // (5 if args.quick else 1)
-            for measure, size in ((claim_rows, sizes), (drain_rows, drained), (rss_rows, sizes)):
+            for measure in (partial(claim_rows, ctx, database, sizes),
+                            partial(drain_rows, ctx, database, drained),
+                            partial(rss_rows, ctx, database, sizes)):
                 try:
-                    rows += measure(ctx, database, size)  # type: ignore[operator]
+                    rows += measure()
                 except Exception as exc:  # a database that is down spoils only its own rows
                     rows.append(Cell.failed(exc).row(NAME, database, "failed", "msg/s"))
     return rows
