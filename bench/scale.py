@@ -1,7 +1,7 @@
 """Scale benchmark: claim time, drain rates and worker memory against the backlog's size.
 
-    python bench/scale.py [--quick] [--million] [--databases postgresql,mysql,sqlite]
-                          [--json PATH]
+    python bench/scale.py [--quick] [--million] [--scale claims,drains,rss]
+                          [--databases postgresql,mysql,sqlite] [--json PATH]
 
 * Claim time: a queue table filled with 1,000 / 10,000 / 100,000 (and with
   ``--million`` 1,000,000) waiting rows by one bulk ``INSERT ... SELECT`` (copies of
@@ -11,7 +11,9 @@
   finds nothing: the case that used to read the whole backlog).
 * Drain rates: one kombu consumer at prefetch 1 acking each message, on a plain
   table, one FIFO group, and 1,000 FIFO groups; the ratios to the plain table are
-  the targets (one group at least 0.5, 1,000 groups at least 0.8).
+  the targets (one group at least 0.5, 1,000 groups at least 0.8). Beside them the
+  statements alone: claim one row, delete it, repeat (``Dialect.claim`` and the
+  delete, no transport).
 * Worker memory: a real ``celery worker -P solo`` started on a backlog of each size
   (copies of one task message); its RSS a few seconds in and again later. Nothing
   beyond the prefetch is held, so it must not grow with the backlog.
@@ -36,7 +38,7 @@ from kombu import Connection
 from sqlalchemy import text
 
 from bench.celery_app import TASK, counter, make_app
-from bench.cli import run_alone
+from bench.cli import choices, run_alone
 from bench.kombu_bench import drain, publish_many
 from bench.ordering import inbox_table
 from bench.registry import Cell, Row, Section, goal, progress, ratio, spread
@@ -57,6 +59,7 @@ DRAIN = 2_000
 GROUPS = 1_000
 #: seconds a worker runs on its backlog before its RSS is read the first and second time
 RSS_AT = (5.0, 20.0)
+MEASURES = ("claims", "drains", "rss")
 FIGURES = {"claim": "claim p50 / p99 ms", "msg/s": "msg/s", "rss": "RSS MB (5 s → 20 s)"}
 #: the drain targets: the FIFO rate at least this share of the plain table's
 TARGETS = {"1 FIFO group": 0.5, f"{GROUPS} FIFO groups": 0.8}
@@ -66,6 +69,8 @@ TEXT = {"postgresql": "TEXT", "mysql": "CHAR", "sqlite": "TEXT"}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("scale")
+    group.add_argument("--scale", default=list(MEASURES), type=choices(MEASURES),
+                       help=f"default all: {','.join(MEASURES)}")
     group.add_argument("--million", action="store_true",
                        help="also a backlog of 1,000,000 rows (minutes per database)")
 
@@ -138,23 +143,51 @@ def table_target(ctx: Context, database: str, name: str, kind: str | None) -> Ta
     return ctx.sqlinbox(database, NAME, **options)
 
 
+DRAINS = (("plain table", None, 0), ("1 FIFO group", "fifo", 1),
+          (f"{GROUPS} FIFO groups", "fifo", GROUPS))
+
+
 def drain_rows(ctx: Context, database: str, count: int) -> list[Row]:
-    """One consumer at prefetch 1 on ``count`` rows: plain, 1 group, :data:`GROUPS`."""
+    """``count`` rows of a plain table, 1 group, :data:`GROUPS` groups: drained by one
+    kombu consumer at prefetch 1, and by claim-then-delete in series on the dialect (the
+    statements alone: a FIFO group's next row is claimable once the ack is written)."""
     rows = []
-    for setup, kind, groups in (("plain table", None, 0), ("1 FIFO group", "fifo", 1),
-                                (f"{GROUPS} FIFO groups", "fifo", GROUPS)):
-        name = ctx.queue_name(f"drain{groups}")
-        target = table_target(ctx, database, name, kind)
-        with scratch_queue(target, name) as queue, connect(target) as conn:
-            publish_many(conn, queue, range(1), lambda i: {"group_key": "0"})
-            fill(target, conn, name, count, groups)
-            got = drain(conn, queue, 1, lambda d: len(d.ids) >= count, ctx.deadline())
-        cell = Cell.rate(len(got.ids) - 1, got.last - got.first, expected=count)
-        if len(got.ids) < count:
-            cell.text += f" ({len(got.ids)}/{count} in cap)"
-        rows.append(cell.row(NAME, database, f"drain, prefetch 1: {setup}", "msg/s"))
-        progress(f"{NAME} {database} drain {setup}: {cell.text}")
+    for how in ("drain, prefetch 1", "claim, then ack, in series"):
+        for setup, kind, groups in DRAINS:
+            name = ctx.queue_name(f"drain{groups}")
+            target = table_target(ctx, database, name, kind)
+            with scratch_queue(target, name) as queue, connect(target) as conn:
+                publish_many(conn, queue, range(1), lambda i: {"group_key": "0"})
+                fill(target, conn, name, count, groups)
+                if how.startswith("drain"):
+                    got = drain(conn, queue, 1, lambda d: len(d.ids) >= count, ctx.deadline())
+                    done, seconds = len(got.ids) - 1, got.last - got.first
+                else:
+                    done, seconds = in_series(conn, name, count, ctx.sizes.cap)
+            cell = Cell.rate(done, seconds, expected=count)
+            if done < count - 1:
+                cell.text += f" ({done}/{count} in cap)"
+            rows.append(cell.row(NAME, database, f"{how}: {setup}", "msg/s"))
+            progress(f"{NAME} {database} {how} {setup}: {cell.text}")
     return rows
+
+
+def in_series(conn: Connection, queue: str, count: int, cap: float) -> tuple[int, float]:
+    """Claim one row, delete it, in two transactions, until ``count`` or ``cap`` seconds:
+    (rows, seconds)."""
+    broker = conn.default_channel.broker
+    spec = broker.table(queue).spec
+    delete = broker.dialect.statements(spec).delete
+    done, began = 0, time.perf_counter()
+    while done < count and time.perf_counter() - began < cap:
+        with broker.engine.begin() as db:
+            rows = broker.dialect.claim(db, spec, 1, 30.0)
+        if not rows:
+            break
+        with broker.engine.begin() as db:
+            broker.dialect.settle(db, delete, {rows[0].attempt: [rows[0].id]})
+        done += 1
+    return done, time.perf_counter() - began
 
 
 def rss_mb(pid: int) -> float:
@@ -204,9 +237,10 @@ def run(args: argparse.Namespace) -> list[Row]:
     with Context(Sizes().quick() if args.quick else Sizes()) as ctx:
         for database in args.databases:
             drained = DRAIN // (5 if args.quick else 1)
-            for measure in (partial(claim_rows, ctx, database, sizes),
-                            partial(drain_rows, ctx, database, drained),
-                            partial(rss_rows, ctx, database, sizes)):
+            measures = {"claims": partial(claim_rows, ctx, database, sizes),
+                        "drains": partial(drain_rows, ctx, database, drained),
+                        "rss": partial(rss_rows, ctx, database, sizes)}
+            for measure in (measures[name] for name in getattr(args, "scale", MEASURES)):
                 try:
                     rows += measure()
                 except Exception as exc:  # a database that is down spoils only its own rows
@@ -221,7 +255,8 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
         "",
         f"Claims: {CLAIMS} one-row claims per size (fewer past {CLAIMS_FOR:.0f} s, at least "
         f"3), each rolled back. Drains: {drained:,} rows, "
-        "one kombu consumer at prefetch 1 acking each. RSS: a `celery worker -P solo` "
+        "one kombu consumer at prefetch 1 acking each; in series: the dialect's claim of one "
+        "row, then its delete, one transaction each. RSS: a `celery worker -P solo` "
         f"{RSS_AT[0]:.0f} s and {RSS_AT[1]:.0f} s after its start on the backlog.",
     ])
 
@@ -231,11 +266,13 @@ def targets(rows: list[Row]) -> list[Row]:
     for database in sorted({r["database"] for r in rows}):
         cells = {r["setup"]: Cell(r["value"], r["text"]) for r in rows
                  if r["database"] == database and r["figure"] == "msg/s"}
-        plain = cells.get("drain, prefetch 1: plain table")
-        for setup, limit in TARGETS.items():
-            value = ratio(cells.get(f"drain, prefetch 1: {setup}"), plain)
-            if value is not None:
-                found.append(goal(NAME, database, f"{setup} ÷ plain table drain", value, limit))
+        for how in ("drain, prefetch 1", "claim, then ack, in series"):
+            plain = cells.get(f"{how}: plain table")
+            for setup, limit in TARGETS.items():
+                value = ratio(cells.get(f"{how}: {setup}"), plain)
+                if value is not None:
+                    found.append(goal(NAME, database, f"{how}: {setup} ÷ plain table", value,
+                                      limit))
         claims = [r["value"] for r in rows if r["database"] == database
                   and r["setup"].startswith("FIFO") and r["value"]]
         if len(claims) > 1:

@@ -327,7 +327,8 @@ class Dialect:
         first = f"SELECT x.{{}} FROM {f['table']} AS x WHERE x.{group} {{}}{unfinished} "
         next_group = first.format(group, "> g.g") + f"ORDER BY x.{group} LIMIT 1"
         head = first.format(row_id, "= g.g") + f"ORDER BY x.{group}, x.{row_id} LIMIT 1"
-        lowest = f"SELECT MIN(x.{group}) FROM {f['table']} AS x WHERE 1 = 1{unfinished}"
+        lowest = f"SELECT MIN(x.{group}) FROM {f['table']} AS x" + (
+            f" WHERE {unfinished[len(' AND '):]}" if unfinished else "")
         return (f"WITH RECURSIVE g (g) AS ({lowest} "
                 f"UNION ALL SELECT ({next_group}) FROM g WHERE g.g IS NOT NULL) "
                 f"SELECT ({head}) AS id FROM g WHERE g.g IS NOT NULL")
