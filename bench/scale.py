@@ -18,8 +18,8 @@
   (copies of one task message); its RSS a few seconds in and again later. Nothing
   beyond the prefetch is held, so it must not grow with the backlog.
 
-Also a section of ``bench/run.py``. Not a test: the figures depend on the machine and
-whatever else runs on it.
+Runs alone or as the ``scale`` section of ``bench/run.py``; a benchmark, not a test:
+its figures depend on the machine and on what else runs there.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ from bench.workers import worker
 from kombu_sqlinbox.tables import Role
 
 NAME = "scale"
+#: ten digits, cross joined to number the copies of a bulk fill
+DIGITS = " UNION ALL ".join(f"SELECT {d} AS d" for d in range(10))
 SIZES = (1_000, 10_000, 100_000)
 MILLION = 1_000_000
 #: claims timed per size and table, unless they take longer than CLAIMS_FOR seconds
@@ -63,7 +65,6 @@ MEASURES = ("claims", "drains", "rss")
 FIGURES = {"claim": "claim p50 / p99 ms", "msg/s": "msg/s", "rss": "RSS MB (5 s → 20 s)"}
 #: the drain targets: the FIFO rate at least this share of the plain table's
 TARGETS = {"1 FIFO group": 0.5, f"{GROUPS} FIFO groups": 0.8}
-DIGITS = " UNION ALL ".join(f"SELECT {d} AS d" for d in range(10))
 TEXT = {"postgresql": "TEXT", "mysql": "CHAR", "sqlite": "TEXT"}
 
 

@@ -57,12 +57,8 @@ FROM (SELECT r."id" FROM "crm_outbound" AS r
                            AND r."available_at" <= now()
                          ORDER BY r."target", r."id" LIMIT :limit) AS n) AS h)) AS h (id)
         ON r."id" = h.id
-      WHERE (r."locked_until" IS NULL OR r."locked_until" < now())
-        AND r."available_at" <= now()
-      ORDER BY r."available_at", r."id"
-      LIMIT :limit
-      FOR UPDATE OF r SKIP LOCKED) AS c
+      WHERE (r."locked_until" IS NULL OR r."locked_until" < now()) AND r."available_at" <= now()
+      ORDER BY r."available_at", r."id" LIMIT :limit FOR UPDATE OF r SKIP LOCKED) AS c
 WHERE q."id" = c."id"
-RETURNING q."id" AS "id", q."attempt" AS "attempt", q."payload" AS "payload",
-          q."headers" AS "headers", q."target" AS "group",
-          q."available_at" AS "available_at";
+RETURNING q."id" AS "id", q."attempt" AS "attempt", q."payload" AS "payload", q."headers" AS "headers",
+          q."target" AS "group", q."available_at" AS "available_at";
