@@ -247,8 +247,16 @@ class Dialect:
 
     @staticmethod
     def fifo(spec: TableSpec) -> bool:
+        """Whether the table's group column orders its rows (``fifo=True``)."""
         group = spec.column(Role.GROUP)
         return group is not None and group.fifo
+
+    def unfinished(self, spec: TableSpec, alias: str) -> str:
+        """`` AND`` the row of ``alias`` is not processed, where the table keeps processed
+        rows (else nothing)."""
+        if not spec.has(Role.PROCESSED_AT):
+            return ""
+        return f" AND {alias}.{self.quote(spec.name_of(Role.PROCESSED_AT))} IS NULL"
 
     def head_of(self, spec: TableSpec, role: Role, alias: str = "r") -> str:
         """The row is the first unfinished one of its group (or partition key), or has
@@ -256,8 +264,7 @@ class Dialect:
         table."""
         f = self.fields(spec)
         col = f"{alias}." if alias else ""
-        unfinished = (f" AND ahead.{f['processed_at']} IS NULL"
-                      if spec.has(Role.PROCESSED_AT) else "")
+        unfinished = self.unfinished(spec, "ahead")
         key = f[role.value]
         return (f"({col}{key} IS NULL OR {col}{f['id']} = (SELECT ahead.{f['id']} "
                 f"FROM {f['table']} AS ahead WHERE ahead.{key} = {col}{key}{unfinished} "
@@ -322,8 +329,7 @@ class Dialect:
         to its first row), a probe or two per group, however long the groups are."""
         f = self.fields(spec)
         group, row_id = f["group"], f["id"]
-        unfinished = (f" AND x.{f['processed_at']} IS NULL"
-                      if spec.has(Role.PROCESSED_AT) else "")
+        unfinished = self.unfinished(spec, "x")
         first = f"SELECT x.{{}} FROM {f['table']} AS x WHERE x.{group} {{}}{unfinished} "
         next_group = first.format(group, "> g.g") + f"ORDER BY x.{group} LIMIT 1"
         head = first.format(row_id, "= g.g") + f"ORDER BY x.{group}, x.{row_id} LIMIT 1"

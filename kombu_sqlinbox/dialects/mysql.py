@@ -110,10 +110,9 @@ class MySQLDialect(Dialect):
         each group read from the ``(group, id)`` index, a probe per group (a recursive
         CTE's correlated probe here reads the whole index)."""
         f = self.fields(spec)
-        unfinished = (f" AND x.{f['processed_at']} IS NULL"
-                      if spec.has(Role.PROCESSED_AT) else "")
         return (f"SELECT MIN(x.{f['id']}) AS id FROM {f['table']} AS x "
-                f"WHERE x.{f['group']} IS NOT NULL{unfinished} GROUP BY x.{f['group']}")
+                f"WHERE x.{f['group']} IS NOT NULL{self.unfinished(spec, 'x')} "
+                f"GROUP BY x.{f['group']}")
 
     def plan_problem(self, plan: str, index: str) -> str | None:
         """A full scan (``type=ALL``) or a filesort: the claim index does not serve it."""
