@@ -1,7 +1,7 @@
 """Benchmark kombu-sqlinbox: every section, one Markdown table each, then the targets.
 
     python bench/run.py [--sections core,publish,latency,ordering,transactional,outbox,
-                                    layout,remote,mvcc]
+                                    layout,remote,scale,mvcc]
                         [--quick [SECTIONS]] [--databases postgresql,mysql,sqlite]
                         [--json PATH] [section options: see --help]
 
@@ -14,8 +14,9 @@ NOTIFY latency), ``transactional`` (transactional vs plain tasks/s), ``outbox``
 transient table and in a table of its own), ``remote`` (``celery inspect ping`` round
 trip, event delivery and heartbeats against Redis and RabbitMQ), ``latency`` (idle
 publish -> receive on each database against Redis, Redis ``appendfsync always`` and
-RabbitMQ; the PostgreSQL breakdown; what an idle consumer costs), ``mvcc`` (a queue
-under steady load beside a snapshot held open: ten minutes a database). Each section module
+RabbitMQ; the PostgreSQL breakdown; what an idle consumer costs), ``scale`` (claim time,
+drain rates and worker memory against the backlog's size), ``mvcc`` (a queue under steady
+load beside a snapshot held open: ten minutes a database). Each section module
 also runs alone: ``python bench/ordering.py --help``.
 Not a test: the figures depend on the machine and on whatever else runs on it.
 """
@@ -27,12 +28,23 @@ from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the bench package, not its modules
 
-from bench import core, latency, layout, mvcc, ordering, outbox, publish, remote, transactional  # noqa: E402
+from bench import (  # noqa: E402
+    core,
+    latency,
+    layout,
+    mvcc,
+    ordering,
+    outbox,
+    publish,
+    remote,
+    scale,
+    transactional,
+)
 from bench.cli import main  # noqa: E402
 
 SECTIONS = [core.SECTION, publish.SECTION, latency.SECTION, ordering.SECTION,
             transactional.SECTION, outbox.SECTION, layout.SECTION, remote.SECTION,
-            mvcc.SECTION]
+            scale.SECTION, mvcc.SECTION]
 
 if __name__ == "__main__":
     sys.exit(main(SECTIONS, sys.argv[1:], (__doc__ or "").splitlines()[0]))

@@ -42,7 +42,7 @@ DEFAULT_COLUMNS = frozenset(column.name for column in default_table("probe").col
 PLAN_PARAMS: Mapping[str, Any] = {
     "limit": 1, "lease": 30.0, "delay": 0.0, "ids": [0], "skip": ["-"], "attempt": 0, "id": 0,
     "payload": b"", "headers": "{}", "priority": 0, "eta": None, "group": None,
-    "partition_key": None, "after": 0, "upto": 0, "floor": 0.0, "candidates": 2,
+    "partition_key": None, "after": 0, "upto": 0, "floor": 0.0, "candidates": 2, "window": 1,
 }
 
 

@@ -80,6 +80,11 @@ class Statements:
     #: the claim passing over rows of the partition keys in ``:skip`` (the plain claim on
     #: a table without partition keys)
     claim_skipping: tuple[TextClause, ...]
+    #: on a FIFO table, the claim of the groups' heads found one group at a time, run
+    #: when :attr:`claim` (which reads only the first ``:window`` ready rows) got too few;
+    #: without and with ``:skip``
+    claim_heads: tuple[TextClause, ...] | None
+    claim_heads_skipping: tuple[TextClause, ...] | None
     candidates: TextClause
     extend: TextClause
     complete: TextClause
@@ -195,6 +200,10 @@ def _driver_style(sql: str, paramstyle: str) -> tuple[str, tuple[str, ...]]:
         sql = sql.replace("%", "%%")
     return NAMED_PARAMETER.sub(marker, sql), tuple(NAMED_PARAMETER.findall(sql))
 
+#: rows past the claim's limit a FIFO claim reads in claim order before it looks for the
+#: groups' heads one group at a time: many groups claim from the window, a long group
+#: behind its head in work costs the window, not its length
+FIFO_WINDOW = 16
 
 #: the roles a claim returns (:meth:`Dialect.returned_columns`), those a table declares
 RETURNED_ROLES = (Role.ID, Role.ATTEMPT, Role.PAYLOAD, Role.HEADERS, Role.GROUP,
@@ -319,9 +328,10 @@ class Dialect:
         return values
 
     # -- statement fragments shared by every dialect ----------------------
-    def ready_filter(self, spec: TableSpec, alias: str = "r") -> str:
+    def ready_filter(self, spec: TableSpec, alias: str = "r", heads: bool = True) -> str:
         """Rows of ``alias`` that may be claimed now: not leased, due, not processed and,
-        in a FIFO group, the group's head (no earlier unfinished row in the group)."""
+        in a FIFO group, the group's head (no earlier unfinished row in the group; not
+        checked without ``heads``, for rows known to be heads)."""
         f = self.fields(spec)
         col = f"{alias}." if alias else ""
         conditions = [
@@ -330,44 +340,113 @@ class Dialect:
             conditions.append(f"{col}{f['available_at']} <= {self.now}")
         if spec.has(Role.PROCESSED_AT):
             conditions.append(f"{col}{f['processed_at']} IS NULL")
-        group = spec.column(Role.GROUP)
-        if group is not None and group.fifo:
+        if heads and self.fifo(spec):
             conditions.append(self.head_of(spec, Role.GROUP, alias))
         return " AND ".join(conditions)
 
+    @staticmethod
+    def fifo(spec: TableSpec) -> bool:
+        """Whether the table's group column orders its rows (``fifo=True``)."""
+        group = spec.column(Role.GROUP)
+        return group is not None and group.fifo
+
+    def unfinished(self, spec: TableSpec, alias: str) -> str:
+        """`` AND`` the row of ``alias`` is not processed, where the table keeps processed
+        rows (else nothing)."""
+        if not spec.has(Role.PROCESSED_AT):
+            return ""
+        return f" AND {alias}.{self.quote(spec.name_of(Role.PROCESSED_AT))} IS NULL"
+
     def head_of(self, spec: TableSpec, role: Role, alias: str = "r") -> str:
-        """The row is the first unfinished one of its group (or partition key)."""
+        """The row is the first unfinished one of its group (or partition key), or has
+        none: a probe of the ``(group, id)`` index per row, never a join that reads the
+        table."""
         f = self.fields(spec)
         col = f"{alias}." if alias else ""
-        unfinished = (f" AND ahead.{f['processed_at']} IS NULL"
-                      if spec.has(Role.PROCESSED_AT) else "")
-        return (f"NOT EXISTS (SELECT 1 FROM {f['table']} AS ahead "
-                f"WHERE ahead.{f[role.value]} = {col}{f[role.value]} "
-                f"AND ahead.{f['id']} < {col}{f['id']}{unfinished})")
+        unfinished = self.unfinished(spec, "ahead")
+        key = f[role.value]
+        return (f"({col}{key} IS NULL OR {col}{f['id']} = (SELECT ahead.{f['id']} "
+                f"FROM {f['table']} AS ahead WHERE ahead.{key} = {col}{key}{unfinished} "
+                f"ORDER BY ahead.{key}, ahead.{f['id']} LIMIT 1))")
 
-    def selection(self, spec: TableSpec, by_ids: bool, skipping: bool = False) -> str:
+    def selection(self, spec: TableSpec, by_ids: bool, skipping: bool = False,
+                  heads: bool = False) -> str:
         """Which rows a claim takes: the first ``:limit`` ready ones in claim order, or the
         ready ones among ``:ids`` (rows whose keys an advisory claim has locked).
         ``skipping`` passes over rows of the partition keys in ``:skip`` (keys in work in
-        the claiming consumer, whose rows it would only hold back)."""
+        the claiming consumer, whose rows it would only hold back).
+
+        On a FIFO table the ordered claim looks only at the first ``:window`` ready rows:
+        rows queued behind a head in work would otherwise be read, and passed over, by
+        every claim. ``heads`` instead takes the ready rows among the groups' heads,
+        found one group at a time (:meth:`fifo_heads`): the fallback when the window had
+        too few heads."""
+        f = self.fields(spec)
         if by_ids:
-            return f"WHERE r.{self.quote(spec.name_of(Role.ID))} IN :ids AND " + (
-                self.ready_filter(spec))
+            return f"WHERE r.{f['id']} IN :ids AND " + self.ready_filter(spec)
         skip = ""
         if skipping:
-            key = f"r.{self.quote(spec.name_of(Role.PARTITION_KEY))}"
+            key = f"r.{f['partition_key']}"
             skip = f" AND ({key} IS NULL OR {key} NOT IN :skip)"
-        return (f"WHERE {self.ready_filter(spec)}{self.above_floor(spec)}{skip} "
-                f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit")
+        join, among, order = "", "", self.claim_order(spec, "r")
+        if heads:
+            join, among, order = self.among(
+                f"r.{f['id']}", f"SELECT h.id FROM ({self.fifo_heads(spec)}) AS h", order)
+        elif self.fifo(spec):
+            join, among, order = self.among(f"r.{f['id']}", (
+                f"SELECT w.{f['id']} FROM (SELECT w.{f['id']} FROM {f['table']} AS w "
+                f"WHERE {self.ready_filter(spec, 'w', False)}{self.above_floor(spec, 'w')} "
+                f"ORDER BY {self.claim_order(spec, 'w')} LIMIT :window) AS w"), order)
+        return (f"{join}WHERE {among}{self.ready_filter(spec, heads=not heads)}"
+                f"{self.above_floor(spec)}{skip} "
+                f"ORDER BY {order} LIMIT :limit")
 
-    def above_floor(self, spec: TableSpec) -> str:
+    def above_floor(self, spec: TableSpec, alias: str = "r") -> str:
         """The claim's condition that skips the index entries below the table's floor
         (see :meth:`claim_floor`) without reading their rows; empty where claims take
         no floor."""
         if self.floor_time is None or not spec.has(Role.AVAILABLE_AT):
             return ""
-        return (f" AND r.{self.quote(spec.name_of(Role.AVAILABLE_AT))} >= "
+        return (f" AND {alias}.{self.quote(spec.name_of(Role.AVAILABLE_AT))} >= "
                 f"{self.floor_time.format('floor')}")
+
+    def among(self, row_id: str, ids: str, order: str) -> tuple[str, str, str]:
+        """A join and a condition (each empty or ending in a space) keeping the rows whose
+        ``row_id`` the query ``ids`` returns, and the claim ``order`` to sort them by:
+        those few ids must drive the claim, not a walk of the claim index in ``order``
+        checking each row."""
+        return "", f"{row_id} IN ({ids}) AND ", order
+
+    #: a condition few rows meet, as this database's planner is told so (a rare NULL
+    #: group must be found through the group index, however few groups its statistics saw)
+    rare: ClassVar[str] = "{}"
+
+    def fifo_heads(self, spec: TableSpec) -> str:
+        """The ids of a FIFO table's heads: the first unfinished row of each group
+        (:meth:`group_heads`), then the first ``:limit`` ready rows without a group (each
+        a head of its own), by id."""
+        f = self.fields(spec)
+        ungrouped = self.rare.format(f"r.{f['group']} IS NULL")
+        return (f"{self.group_heads(spec)} UNION ALL SELECT * FROM (SELECT r.{f['id']} "
+                f"FROM {f['table']} AS r WHERE {ungrouped} AND "
+                f"{self.ready_filter(spec, heads=False)} "
+                f"ORDER BY r.{f['group']}, r.{f['id']} LIMIT :limit) AS n")
+
+    def group_heads(self, spec: TableSpec) -> str:
+        """The first unfinished row of each group, as ``id``: a loose index scan of the
+        ``(group, id)`` index (a recursive CTE stepping from each group to the next, then
+        to its first row), a probe or two per group, however long the groups are."""
+        f = self.fields(spec)
+        group, row_id = f["group"], f["id"]
+        unfinished = self.unfinished(spec, "x")
+        first = f"SELECT x.{{}} FROM {f['table']} AS x WHERE x.{group} {{}}{unfinished} "
+        next_group = first.format(group, "> g.g") + f"ORDER BY x.{group} LIMIT 1"
+        head = first.format(row_id, "= g.g") + f"ORDER BY x.{group}, x.{row_id} LIMIT 1"
+        lowest = f"SELECT MIN(x.{group}) FROM {f['table']} AS x" + (
+            f" WHERE {unfinished[len(' AND '):]}" if unfinished else "")
+        return (f"WITH RECURSIVE g (g) AS ({lowest} "
+                f"UNION ALL SELECT ({next_group}) FROM g WHERE g.g IS NOT NULL) "
+                f"SELECT ({head}) AS id FROM g WHERE g.g IS NOT NULL")
 
     def claim_order(self, spec: TableSpec, alias: str = "") -> str:
         """Priority first (AMQP: higher first), then the time a row became ready, then id."""
@@ -405,8 +484,15 @@ class Dialect:
         skipping = claim
         if spec.has(Role.PARTITION_KEY):
             skipping = self.claim_statements(spec, self.selection(spec, False, skipping=True))
+        heads = heads_skipping = None
+        if self.fifo(spec):
+            heads = heads_skipping = self.claim_statements(spec, self.selection(
+                spec, False, heads=True))
+            if spec.has(Role.PARTITION_KEY):
+                heads_skipping = self.claim_statements(spec, self.selection(
+                    spec, False, skipping=True, heads=True))
         return self.assemble(spec, claim, self.claim_statements(spec, self.selection(spec, True)),
-                             skipping)
+                             skipping, (heads, heads_skipping))
 
     def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
         """The claim of the rows ``selection`` picks: lease them, bump the attempt, return
@@ -424,7 +510,9 @@ class Dialect:
 
     def assemble(self, spec: TableSpec, claim: tuple[TextClause, ...],
                  claim_ids: tuple[TextClause, ...],
-                 claim_skipping: tuple[TextClause, ...]) -> Statements:
+                 claim_skipping: tuple[TextClause, ...],
+                 claim_heads: tuple[tuple[TextClause, ...] | None,
+                                    tuple[TextClause, ...] | None]) -> Statements:
         """A table's statements around its dialect-written claim. Statements on held
         rows have the same shape everywhere, fenced by (attempt, ids)."""
         f = self.fields(spec)
@@ -470,6 +558,8 @@ class Dialect:
             claim=claim,
             claim_ids=claim_ids,
             claim_skipping=claim_skipping,
+            claim_heads=claim_heads[0],
+            claim_heads_skipping=claim_heads[1],
             candidates=text(candidates),
             extend=_expanding(extend),
             retry=retry,
@@ -583,19 +673,31 @@ class Dialect:
     ) -> list[ClaimedRow]:
         """Lease up to ``limit`` ready rows (or the ready ones of ``ids``; none of the
         partition keys in ``skip``) in the caller's transaction: in one ``UPDATE ...
-        RETURNING`` where the database has it, else by locking the rows, then leasing them."""
+        RETURNING`` where the database has it, else by locking the rows, then leasing them.
+        On a FIFO table a claim that found too few heads in its window goes on with the
+        heads found group by group (see :meth:`selection`), in the same transaction."""
         statements = self.claim_statements_for(spec, ids, skip)
         params = {"limit": limit, "lease": lease, "ids": list(ids or ()), "skip": list(skip),
+                  "window": limit + FIFO_WINDOW,
                   "floor": self.claim_floor(conn, spec), "candidates": limit * CANDIDATES}
+        rows = self.claim_rows(conn, statements, params)
+        compiled = self.statements(spec)
+        heads = compiled.claim_heads_skipping if skip else compiled.claim_heads
+        if ids is None and heads is not None and len(rows) < limit:
+            rows += self.claim_rows(conn, heads, {**params, "limit": limit - len(rows)})
+        return self.claimed(spec, rows, leased=self.capabilities.returning)
+
+    def claim_rows(self, conn: Connection, statements: tuple[TextClause, ...],
+                   params: dict[str, Any]) -> list[Row[Any]]:
+        """The rows one claim statement (or select and lease) took."""
         if self.capabilities.returning:
             (claim,) = statements
-            return self.claimed(spec, conn.execute(claim, params).all())
+            return list(conn.execute(claim, params).all())
         select, lease_rows = statements
-        rows = conn.execute(select, params).all()
-        if not rows:
-            return []
-        conn.execute(lease_rows, {"ids": [row.id for row in rows], "lease": lease})
-        return self.claimed(spec, rows, leased=False)
+        rows = list(conn.execute(select, params).all())
+        if rows:
+            conn.execute(lease_rows, {"ids": [row.id for row in rows], "lease": params["lease"]})
+        return rows
 
     def claim_floor(self, conn: Connection, spec: TableSpec) -> float | None:
         """The ready time (epoch seconds) below which a claim of ``spec`` looks for no row.

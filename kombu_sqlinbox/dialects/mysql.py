@@ -95,15 +95,15 @@ class MySQLDialect(Dialect):
                 tables[-1] = f"{tables[-1][:-1]}, INDEX {match[1]} ({match[2]}))"
         return [f"{table} ENGINE=InnoDB DEFAULT CHARSET=utf8mb4" for table in tables]
 
-    def above_floor(self, spec: TableSpec) -> str:
+    def above_floor(self, spec: TableSpec, alias: str = "r") -> str:
         """The floor as the start of an index range: InnoDB walks every delete-marked entry
         a range holds, so the floor must bound the range, not filter it. Behind the
         priority (the index's first column) it bounds only the default priority's range
         (0, where nearly every row is); the other priorities are read whole."""
-        floor = super().above_floor(spec)
+        floor = super().above_floor(spec, alias)
         if not floor or not spec.has(Role.PRIORITY):
             return floor
-        priority = f"r.{self.quote(spec.name_of(Role.PRIORITY))}"
+        priority = f"{alias}.{self.quote(spec.name_of(Role.PRIORITY))}"
         return (f" AND ({priority} > 0 OR {priority} < 0 OR ({priority} = 0"
                 f"{floor}))")
 
@@ -134,6 +134,15 @@ class MySQLDialect(Dialect):
             f"{f['attempt']} = {f['attempt']} + 1 WHERE {f['id']} IN :ids"
         )
         return (_expanding(select), _expanding(lease))
+
+    def group_heads(self, spec: TableSpec) -> str:
+        """MySQL's own loose index scan ("Using index for group-by"): the first row of
+        each group read from the ``(group, id)`` index, a probe per group (a recursive
+        CTE's correlated probe here reads the whole index)."""
+        f = self.fields(spec)
+        return (f"SELECT MIN(x.{f['id']}) AS id FROM {f['table']} AS x "
+                f"WHERE x.{f['group']} IS NOT NULL{self.unfinished(spec, 'x')} "
+                f"GROUP BY x.{f['group']}")
 
     def plan_problem(self, plan: str, index: str) -> str | None:
         """A full scan (``type=ALL``) or a filesort: the claim index does not serve it."""

@@ -77,6 +77,11 @@ class PostgreSQLDialect(Dialect):
             "(SELECT DISTINCT CAST(:channel_prefix AS TEXT) || left(md5(queue), 24) AS c "
             "FROM routed) AS channels")
 
+    def among(self, row_id: str, ids: str, order: str) -> tuple[str, str, str]:
+        """The ids as an array built once, joined to the primary key: an ``IN`` would be
+        planned as a walk of the claim index probing each row."""
+        return f"JOIN unnest(ARRAY({ids})) AS h (id) ON {row_id} = h.id ", "", order
+
     def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
         f = self.fields(spec)
         claim = (

@@ -76,6 +76,14 @@ class SQLiteDialect(Dialect):
             return f"the claim's plan sorts (its index {index} is missing or unusable)"
         return super().plan_problem(plan, index)
 
+    rare = "unlikely({})"
+
+    def among(self, row_id: str, ids: str, order: str) -> tuple[str, str, str]:
+        """The order's columns as expressions (``+column``), which no index serves: the
+        planner then looks the ids up instead of walking the claim index in order."""
+        join, among, _ = super().among(row_id, ids, order)
+        return join, among, ", ".join("+" + column for column in order.split(", "))
+
     def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
         f = self.fields(spec)
         claim = (

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, TextClause, text
+
+from kombu_sqlinbox import TableBuilder
 
 from .conftest import Connect
 from .support import broker_of, quoted
@@ -11,17 +15,20 @@ from .support import broker_of, quoted
 READY_ROWS = 200_000
 #: ten digits; five cross joins of them give 100,000 rows, six a million
 DIGITS = " UNION ALL ".join(f"SELECT {d} AS d" for d in range(10))
+ANALYZE = {"postgresql": "ANALYZE", "mysql": "ANALYZE TABLE"}
 
 
-def bulk_insert_sql(database: str, table: str, queues: bool = False) -> str:
+def bulk_insert_sql(database: str, table: str, queues: bool = False,
+                    group: str | None = None) -> str:
     """One INSERT ... SELECT of READY_ROWS ready rows (no row-by-row round trips); with
-    ``queues``, transient messages spread over 1,000 queues."""
-    column = "queue, " if queues else ""
+    ``queues``, transient messages spread over 1,000 queues; with ``group``, every row in
+    that FIFO group (column ``grp``)."""
+    column = "queue, " if queues else "grp, " if group else ""
     if database == "postgresql":
-        queue = "'q' || (n % 1000), " if queues else ""
+        queue = "'q' || (n % 1000), " if queues else f"'{group}', " if group else ""
         return (f"INSERT INTO {table} ({column}payload, headers) "
                 f"SELECT {queue}'x'::bytea, '{{}}' FROM generate_series(1, {READY_ROWS}) AS n")
-    queue = "CONCAT('q', d0.d, d1.d, d2.d), " if queues else ""
+    queue = "CONCAT('q', d0.d, d1.d, d2.d), " if queues else f"'{group}', " if group else ""
     joins = ", ".join(f"({DIGITS}) AS d{n}" for n in range(6))
     return (f"INSERT INTO {table} ({column}payload, headers) "
             f"SELECT {queue}'x', '{{}}' FROM {joins} LIMIT {READY_ROWS}")
@@ -81,3 +88,73 @@ def test_transient_claim_uses_its_queue_index(connect: Connect, database: str) -
         else:
             rows = [dict(row._mapping) for row in result]
             assert rows[0]["key"] == index and rows[0]["type"] != "ALL", rows
+
+
+def rows_read(conn: Connection, database: str, statement: TextClause,
+              params: dict[str, object]) -> int:
+    """Rows (SQLite: thousands of VM instructions) the database read to run ``statement``,
+    from the executed plan: PostgreSQL's and MariaDB's actual rows per table scan."""
+    if database == "sqlite":
+        steps = [0]
+
+        def step() -> int:
+            steps[0] += 1
+            return 0
+        raw = conn.connection.dbapi_connection
+        assert raw is not None
+        raw.set_progress_handler(step, 1000)
+        conn.execute(statement, params)
+        raw.set_progress_handler(None, 0)
+        return steps[0]
+    if database == "postgresql":
+        explain = f"EXPLAIN (ANALYZE, FORMAT JSON) {statement.text}"
+        rows, loops, table = "Actual Rows", "Actual Loops", "Relation Name"
+    else:
+        explain, rows, loops, table = (f"ANALYZE FORMAT=JSON {statement.text}", "r_rows",
+                                       "r_loops", "table_name")
+    plan = conn.execute(text(explain).bindparams(*statement._bindparams.values()),
+                        params).scalar_one()
+    found = 0
+
+    def walk(node: object) -> None:
+        nonlocal found
+        if isinstance(node, dict):
+            name = node.get(table)
+            if isinstance(name, str) and not name.startswith("<"):
+                found += int(float(node.get(rows) or 0) * float(node.get(loops) or 1))
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+    walk(json.loads(plan) if isinstance(plan, str) else plan)
+    return found
+
+
+@pytest.mark.parametrize("database", ["postgresql", "mysql", "sqlite"], indirect=True)
+def test_fifo_claim_reads_no_backlog_behind_a_head_in_work(
+        connect: Connect, database: str, table_prefix: str) -> None:
+    """One group of READY_ROWS rows whose head is in work: both FIFO claim statements (the
+    window, then the groups' heads) read a few rows, not the rows waiting behind it."""
+    spec = (TableBuilder(f"{table_prefix}jobs").id().payload().headers()
+            .group("grp", fifo=True).available_at().locked_until().attempt().build())
+    conn = connect(queues={"jobs": {"table": spec}})
+    conn.default_channel.queue_declare("jobs")
+    broker = broker_of(conn)
+    spec = broker.table("jobs").spec
+    table = quoted(broker.engine, spec.table)
+    with broker.engine.begin() as db:
+        db.execute(text(bulk_insert_sql(database, table, group="g0")))
+    with broker.engine.begin() as db:
+        db.execute(text(f"{ANALYZE.get(database, 'ANALYZE')} {table}"))
+        (head,) = broker.dialect.claim(db, spec, 1, 3600.0)
+    statements = broker.dialect.statements(spec)
+    assert statements.claim_heads is not None
+    params = {"limit": 1, "window": 17, "lease": 30.0, "ids": [], "skip": []}
+    for claim in (statements.claim[0], statements.claim_heads[0]):
+        with broker.engine.connect() as db, db.begin() as transaction:
+            read = rows_read(db, database, claim, params)
+            transaction.rollback()
+        assert read < 1000, f"{read} rows read behind head {head.id}: {claim.text}"
+    with broker.engine.begin() as db:
+        assert broker.dialect.claim(db, spec, 4, 30.0) == [], "a row behind the head was taken"

@@ -44,6 +44,34 @@ def test_fifo_groups_hold_order_across_four_workers(ordering: Ordering) -> None:
     assert len({e.pid for e in entries}) == 4, "every worker should have taken rows"
 
 
+LONG, SHORT, OTHERS = 120, 30, 4
+
+
+@pytest.mark.slow
+def test_groups_behind_a_long_group_run_while_it_drains_across_three_workers(
+        ordering: Ordering) -> None:
+    """A group of LONG rows queued before the others fills every claim's window with rows
+    waiting behind its head in work: the other groups' heads are found group by group
+    (the claim's second statement), by 3 ``celery worker`` processes racing for them."""
+    app = ordering.app("jobs", "fifo")
+    turns = ["g0"] * LONG + [f"g{g}" for _ in range(SHORT) for g in range(1, OTHERS + 1)]
+    sent: dict[str, int] = {}
+    with app.producer_or_acquire() as producer:
+        for grp in turns:
+            app.send_task("ord.step", args=(grp, sent.setdefault(grp, 0), 0.1, 0.1),
+                          headers={"group_key": grp}, producer=producer)
+            sent[grp] += 1
+    workers = ordering.workers([f"w{n}" for n in range(3)], "jobs", "fifo", pool="threads",
+                               concurrency=4)
+    wait_for_count(ordering.log.done, len(turns), "rows done", workers, limit=240)
+
+    entries = ordering.log.entries()
+    check_serial_in_order(entries, sent)
+    last_long = max(e.started for e in entries if e.grp == "g0")
+    assert any(e.started < last_long for e in entries if e.grp != "g0"), (
+        "the other groups waited for the long group to drain")
+
+
 #: every claim form on every database that has it
 FORMS = [("postgresql", "lease"), ("mysql", "lease"), ("sqlite", "lease"),
          ("postgresql", "row_lock"), ("mysql", "row_lock"),
