@@ -84,7 +84,7 @@ def test_a_claim_passes_over_dead_rows_a_snapshot_keeps(
                 walked, _ = pages_read(db, database, broker, spec,
                                        broker.dialect.explain(spec), 0.0)
                 claim = broker.dialect.statements(spec).claim[0]
-                passed, plan = pages_read(db, database, broker, spec, claim, floor)
+                passed, _ = pages_read(db, database, broker, spec, claim, floor)
             with broker.engine.begin() as db:
                 claimed = broker.dialect.claim(db, spec, 8, 30)
     finally:
@@ -94,10 +94,9 @@ def test_a_claim_passes_over_dead_rows_a_snapshot_keeps(
     assert walked > DEAD // 10, (walked, passed)
     if database == "postgresql":  # the claim passes over them in the index
         assert passed < walked // 20, (walked, passed)
-    else:  # the candidates, then their rows by primary key; MariaDB's optimizer reads
-        # the candidates' range from the floor or from the priority's start by whim, so
-        # what it reads is not asserted here (see docs/performance.rst)
-        assert '"key": "PRIMARY"' in plan, plan
+    # MariaDB's optimizer reads the candidates' range from the floor, from the priority's
+    # start, or (when the table's statistics count only the few live rows) the whole
+    # table, by whim: what it reads is not asserted there (see docs/performance.rst)
 
 
 @pytest.mark.parametrize("database", ["postgresql", "mysql"], indirect=True)

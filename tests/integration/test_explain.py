@@ -150,7 +150,8 @@ def test_fifo_claim_reads_no_backlog_behind_a_head_in_work(
         (head,) = broker.dialect.claim(db, spec, 1, 3600.0)
     statements = broker.dialect.statements(spec)
     assert statements.claim_heads is not None
-    params = {"limit": 1, "window": 17, "lease": 30.0, "ids": [], "skip": []}
+    params = {"limit": 1, "window": 17, "lease": 30.0, "ids": [], "skip": [], "floor": 0.0,
+              "candidates": 2}
     for claim in (statements.claim[0], statements.claim_heads[0]):
         with broker.engine.connect() as db, db.begin() as transaction:
             read = rows_read(db, database, claim, params)
