@@ -30,7 +30,10 @@ def client_argv(db_url: str) -> tuple[list[str], dict[str, str]]:
                 "-P", str(url.port or 3306), "-u", str(url.username), *password,
                 str(url.database)], env
     assert backend == "sqlite", backend
-    return ["sqlite3", "-bail", "-separator", "\t", str(url.database)], env
+    # a writer beside the workers waits for the write lock they take to claim, as the
+    # transport's own connections do (busy timeout), instead of failing at once
+    return ["sqlite3", "-bail", "-cmd", ".timeout 30000", "-separator", "\t",
+            str(url.database)], env
 
 
 def run_sql(db_url: str, sql: str) -> list[list[str]]:
