@@ -8,7 +8,11 @@ does not keep gap locks on rows it passed over.
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 import re
+import stat
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +22,8 @@ from sqlalchemy.exc import DBAPIError
 
 from ..tables import ColumnSpec, Role, TableSpec
 from .base import Capabilities, Dialect, _expanding
+
+logger = logging.getLogger(__name__)
 
 NOW = "UTC_TIMESTAMP(6)"
 #: column types that hold at most 64 KiB: too small for a Celery message
@@ -58,6 +64,31 @@ class MySQLDialect(Dialect):
 
     def later(self, seconds: str) -> str:
         return f"{self.now} + INTERVAL ({seconds} * 1000000) MICROSECOND"
+
+    def signal_directory(self) -> str | None:
+        """MariaDB has no NOTIFY: consumers on the publisher's host are woken through
+        ``<temp dir>/sqlinbox-<uid>/<server and database>``, those elsewhere poll.
+
+        The root must be this user's alone (a stranger who made it first could watch or
+        remove the sockets): otherwise a warning, and polling."""
+        if self.engine is None:
+            return None
+        root = os.path.join(tempfile.gettempdir(), f"sqlinbox-{os.getuid()}")
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+            mode = os.lstat(root)
+        except OSError as exc:
+            logger.warning("sqlinbox: no same-host wake-ups through %s (%s); consumers poll",
+                           root, exc)
+            return None
+        if (not stat.S_ISDIR(mode.st_mode) or mode.st_uid != os.getuid()
+                or mode.st_mode & 0o077):
+            logger.warning("sqlinbox: no same-host wake-ups through %s: it is not a directory "
+                           "of this user's alone; consumers poll", root)
+            return None
+        url = self.engine.url
+        server = f"{url.host or 'localhost'}:{url.port or 3306}/{url.database or ''}"
+        return os.path.join(root, hashlib.sha256(server.encode()).hexdigest()[:16])
 
     # -- routing -----------------------------------------------------------------
     #: names compare byte for byte, as kombu's do (the default collation folds case)

@@ -2,7 +2,8 @@
 
 On PostgreSQL a publish NOTIFYs the table's channel in its own transaction and an
 idle consumer in another process, waiting in ``select()`` on its LISTEN socket,
-wakes at once. With ``notify=False`` (and on MariaDB and SQLite) only the
+wakes at once. On SQLite and MariaDB a publish signals the consumers of its own
+host through Unix sockets (the same-host signal). With ``notify=False`` only the
 polling interval finds the row -- except in the publishing process itself,
 whose consumers are poked in-process. Latency figures are in bench/ordering.py;
 these tests only bound them.
@@ -12,17 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import socket
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kombu import Consumer, Queue
-from sqlalchemy.engine import make_url
 
+from kombu_sqlinbox.dialects import dialect_for
 from tests.ordering.conftest import Ordering, publish
 from tests.processes import wait_until
 
@@ -111,14 +115,30 @@ def test_a_publish_wakes_a_consumer_of_the_same_process(ordering: Ordering) -> N
     assert len(delays) == MESSAGES and max(delays) < 0.5, delays
 
 
-# -- the same-host signal (SQLite) ------------------------------------------------------
+# -- the same-host signal (SQLite, MariaDB) ---------------------------------------------
 #: polling so slow that only the signal can explain a quick delivery
 NO_POLLING = {"polling_interval": 30, "polling_interval_min": 30}
+SIGNALLED = ["sqlite", "mysql"]
+
+
+@pytest.fixture
+def signalled(ordering: Ordering, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ordering]:
+    """``ordering`` with a temporary directory of the test's own, for this process and the
+    ones it starts: MariaDB's signal directory lies under it, so that no other test's
+    consumers of the same server share it (a short path: a Unix socket's must fit in 108
+    bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="wk", dir="/tmp"))
+    monkeypatch.setenv("TMPDIR", str(path))
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    yield ordering
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def signal_directory(ordering: Ordering) -> Path:
-    """Where the consumers of the test's SQLite file bind their sockets."""
-    return Path(f"{Path(make_url(ordering.db_url).database or '').resolve()}-wake")
+    """Where the consumers of the test's database on this host bind their sockets."""
+    directory = dialect_for(ordering.engine).signal_directory()
+    assert directory is not None, f"no same-host signal on {ordering.engine.dialect.name}"
+    return Path(directory)
 
 
 def sockets(directory: Path) -> list[Path]:
@@ -126,46 +146,46 @@ def sockets(directory: Path) -> list[Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("database", ["sqlite"])
+@pytest.mark.parametrize("database", SIGNALLED)
 def test_the_same_host_signal_wakes_a_consumer_in_another_process(
-        ordering: Ordering) -> None:
-    delays = delays_to_another_process(ordering, **NO_POLLING)
+        signalled: Ordering) -> None:
+    delays = delays_to_another_process(signalled, **NO_POLLING)
     assert max(delays) < 1.0, f"publish -> delivery took {delays} s with the signal"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("database", ["sqlite"])
+@pytest.mark.parametrize("database", SIGNALLED)
 def test_a_killed_consumers_socket_is_removed_and_nothing_is_lost(
-        ordering: Ordering) -> None:
+        signalled: Ordering) -> None:
     """``kill -9`` leaves the consumer's socket behind: the next publish finds it dead and
     removes it; its message goes, once, to the consumer started after."""
-    conn = ordering.connect("jobs", "plain", **NO_POLLING)
+    conn = signalled.connect("jobs", "plain", **NO_POLLING)
     conn.default_channel.queue_declare("jobs")
-    doomed = ordering.consumer("doomed", "jobs", "plain", mode="latency",
+    doomed = signalled.consumer("doomed", "jobs", "plain", mode="latency",
                                options=NO_POLLING, drain_timeout=60)
-    directory = signal_directory(ordering)
+    directory = signal_directory(signalled)
     left = wait_until(lambda: sockets(directory), 30, "the consumer's socket")
     doomed.kill()
     doomed.wait(10)
     assert sockets(directory) == left  # nobody removed it
     publish(conn, "jobs", [({"i": 0, "sent": time.time()}, {})])
     assert not sockets(directory), "the dead consumer's socket is still there"
-    ordering.consumer("next", "jobs", "plain", mode="latency", options=NO_POLLING,
+    signalled.consumer("next", "jobs", "plain", mode="latency", options=NO_POLLING,
                       drain_timeout=60, expect=2)
     publish(conn, "jobs", [({"i": 1, "sent": time.time()}, {})])
-    wait_until(partial(arrived, ordering, "next", 2), 20, "both messages to arrive",
+    wait_until(partial(arrived, signalled, "next", 2), 20, "both messages to arrive",
                interval=0.01)
-    assert len(arrivals(ordering, "next")) == 2
-    assert max(arrivals(ordering, "next")[1:]) < 1.0  # the live one is woken
+    assert len(arrivals(signalled, "next")) == 2
+    assert max(arrivals(signalled, "next")[1:]) < 1.0  # the live one is woken
 
 
 @pytest.mark.parametrize("database", ["sqlite"])
-def test_a_socket_whose_queue_is_full_does_not_fail_a_publish(ordering: Ordering) -> None:
+def test_a_socket_whose_queue_is_full_does_not_fail_a_publish(signalled: Ordering) -> None:
     """A consumer that reads its socket late: once its queue is full, sends to it fail
     (EAGAIN) and the publishes go on; the socket stays, as its process lives."""
-    conn = ordering.connect("jobs", "plain", **NO_POLLING)
+    conn = signalled.connect("jobs", "plain", **NO_POLLING)
     conn.default_channel.queue_declare("jobs")
-    directory = signal_directory(ordering)
+    directory = signal_directory(signalled)
     directory.mkdir(exist_ok=True)
     slow = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     slow.bind(str(directory / "slow"))
@@ -186,13 +206,13 @@ def test_a_socket_whose_queue_is_full_does_not_fail_a_publish(ordering: Ordering
 
 @pytest.mark.slow
 @pytest.mark.parametrize("database", ["sqlite"])
-def test_no_signal_directory_falls_back_to_polling(ordering: Ordering) -> None:
+def test_no_signal_directory_falls_back_to_polling(signalled: Ordering) -> None:
     """A file where the directory should be: consumers cannot bind (they poll) and
     publishers find no directory to list; every message still arrives, by polling."""
-    directory = signal_directory(ordering)
+    directory = signal_directory(signalled)
     directory.write_text("not a directory")
     polling = {"polling_interval": 0.3, "polling_interval_min": 0.3}
-    delays = delays_to_another_process(ordering, **polling)
+    delays = delays_to_another_process(signalled, **polling)
     assert len(delays) == MESSAGES and max(delays) < 5, delays
-    (idle,) = [proc for proc in ordering.processes.procs if proc.name == "idle"]
+    (idle,) = [proc for proc in signalled.processes.procs if proc.name == "idle"]
     assert "no same-host wake-ups" in idle.output()
