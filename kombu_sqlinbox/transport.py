@@ -177,6 +177,8 @@ class Channel(virtual.Channel):
         self._busy_keys: set[tuple[str, Any]] = set()
         #: the last claim was skipped for want of a free prefetch slot
         self._starved = False
+        #: when each transient queue of this channel was last claimed and found empty
+        self._found_empty: dict[str, float] = {}
         #: auto-delete queues declared here: deleted when their last consumer here goes
         self._auto_delete: set[str] = set()
         #: exclusive queues declared here: deleted when this channel closes
@@ -261,13 +263,18 @@ class Channel(virtual.Channel):
         while True:
             row = self._next_free(queue, buffer)
             if row is None:
-                if table.transient and self._ready_elsewhere(queue):
+                if table.transient and self._transient_may_wait(queue):
                     raise Empty()
                 limit = self._claim_size()
                 if limit <= 0:
                     self._starved = True
                     raise Empty()
                 claimed = self.broker.claim(table, limit, self._keys_in_work(queue))
+                if table.transient:
+                    if not claimed:
+                        self._found_empty[queue] = monotonic()
+                else:
+                    self.connection.working = bool(claimed)
                 if not claimed:
                     raise Empty()
                 buffer.extend(claimed)
@@ -275,6 +282,19 @@ class Channel(virtual.Channel):
             message = self._deliverable(table, row)
             if message is not None:
                 return message
+
+    def _transient_may_wait(self, queue: str) -> bool:
+        """Whether a transient queue (a worker's remote-control queue, a reply queue) may
+        skip this round, as kombu asks every queue in turn: while another queue of the
+        connection has a row ready to go out, and, while the last claim of a queue table
+        found rows, for a polling interval after the queue was found empty. A busy
+        worker then claims its remote-control queue a few times a second, not once per
+        claim of its task queue; an idle one, at every round."""
+        if self._ready_elsewhere(queue):
+            return True
+        found_empty = self._found_empty.get(queue)
+        return (self.connection.working and found_empty is not None
+                and monotonic() - found_empty < self.connection.polling_interval)
 
     def _ready_elsewhere(self, queue: str) -> bool:
         """Whether another queue of this connection (any channel) has a buffered row that
@@ -494,6 +514,8 @@ class Transport(virtual.Transport):
         self.polling_interval = self.options.polling_interval
         self.cadence = Cadence(self.options.polling_interval_min, self.options.polling_backoff)
         self._broker: Broker | None = None
+        #: whether the last claim of a queue table (not a transient queue) found rows
+        self.working = False
         self._loop: Any = None  # the kombu hub consumed from, if any
         self._readers: dict[int, Any] = {}
         self._poll_timer: Any = None
