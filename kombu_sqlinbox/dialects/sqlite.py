@@ -6,9 +6,12 @@ stable within one statement, so a claim compares every row with one instant.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sqlite3
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -22,6 +25,68 @@ from ..tables import ColumnSpec, Role, TableSpec
 from .base import Capabilities, Dialect, _expanding
 
 NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+#: seconds a statement waits for the database's write lock
+BUSY_TIMEOUT = 30.0
+
+logger = logging.getLogger(__name__)
+
+
+class ForkGate:
+    """Holds ``fork()`` back while a connection of ours is in use in this process.
+
+    SQLite keeps each file's locks in process-wide memory, and a forked child inherits
+    that memory: if another thread held the write lock at the fork (a claim, a lease
+    extension), the child believes forever that some connection of its own holds it,
+    and every write it tries waits out the busy timeout and fails with "database is
+    locked" (a Celery prefork pool replacing a dead process forks at any moment). So
+    the fork waits until no connection is checked out, and none is checked out until
+    the fork is done; both waits are bounded, since a thread that holds a connection
+    while it forks would wait for itself.
+    """
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self._changed = threading.Condition()
+        self._in_use = 0
+        self._forking = False
+
+    def checkout(self, *_: Any) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: not self._forking, self.limit)
+            self._in_use += 1
+
+    def checkin(self, *_: Any) -> None:
+        with self._changed:
+            self._in_use = max(0, self._in_use - 1)
+            self._changed.notify_all()
+
+    def before_fork(self) -> None:
+        deadline = time.monotonic() + self.limit
+        with self._changed:
+            self._forking = True
+            if not self._changed.wait_for(lambda: self._in_use == 0,
+                                          deadline - time.monotonic()):
+                logger.warning(
+                    "sqlinbox: forking while %d SQLite connections are in use for %.0fs; "
+                    "the child may find the database locked", self._in_use, self.limit)
+
+    def after_fork_in_parent(self) -> None:
+        with self._changed:
+            self._forking = False
+            self._changed.notify_all()
+
+    def after_fork_in_child(self) -> None:
+        """The child's threads are gone: nothing of its own is in use."""
+        self._changed = threading.Condition()
+        self._in_use = 0
+        self._forking = False
+
+
+#: the gate of every SQLite engine of this process
+FORK_GATE = ForkGate(BUSY_TIMEOUT + 5.0)
+os.register_at_fork(before=FORK_GATE.before_fork,
+                    after_in_parent=FORK_GATE.after_fork_in_parent,
+                    after_in_child=FORK_GATE.after_fork_in_child)
 
 
 def _regexp(pattern: str, value: str) -> bool:
@@ -122,8 +187,11 @@ class SQLiteDialect(Dialect):
     def prepare_engine(self, engine: Engine, sqlite_begin: str = "IMMEDIATE") -> None:
         """pysqlite's own BEGIN is off (:meth:`on_connect`); ours takes the write lock up
         front (IMMEDIATE) unless a connection asks otherwise (execution option
-        ``sqlite_begin``), so a transaction never fails to upgrade a read lock half-way."""
+        ``sqlite_begin``), so a transaction never fails to upgrade a read lock half-way.
+        Its connections are in use only between forks (:class:`ForkGate`)."""
         super().prepare_engine(engine)
+        event.listen(engine, "checkout", FORK_GATE.checkout)
+        event.listen(engine, "checkin", FORK_GATE.checkin)
         event.listen(engine, "begin", lambda conn: conn.exec_driver_sql(
             "BEGIN " + conn.get_execution_options().get("sqlite_begin", sqlite_begin)))
 
@@ -140,7 +208,7 @@ class SQLiteDialect(Dialect):
         dbapi_connection.create_function("regexp", 2, _regexp, deterministic=True)
 
     #: seconds a statement waits for the database's write lock
-    busy_timeout = 30.0
+    busy_timeout = BUSY_TIMEOUT
 
     # -- outbox (celery_ext.outbox) ------------------------------------------------
     outbox_column_types = {
