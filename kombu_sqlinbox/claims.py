@@ -845,7 +845,8 @@ class LocalSignal:
             try:
                 self._sender.sendto(b"!", path)
             except ConnectionRefusedError:  # nobody reads it: its process died
-                with contextlib.suppress(OSError):  # another publisher removed it first
+                # another publisher removed it first, or it is no socket (a directory)
+                with contextlib.suppress(OSError):
                     os.unlink(path)
             except OSError:  # its queue is full (a wake-up is pending), or it just went
                 pass
@@ -938,7 +939,9 @@ class Wakeup:
                 session.exec_driver_sql(self.dialect.relaxed_session)
                 session.commit()
         except Exception:
-            session.close()
+            # the driver's own close: the session's would roll back first and, on a
+            # broken connection, give up before closing it
+            connection.close()
             raise
         self._listener = connection
         return session
