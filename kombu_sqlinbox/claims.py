@@ -114,18 +114,30 @@ class LeaseClaims(ClaimForm):
         #: runs the claim statement: by default a transaction of the pool's whose commit
         #: does not wait for the disk; the broker's :meth:`Wakeup.claim`
         self.run_claim: ClaimRunner = run_claim or database.run_fenced
+        #: tables whose last claim took rows: the next claims without a read first
+        self._busy: set[QueueTable] = set()
 
     def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
-        """Lease up to ``limit`` rows and register them with the keeper before returning."""
+        """Lease up to ``limit`` rows and register them with the keeper before returning.
+        After a claim that took nothing, where the dialect has a read for it
+        (:meth:`.Dialect.any_ready`), claim only once that read finds a ready row."""
         dialect = self.dialect
         lease = table.options.visibility_timeout
 
         def claim(conn: Connection) -> list[ClaimedRow]:
             return dialect.claim(conn, table.spec, limit, lease, skip=skip)
 
+        probe = dialect.statements(table.spec).any_ready
+        if probe is not None and table not in self._busy and self.database.run(
+                lambda conn: conn.execute(probe).first(), read_only=True) is None:
+            return []  # a row ready from now on is found by the next round
         # a claim repeated after a lost commit reply takes other rows; the rows of the
         # first come back after one lease, their attempt counted, as after a crash
         rows = self.keeper.folded(claim, self.run_claim)
+        if rows:
+            self._busy.add(table)
+        else:
+            self._busy.discard(table)
         self.keeper.hold(self.held_for(table, row) for row in rows)
         return rows
 
