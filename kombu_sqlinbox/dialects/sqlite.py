@@ -11,7 +11,7 @@ import os
 import re
 import sqlite3
 import threading
-import time
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -32,43 +32,51 @@ logger = logging.getLogger(__name__)
 
 
 class ForkGate:
-    """Holds ``fork()`` back while a connection of ours is in use in this process.
+    """Holds ``fork()`` back while another thread has a connection of ours in use.
 
     SQLite keeps each file's locks in process-wide memory, and a forked child inherits
     that memory: if another thread held the write lock at the fork (a claim, a lease
     extension), the child believes forever that some connection of its own holds it,
     and every write it tries waits out the busy timeout and fails with "database is
     locked" (a Celery prefork pool replacing a dead process forks at any moment). So
-    the fork waits until no connection is checked out, and none is checked out until
-    the fork is done; both waits are bounded, since a thread that holds a connection
-    while it forks would wait for itself.
+    the fork waits until the other threads have given their connections back, and none
+    is checked out until the fork is done. The forking thread's own connections cannot
+    be waited for: a fork inside one's own transaction is only warned about, as is a
+    wait that ran out.
     """
+
+    #: where a checked-out connection's record keeps the thread that took it
+    KEY = "sqlinbox_fork_gate_thread"
 
     def __init__(self, limit: float) -> None:
         self.limit = limit
         self._changed = threading.Condition()
-        self._in_use = 0
+        self._in_use: Counter[int] = Counter()
         self._forking = False
 
-    def checkout(self, *_: Any) -> None:
+    def checkout(self, dbapi_connection: Any, record: Any, proxy: Any) -> None:
         with self._changed:
             self._changed.wait_for(lambda: not self._forking, self.limit)
-            self._in_use += 1
+            record.info[self.KEY] = thread = threading.get_ident()
+            self._in_use[thread] += 1
 
-    def checkin(self, *_: Any) -> None:
+    def checkin(self, dbapi_connection: Any, record: Any) -> None:
+        thread = record.info.pop(self.KEY, None)
         with self._changed:
-            self._in_use = max(0, self._in_use - 1)
+            if self._in_use[thread] > 0:  # else taken before the fork, in the parent
+                self._in_use[thread] -= 1
             self._changed.notify_all()
 
     def before_fork(self) -> None:
-        deadline = time.monotonic() + self.limit
+        me = threading.get_ident()
         with self._changed:
             self._forking = True
-            if not self._changed.wait_for(lambda: self._in_use == 0,
-                                          deadline - time.monotonic()):
+            self._changed.wait_for(
+                lambda: all(thread == me for thread in +self._in_use), self.limit)
+            if +self._in_use:
                 logger.warning(
-                    "sqlinbox: forking while %d SQLite connections are in use for %.0fs; "
-                    "the child may find the database locked", self._in_use, self.limit)
+                    "sqlinbox: forking while %d SQLite connections are in use; the child "
+                    "may find the database locked", sum(self._in_use.values()))
 
     def after_fork_in_parent(self) -> None:
         with self._changed:
@@ -76,9 +84,9 @@ class ForkGate:
             self._changed.notify_all()
 
     def after_fork_in_child(self) -> None:
-        """The child's threads are gone: nothing of its own is in use."""
+        """The child's other threads are gone, and its own connections are the parent's."""
         self._changed = threading.Condition()
-        self._in_use = 0
+        self._in_use = Counter()
         self._forking = False
 
 
