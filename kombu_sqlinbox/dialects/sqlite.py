@@ -50,14 +50,15 @@ class ForkGate:
 
     def __init__(self, limit: float) -> None:
         self.limit = limit
-        self._changed = threading.Condition()
+        self._changed = threading.Condition(threading.Lock())
         self._in_use: Counter[int] = Counter()
         self._forking = False
 
     def checkout(self, dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        thread = record.info[self.KEY] = threading.get_ident()
         with self._changed:
-            self._changed.wait_for(lambda: not self._forking, self.limit)
-            record.info[self.KEY] = thread = threading.get_ident()
+            if self._forking:
+                self._changed.wait_for(lambda: not self._forking, self.limit)
             self._in_use[thread] += 1
 
     def checkin(self, dbapi_connection: Any, record: Any) -> None:
@@ -85,7 +86,7 @@ class ForkGate:
 
     def after_fork_in_child(self) -> None:
         """The child's other threads are gone, and its own connections are the parent's."""
-        self._changed = threading.Condition()
+        self._changed = threading.Condition(threading.Lock())
         self._in_use = Counter()
         self._forking = False
 
