@@ -19,6 +19,7 @@ from sqlalchemy import TextClause, create_engine
 from sqlalchemy.engine import make_url
 
 from kombu_sqlinbox.dialects import Dialect, MySQLDialect, SQLiteDialect, Statements, dialect_for
+from kombu_sqlinbox.dialects.base import CANDIDATES, FLOOR_MARGIN
 from kombu_sqlinbox.tables import default_table, table_name_for_queue
 
 from .registry import Cell, scenario
@@ -153,9 +154,10 @@ class RawQueue:
         cursor = self.conn.cursor()
         taken = 0
         started = time.perf_counter()
+        floor = self.floor(cursor)
         while taken < count:
             self.begin(cursor)
-            rows = self.claim(cursor, batch)
+            rows = self.claim(cursor, batch, floor)
             tokens: dict[int, list[int]] = defaultdict(list)
             for row in rows:
                 tokens[row[1]].append(row[0])
@@ -167,10 +169,22 @@ class RawQueue:
             taken += len(rows)
         return taken, time.perf_counter() - started
 
-    def claim(self, cursor: Any, limit: int) -> list[tuple[int, int]]:
-        """(id, attempt) of the claimed rows, as ``Dialect.claim`` does it for this database."""
+    def floor(self, cursor: Any) -> dict[str, float]:
+        """The claim floor's parameter where claims take one (``Dialect.claim_floor``),
+        read once per :meth:`consume`: rows only leave the table while it runs, so the
+        oldest ready time does not go down."""
+        if self.statements.floor is None:
+            return {}
+        self.execute(cursor, self.statements.floor, {})
+        (oldest,) = cursor.fetchone()
+        return {"floor": float(oldest) - FLOOR_MARGIN}
+
+    def claim(self, cursor: Any, limit: int, floor: dict[str, float]) -> list[tuple[int, int]]:
+        """(id, attempt) of the claimed rows, as ``Dialect.claim`` does it for this database
+        (``floor``: from :meth:`floor`)."""
         first, *lease = self.statements.claim
-        self.execute(cursor, first, {"limit": limit, "lease": LEASE})
+        self.execute(cursor, first, {"limit": limit, "lease": LEASE,
+                                     "candidates": limit * CANDIDATES, **floor})
         rows = [(row[0], row[1]) for row in cursor.fetchall()]
         if lease and rows:  # MySQL: SELECT ... FOR UPDATE SKIP LOCKED, then lease those ids
             self.execute(cursor, lease[0], {"lease": LEASE}, [row[0] for row in rows])

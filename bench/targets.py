@@ -38,6 +38,9 @@ BROKERS = SQL_BROKERS + SERVER_BROKERS
 #: the polling interval every polling transport gets (kombu's virtual transports sleep it
 #: between empty polls; Redis and RabbitMQ push instead)
 POLLING_INTERVAL = 0.1
+#: one per bench process: kombu sqla declares its model classes, and with them its table
+#: names (``<prefix>kombu_queue``), once per process, so every context uses the same ones
+RUN_ID = uuid.uuid4().hex[:6]
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class Context:
     sizes: Sizes = field(default_factory=Sizes)
     #: driver of the sqlinbox and sqla PostgreSQL URLs (the raw loop is psycopg2 throughout)
     pg_driver: str = "psycopg2"
-    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    run_id: str = RUN_ID
     scratch: Path = field(init=False)
     _names: int = 0
 
@@ -150,12 +153,24 @@ class Context:
 
         close_all()
         gc.collect()  # let closed kombu sqla channels give their sessions back
+        forget_kombu_sqla_engines()
         for url in SERVERS.values():
             try:
                 drop_tables(url, self.prefix)
             except Exception as exc:  # a server that is down has nothing of ours
                 print(f"cleanup of {url}: {gist(str(exc))}", file=sys.stderr)
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def forget_kombu_sqla_engines() -> None:
+    """Close kombu sqla's engines: it creates its tables when it first opens an engine for
+    a URL and keeps that engine for the process, so once this run dropped the tables the
+    next context's first channel must open (and create them) anew."""
+    from kombu.transport.sqlalchemy import Channel
+
+    for engine, _ in Channel._engines.values():
+        engine.dispose()
+    Channel._engines.clear()
 
 
 def drop_tables(url: str, prefix: str) -> None:

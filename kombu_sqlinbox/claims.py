@@ -114,18 +114,30 @@ class LeaseClaims(ClaimForm):
         #: runs the claim statement: by default a transaction of the pool's whose commit
         #: does not wait for the disk; the broker's :meth:`Wakeup.claim`
         self.run_claim: ClaimRunner = run_claim or database.run_fenced
+        #: tables whose last claim took rows: the next claims without a read first
+        self._busy: set[QueueTable] = set()
 
     def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
-        """Lease up to ``limit`` rows and register them with the keeper before returning."""
+        """Lease up to ``limit`` rows and register them with the keeper before returning.
+        After a claim that took nothing, where the dialect has a read for it
+        (:meth:`.Dialect.any_ready`), claim only once that read finds a ready row."""
         dialect = self.dialect
         lease = table.options.visibility_timeout
 
         def claim(conn: Connection) -> list[ClaimedRow]:
             return dialect.claim(conn, table.spec, limit, lease, skip=skip)
 
+        probe = dialect.statements(table.spec).any_ready
+        if probe is not None and table not in self._busy and self.database.run(
+                lambda conn: conn.execute(probe).first(), read_only=True) is None:
+            return []  # a row ready from now on is found by the next round
         # a claim repeated after a lost commit reply takes other rows; the rows of the
         # first come back after one lease, their attempt counted, as after a crash
         rows = self.keeper.folded(claim, self.run_claim)
+        if rows:
+            self._busy.add(table)
+        else:
+            self._busy.discard(table)
         self.keeper.hold(self.held_for(table, row) for row in rows)
         return rows
 
@@ -845,7 +857,8 @@ class LocalSignal:
             try:
                 self._sender.sendto(b"!", path)
             except ConnectionRefusedError:  # nobody reads it: its process died
-                with contextlib.suppress(OSError):  # another publisher removed it first
+                # another publisher removed it first, or it is no socket (a directory)
+                with contextlib.suppress(OSError):
                     os.unlink(path)
             except OSError:  # its queue is full (a wake-up is pending), or it just went
                 pass
@@ -938,7 +951,9 @@ class Wakeup:
                 session.exec_driver_sql(self.dialect.relaxed_session)
                 session.commit()
         except Exception:
-            session.close()
+            # the driver's own close: the session's would roll back first and, on a
+            # broken connection, give up before closing it
+            connection.close()
             raise
         self._listener = connection
         return session

@@ -100,6 +100,9 @@ class Statements:
     #: the epoch seconds of the table's oldest ready time (now, when it is empty), where
     #: claims take a floor (:attr:`Dialect.floor_time`)
     floor: TextClause | None = None
+    #: one row if any may be ready, read before a claim where claiming takes a lock for
+    #: the whole database (:meth:`Dialect.any_ready`)
+    any_ready: TextClause | None = None
 
 
 @dataclass(frozen=True)
@@ -573,7 +576,14 @@ class Dialect:
             purge=text(f"DELETE FROM {f['table']} {waiting}"),
             drop=text(self.drop_ddl(spec)),
             floor=floor,
+            any_ready=self.any_ready(spec),
         )
+
+    def any_ready(self, spec: TableSpec) -> TextClause | None:
+        """A read that finds a row a claim could take, if there is one, run before the
+        claim so that an idle consumer's rounds take no write lock; None where an empty
+        claim locks nothing (a server's claim locks only the rows it takes)."""
+        return None
 
     # -- operations --------------------------------------------------------
     def insert_params(

@@ -6,14 +6,17 @@ stable within one statement, so a claim compares every row with one instant.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sqlite3
+import threading
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Connection, TextClause, event
+from sqlalchemy import Connection, TextClause, event, text
 from sqlalchemy import types as sqltypes
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
@@ -22,6 +25,77 @@ from ..tables import ColumnSpec, Role, TableSpec
 from .base import Capabilities, Dialect, _expanding
 
 NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+#: seconds a statement waits for the database's write lock
+BUSY_TIMEOUT = 30.0
+
+logger = logging.getLogger(__name__)
+
+
+class ForkGate:
+    """Holds ``fork()`` back while another thread has a connection of ours in use.
+
+    SQLite keeps each file's locks in process-wide memory, and a forked child inherits
+    that memory: if another thread held the write lock at the fork (a claim, a lease
+    extension), the child believes forever that some connection of its own holds it,
+    and every write it tries waits out the busy timeout and fails with "database is
+    locked" (a Celery prefork pool replacing a dead process forks at any moment). So
+    the fork waits until the other threads have given their connections back, and none
+    is checked out until the fork is done. The forking thread's own connections cannot
+    be waited for: a fork inside one's own transaction is only warned about, as is a
+    wait that ran out.
+    """
+
+    #: where a checked-out connection's record keeps the thread that took it
+    KEY = "sqlinbox_fork_gate_thread"
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self._changed = threading.Condition(threading.Lock())
+        self._in_use: Counter[int] = Counter()
+        self._forking = False
+
+    def checkout(self, dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        thread = record.info[self.KEY] = threading.get_ident()
+        with self._changed:
+            if self._forking:
+                self._changed.wait_for(lambda: not self._forking, self.limit)
+            self._in_use[thread] += 1
+
+    def checkin(self, dbapi_connection: Any, record: Any) -> None:
+        thread = record.info.pop(self.KEY, None)
+        with self._changed:
+            if self._in_use[thread] > 0:  # else taken before the fork, in the parent
+                self._in_use[thread] -= 1
+            self._changed.notify_all()
+
+    def before_fork(self) -> None:
+        me = threading.get_ident()
+        with self._changed:
+            self._forking = True
+            self._changed.wait_for(
+                lambda: all(thread == me for thread in +self._in_use), self.limit)
+            if +self._in_use:
+                logger.warning(
+                    "sqlinbox: forking while %d SQLite connections are in use; the child "
+                    "may find the database locked", sum(self._in_use.values()))
+
+    def after_fork_in_parent(self) -> None:
+        with self._changed:
+            self._forking = False
+            self._changed.notify_all()
+
+    def after_fork_in_child(self) -> None:
+        """The child's other threads are gone, and its own connections are the parent's."""
+        self._changed = threading.Condition(threading.Lock())
+        self._in_use = Counter()
+        self._forking = False
+
+
+#: the gate of every SQLite engine of this process
+FORK_GATE = ForkGate(BUSY_TIMEOUT + 5.0)
+os.register_at_fork(before=FORK_GATE.before_fork,
+                    after_in_parent=FORK_GATE.after_fork_in_parent,
+                    after_in_child=FORK_GATE.after_fork_in_child)
 
 
 def _regexp(pattern: str, value: str) -> bool:
@@ -94,6 +168,15 @@ class SQLiteDialect(Dialect):
         )
         return (_expanding(claim),)
 
+    def any_ready(self, spec: TableSpec) -> TextClause:
+        """A claim begins with the write lock on the whole file, which every publisher
+        waits for: an idle consumer reads first (in WAL, beside any writer). The claim's
+        readiness, without its FIFO head check (a row it finds that is not a head only
+        costs one claim that takes nothing), in claim order: the claim index's walk."""
+        ready = self.ready_filter(spec, heads=False)
+        return text(f"SELECT 1 FROM {self.fields(spec)['table']} AS r WHERE {ready} "
+                    f"ORDER BY {self.claim_order(spec, 'r')} LIMIT 1")
+
     def later(self, seconds: str) -> str:
         return f"{self.now} + {seconds}"
 
@@ -122,8 +205,11 @@ class SQLiteDialect(Dialect):
     def prepare_engine(self, engine: Engine, sqlite_begin: str = "IMMEDIATE") -> None:
         """pysqlite's own BEGIN is off (:meth:`on_connect`); ours takes the write lock up
         front (IMMEDIATE) unless a connection asks otherwise (execution option
-        ``sqlite_begin``), so a transaction never fails to upgrade a read lock half-way."""
+        ``sqlite_begin``), so a transaction never fails to upgrade a read lock half-way.
+        Its connections are in use only between forks (:class:`ForkGate`)."""
         super().prepare_engine(engine)
+        event.listen(engine, "checkout", FORK_GATE.checkout)
+        event.listen(engine, "checkin", FORK_GATE.checkin)
         event.listen(engine, "begin", lambda conn: conn.exec_driver_sql(
             "BEGIN " + conn.get_execution_options().get("sqlite_begin", sqlite_begin)))
 
@@ -140,7 +226,7 @@ class SQLiteDialect(Dialect):
         dbapi_connection.create_function("regexp", 2, _regexp, deterministic=True)
 
     #: seconds a statement waits for the database's write lock
-    busy_timeout = 30.0
+    busy_timeout = BUSY_TIMEOUT
 
     # -- outbox (celery_ext.outbox) ------------------------------------------------
     outbox_column_types = {

@@ -18,6 +18,7 @@ from sqlalchemy.exc import DBAPIError
 from kombu_sqlinbox import ConfigurationError, TableBuilder, TableSpec, default_table
 from kombu_sqlinbox.claims import ClaimForm, LeaseClaims, LeaseKeeper, RowLockClaims
 from kombu_sqlinbox.database import Database
+from kombu_sqlinbox.dialects.sqlite import SQLiteDialect
 from kombu_sqlinbox.options import QueueOptions
 from kombu_sqlinbox.rows import ClaimedRow, QueueTable, Settlement
 from tests.tcp_proxy import Proxy
@@ -181,6 +182,28 @@ def test_row_lock_claims_hold_a_connection_per_row_until_it_settles(
     assert (again.id, again.attempt) == (released.id, 2)
     form.settle(Settlement.COMPLETE, form.held_for(table, again))
     assert rows(engine, name) == []
+
+
+@pytest.mark.databases("sqlite")
+def test_an_idle_consumers_claims_take_no_write_lock(
+    table_prefix: str, db: Database, keeper: LeaseKeeper, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While another transaction holds the file's write lock (here one publishing), claims
+    of a queue with nothing ready -- a row in work, none waiting -- read and return at
+    once instead of waiting for the lock (and failing after the busy timeout); the row
+    published is claimed by the first round after its commit."""
+    monkeypatch.setattr(SQLiteDialect, "busy_timeout", 0.2)  # a wait fails in seconds
+    form = LeaseClaims(db, keeper)
+    table = queue_table(db, default_table(f"{table_prefix}jobs"), form)
+    publish(db, table, "m0")
+    assert bodies(form.claim(table, 5)) == ["m0"]
+    assert form.claim(table, 5) == []  # the queue is idle from now on
+    with db.engine.begin() as conn:  # BEGIN IMMEDIATE: the write lock
+        db.dialect.publish(conn, table.spec, [db.dialect.insert_params(b"m1", None, 0, None)])
+        for _ in range(5):
+            assert form.claim(table, 5) == []
+    assert bodies(form.claim(table, 5)) == ["m1"]
+    assert bodies(form.claim(table, 5)) == []
 
 
 @pytest.mark.databases("sqlite")

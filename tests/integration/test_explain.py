@@ -1,4 +1,5 @@
-"""The claim's row selection uses the claim index on a big queue (PostgreSQL, MariaDB/MySQL)."""
+"""The claim's row selection uses the claim index on a big queue (PostgreSQL, MariaDB/MySQL),
+and so does SQLite's read before a claim."""
 
 from __future__ import annotations
 
@@ -67,6 +68,24 @@ def test_claim_selection_uses_the_claim_index(connect: Connect, database: str) -
         assert "type=ALL" not in row, row
         assert f"key={index}" in row, row
         assert "filesort" not in row, row
+
+
+@pytest.mark.parametrize("database", ["sqlite"], indirect=True)
+def test_sqlite_read_before_a_claim_walks_the_claim_index(connect: Connect,
+                                                          database: str) -> None:
+    conn = connect()
+    conn.default_channel.queue_declare("jobs")
+    broker = broker_of(conn)
+    spec = broker.table("jobs").spec
+    statement = broker.dialect.statements(spec).any_ready
+    assert statement is not None
+    index = broker.dialect.index_name(spec).strip('"`')
+    with broker.engine.begin() as db:
+        db.execute(text(bulk_insert_sql(database, quoted(broker.engine, spec.table))))
+        db.execute(text("ANALYZE"))
+        shown = "\n".join(broker.dialect.plan_lines(db, broker.dialect.explained(statement),
+                                                    {}))
+    assert broker.dialect.plan_problem(shown, index) is None, shown
 
 
 @pytest.mark.parametrize("database", ["postgresql", "mysql"], indirect=True)

@@ -5,6 +5,7 @@ connection, and the per-queue ``synchronous_commit`` of publishes (figures:
 from __future__ import annotations
 
 import contextlib
+import logging
 import select
 import time
 from collections.abc import Callable
@@ -18,8 +19,10 @@ from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox import binding
 from kombu_sqlinbox.claims import Wakeup
+from kombu_sqlinbox.database import Database
 from tests.integration.conftest import Connect
 from tests.integration.support import broker_of, publish, table_of, wait_for
+from tests.tcp_proxy import Proxy
 
 #: a consumer that only polls (no NOTIFY, no same-host signal), backing off quickly
 BACKOFF = {"notify": False, "polling_interval": 0.4, "polling_interval_min": 0.01,
@@ -161,6 +164,35 @@ def test_a_claim_on_a_dead_listen_connection_goes_to_the_pool(
     assert got == [{"i": 2}]  # nothing twice, nothing lost
     assert conn.default_channel.basic_get("jobs") is None
     consumer.cancel()
+
+
+@pytest.mark.parametrize("database", ["postgresql"])
+def test_a_listen_connection_that_breaks_while_it_is_set_up_is_given_up_then_made_anew(
+        db_url: str, proxy: Proxy, caplog: pytest.LogCaptureFixture) -> None:
+    """The pooled connection the listener takes broke while it waited in the pool (a server
+    restart, a firewall): its LISTEN fails, the connection is closed as it is (detached
+    from the pool, nothing else would close it; no rollback is tried on it, whose failure
+    would be logged as an error), the consumer polls with a warning, and its next wait
+    connects a listener on a new connection."""
+    database = Database.open(proxy.url(db_url))
+    wakeup = Wakeup(database, local=False)
+    taken: list[Any] = []
+    event.listen(database.engine, "checkout", lambda dbapi, record, fairy: taken.append(dbapi))
+    caplog.set_level(logging.WARNING)
+    try:
+        with database.engine.connect() as conn:  # one connection waits in the pool
+            conn.execute(text("SELECT 1"))
+        proxy.cut()  # and breaks there
+        wakeup.listen("jobs")
+        assert wakeup.sources() == [wakeup._read], "a broken listener is waited on"
+        assert "LISTEN connection failed" in caplog.text
+        assert taken[-1].closed
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+        sources = wakeup.sources()
+        assert wakeup._listener is not None and sources == [wakeup._read, wakeup._listener]
+    finally:
+        wakeup.close()
+        database.engine.dispose()
 
 
 @pytest.mark.parametrize("database", ["postgresql"])

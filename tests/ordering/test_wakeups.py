@@ -204,6 +204,22 @@ def test_a_socket_whose_queue_is_full_does_not_fail_a_publish(signalled: Orderin
     assert sorted(m.payload["i"] for m in got if m is not None) == list(range(30))
 
 
+@pytest.mark.parametrize("database", ["sqlite"])
+def test_an_entry_that_refuses_wake_ups_and_cannot_be_removed_does_not_fail_a_publish(
+        ordering: Ordering) -> None:
+    """A dead consumer's socket that another publisher removed first, or an entry that is
+    no socket at all (a directory here: it refuses the byte, and cannot be unlinked): the
+    publisher leaves it and its publish goes on."""
+    conn = ordering.connect("jobs", "plain", **NO_POLLING)
+    conn.default_channel.queue_declare("jobs")
+    directory = signal_directory(ordering)
+    (directory / "stray").mkdir(parents=True)
+    publish(conn, "jobs", [({"i": 0, "sent": time.time()}, {})])
+    assert sockets(directory) == [directory / "stray"]
+    message = conn.default_channel.basic_get("jobs")
+    assert message is not None and message.payload["i"] == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("database", ["sqlite"])
 def test_no_signal_directory_falls_back_to_polling(signalled: Ordering) -> None:
