@@ -3,20 +3,22 @@
     python bench/mvcc.py [--databases postgresql,mysql] [--mvcc-minutes N]
                          [--mvcc-rate MSG_S] [--mvcc-prefetch N] [--mvcc-sample S]
 
-Also a section of ``bench/run.py`` (``--sections mvcc``; ``--quick``: 1 minute). For each
-server database, at the same time: a publisher process sends ``--mvcc-rate`` messages a
-second, paced, into a queue that a consumer process (the transport's kombu consumer at
-``--mvcc-prefetch``, acking each message) drains, while a third session holds a
-transaction open the whole time (PostgreSQL: REPEATABLE READ after a read, with an
-xid; MariaDB: ``START TRANSACTION WITH CONSISTENT SNAPSHOT`` and a read), so neither
-vacuum nor InnoDB purge can remove what the queue deletes. Every ``--mvcc-sample``
-seconds a line: messages published and acked in the window, the backlog (published,
-not yet acked), the claims' p50/p99 in the window (each claim statement timed in the
-consumer by wrapping the dialect's claim), and the dead rows: PostgreSQL's
-``n_dead_tup``/``n_live_tup`` and table+index size, MariaDB's history list length
-and table size. PostgreSQL runs in a database of its own (``<db>_mvcc``, created
-when missing) so the held snapshot stops vacuum there only. MariaDB's purge is
-server-wide: the run holds it back for everyone on the server.
+Also a section of ``bench/run.py`` (``--sections mvcc``; ``--quick``: 1 minute). For
+each server database, at the same time: a publisher process sends ``--mvcc-rate``
+messages a second (a batch every 50 ms, one transaction each) into a queue that a
+consumer process (the transport's kombu consumer at ``--mvcc-prefetch``, acking each
+message) drains, while a third session holds a transaction open the whole time
+(PostgreSQL: REPEATABLE READ after a read, with an xid; MariaDB: ``START TRANSACTION
+WITH CONSISTENT SNAPSHOT`` and a read), so neither vacuum nor InnoDB purge can remove
+what the queue deletes. Every ``--mvcc-sample`` seconds a line: messages published and
+acked in the window, the backlog (published, not yet acked), the claims' p50/p99 in the
+window (each claim statement timed in the consumer by wrapping the dialect's claim), the
+pages one claim reads (PostgreSQL's buffers, MariaDB's pages accessed: the claim run
+once under ``EXPLAIN ANALYZE``, rolled back; a figure the machine's load does not
+disturb), and the dead rows: PostgreSQL's ``n_dead_tup``/``n_live_tup`` and table+index
+size, MariaDB's history list length and table size. PostgreSQL runs in a database of its
+own (``<db>_mvcc``, created when missing) so the held snapshot stops vacuum there only.
+MariaDB's purge is server-wide: the run holds it back for everyone on the server.
 Not a test: the figures depend on the machine and on whatever else runs on it.
 """
 
@@ -39,6 +41,7 @@ from kombu import Connection, Consumer
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine, make_url
 
+import celery_ext
 import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox alias)
 from bench.children import SPAWN
 from bench.cli import run_alone
@@ -46,16 +49,17 @@ from bench.kombu_bench import body, declared_producer
 from bench.registry import Cell, Row, Section, goal, progress
 from bench.report import grid
 from bench.targets import SERVERS, kombu_queue
+from kombu_sqlinbox.broker import Broker
 from kombu_sqlinbox.dialects.base import Dialect
-from kombu_sqlinbox.tables import table_name_for_queue
-from tests.databases import snapshot_held
+from kombu_sqlinbox.tables import TableSpec, table_name_for_queue
+from tests.databases import pages_read, snapshot_held
 
 NAME = "mvcc"
 DATABASES = ("postgresql", "mysql")
 PREFIX = "mvcc_"
 QUEUE = "mvccbench"
-#: publishing threads: at 200 msg/s one alone waits too long on its commits
-PUBLISHERS = 4
+#: seconds between the publisher's batches
+TICK = 0.05
 #: seconds a child process may take to start (imports, connections)
 START_LIMIT = 120.0
 #: what the run must keep to: the last backlog within this many seconds of publishing ...
@@ -104,35 +108,31 @@ def transport_url(url: str) -> str:
 # -- the child processes -------------------------------------------------------------------
 def publisher(url: str, name: str, rate: float, seconds: float, published: Any, ready: Any,
               start: Any) -> None:
-    """Publish ``rate`` messages a second for ``seconds`` from :data:`PUBLISHERS` threads
-    (a publish waits for its commit), each message on its schedule (a late one goes at
-    once: the rate is kept over the run, not per message)."""
+    """Publish ``rate`` messages a second for ``seconds``: every :data:`TICK` seconds the
+    messages due by then, in one transaction (a bound batch: one multi-row INSERT and
+    one commit), so that the rate holds on a loaded machine, where a commit per message
+    from one process falls far short. A late tick sends more: the rate is kept over the
+    run, not per tick."""
     queue = kombu_queue(name)
-    connections = [Connection(transport_url(url), transport_options={"table_prefix": PREFIX})
-                   for _ in range(PUBLISHERS)]
-    producers = [declared_producer(conn.default_channel, queue) for conn in connections]
+    engine = create_engine(url, pool_size=1)
+    conn = Connection(transport_url(url), transport_options={"table_prefix": PREFIX})
+    producer = declared_producer(conn.default_channel, queue)
     ready.set()
     start.wait(START_LIMIT)
     began = time.monotonic()
-
-    def send(index: int) -> None:
-        sent = index
-        while (now := time.monotonic()) < began + seconds:
-            due = began + sent / rate
-            if due > now:
-                time.sleep(due - now)
-            producers[index].publish(body(sent), retry=False)
-            sent += PUBLISHERS
+    sent = 0
+    while (now := time.monotonic()) < began + seconds:
+        due = min(int((now - began) * rate), int(seconds * rate))
+        if due > sent:
+            with engine.connect() as db, db.begin(), celery_ext.bind(db):
+                for i in range(sent, due):
+                    producer.publish(body(i), retry=False)
             with published.get_lock():
-                published.value += 1
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(PUBLISHERS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for conn in connections:
-        conn.release()
+                published.value += due - sent
+            sent = due
+        time.sleep(max(0.0, now + TICK - time.monotonic()))
+    conn.release()
+    engine.dispose()
 
 
 def consumer(url: str, name: str, prefetch: int, acked: Any, claims: Any, stop: Any,
@@ -198,6 +198,14 @@ def dead_rows(engine: Engine, database: str, table: str) -> dict[str, Any]:
         return {"history": history, "mb": (size or 0) / 2**20}
 
 
+def claim_pages(broker: Broker, spec: TableSpec, database: str) -> int:
+    """The pages (buffers) one claim reads now, above a floor read as the consumer's is."""
+    with broker.engine.connect() as conn:
+        floor = broker.dialect.claim_floor(conn, spec)
+        return pages_read(conn, database, broker, spec, broker.dialect.statements(spec).claim[0],
+                          floor or 0.0)[0]
+
+
 def percentile(values: list[float], top: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(top * (len(ordered) - 1)))]
@@ -215,8 +223,10 @@ def measure(database: str, args: argparse.Namespace, seconds: float) -> Cell:
     # the queue exists (empty) before the snapshot is taken
     with engine.connect() as conn:
         conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
-    with Connection(transport_url(url), transport_options={"table_prefix": PREFIX}) as conn:
-        kombu_queue(args.mvcc_queue)(conn.default_channel).declare()
+    own = Connection(transport_url(url), transport_options={"table_prefix": PREFIX})
+    kombu_queue(args.mvcc_queue)(own.default_channel).declare()
+    broker = own.default_channel.broker
+    spec = broker.table(args.mvcc_queue).spec
     samples: list[dict[str, Any]] = []
     timings: list[tuple[float, float]] = []
     children = [SPAWN.Process(target=consumer,
@@ -255,6 +265,7 @@ def measure(database: str, args: argparse.Namespace, seconds: float) -> Cell:
                     "claims": len(window),
                     "p50": statistics.median(window) if window else None,
                     "p99": percentile(window, 0.99) if window else None,
+                    "pages": claim_pages(broker, spec, database),
                     **dead_rows(engine, database, table),
                 }
                 last = counts
@@ -269,6 +280,7 @@ def measure(database: str, args: argparse.Namespace, seconds: float) -> Cell:
         with engine.connect() as conn:
             conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
         engine.dispose()
+        own.release()
     worst = max((s["p99"] for s in samples if s["p99"] is not None), default=None)
     return Cell(worst, "n/a" if worst is None else f"{worst:.1f}",
                 {"samples": samples, "rate": args.mvcc_rate, "seconds": seconds,
@@ -315,7 +327,7 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
         postgres = row["database"] == "postgresql"
         dead = ("n_dead_tup", "n_live_tup") if postgres else ("history list length",)
         headings = ["t (s)", "published/s", "acked/s", "backlog", "claims", "claim p50 ms",
-                    "claim p99 ms", *dead, "table+index MB"]
+                    "claim p99 ms", "claim pages", *dead, "table+index MB"]
         lines = []
         before = 0.0
         for s in samples:
@@ -325,7 +337,8 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
                 figure(s.get("history"), 0)]
             lines.append([f"{s['t']:.0f}", figure(s["published"] / span, 0),
                           figure(s["acked"] / span, 0), s["backlog"], s["claims"],
-                          figure(s["p50"], 2), figure(s["p99"], 2), *kept, figure(s.get("mb"))])
+                          figure(s["p50"], 2), figure(s["p99"], 2), s.get("pages", "-"), *kept,
+                          figure(s.get("mb"))])
         details = row["details"]
         parts.append(f"**{row['database']}**, {details['rate']:g} msg/s for "
                      f"{details['seconds'] / 60:g} min, prefetch {details['prefetch']}, "
@@ -344,6 +357,8 @@ def summary(database: str, samples: list[dict[str, Any]], seconds: float) -> str
     return (f"Summary {database}: published {rate:.0f} msg/s over {samples[-1]['t']:.0f} s; "
             f"backlog first/last/max {backlog[0]}/{backlog[-1]}/{max(backlog)}; "
             f"claim p99 max {figure(max(p99, default=None), 2)} ms; "
+            f"claim pages first/last/max {samples[0]['pages']}/{samples[-1]['pages']}/"
+            f"{max(s['pages'] for s in samples)}; "
             f"{name} first/last {figure(kept[0], 0)}/{figure(kept[-1], 0)}.")
 
 

@@ -330,7 +330,9 @@ class AdvisoryClaims(LeaseClaims):
         with self._lock:
             mine = self._keys[space]
             candidates = self.database.run(lambda conn: conn.execute(
-                statements.candidates, {"limit": limit * self.overscan}).all(), read_only=True)
+                statements.candidates, {"limit": limit * self.overscan,
+                                        "floor": dialect.claim_floor(conn, table.spec)}).all(),
+                read_only=True)
             firsts: dict[str, int] = {}
             for row_id, partition_key in candidates:
                 key = f"k:{partition_key}" if partition_key is not None else f"id:{row_id}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, ClassVar
 
@@ -116,6 +116,9 @@ class TableSpec(RoleTable[Role, ColumnSpec]):
     publish: str | None = field(default=None, kw_only=True)
     rows: RowTask | None = field(default=None, kw_only=True)
     plain: bool = field(default=False, kw_only=True)
+    #: the transport's own layout (:func:`default_table`), whose indexes have the names
+    #: the transport gives them: its statements may name them (MySQL's index hints)
+    own: bool = field(default=False, kw_only=True)
 
     required = REQUIRED_ROLES
 
@@ -265,7 +268,7 @@ def as_spec(declaration: TableSpec | type[InboxTable] | TableBuilder) -> TableSp
 
 def default_table(table: str) -> TableSpec:
     """The layout the transport creates for a queue nobody declared."""
-    return (
+    spec = (
         TableBuilder(table)
         .id()
         .payload()
@@ -276,6 +279,7 @@ def default_table(table: str) -> TableSpec:
         .attempt()
         .build()
     )
+    return replace(spec, own=True)
 
 
 #: table names under the prefix that the routing tables take (:mod:`.routing`)

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import inspect, text
+from sqlalchemy import Connection, TextClause, inspect, text
 from sqlalchemy.engine import Engine
 
+from kombu_sqlinbox.broker import Broker
+from kombu_sqlinbox.tables import TableSpec
 from tests.servers import server_answers
 
 POSTGRES_URL = os.environ.get("SQLINBOX_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
@@ -109,3 +112,22 @@ def snapshot_held(engine: Engine, database: str) -> Iterator[None]:
             yield
         finally:
             conn.exec_driver_sql("ROLLBACK")
+
+
+def pages_read(conn: Connection, database: str, broker: Broker, spec: TableSpec,
+               statement: TextClause, floor: float) -> tuple[int, str]:
+    """Buffers (PostgreSQL) or pages (MariaDB) ``statement`` reads with ``floor``, from the
+    database's own account of running it (rolled back), and its plan, which must take
+    the rows from the claim index."""
+    prefix = "EXPLAIN (ANALYZE, BUFFERS)" if database == "postgresql" else "ANALYZE FORMAT=JSON"
+    analysed = text(f"{prefix} {statement.text.removeprefix('EXPLAIN ')}").bindparams(
+        *statement._bindparams.values())
+    params = {"limit": 8, "lease": 30, "floor": floor, "candidates": 16, "skip": ["elsewhere"]}
+    plan = "\n".join(str(row[0]) for row in conn.execute(analysed, params))
+    conn.rollback()
+    assert broker.dialect.index_name(spec).strip('"`') in plan, plan
+    if database == "postgresql":  # the top node's buffers hold its children's
+        hit = re.search(r"Buffers: shared hit=(\d+)(?: read=(\d+))?", plan)
+        assert hit is not None, plan
+        return int(hit[1]) + int(hit[2] or 0), plan
+    return sum(int(n) for n in re.findall(r'"pages_accessed": (\d+)', plan)), plan

@@ -31,12 +31,17 @@ from ..tables import ROUTING_TABLES, ColumnSpec, Role, TableSpec
 
 #: attempt -> ids held with that attempt (the attempt is the lease's fencing token)
 Tokens = Mapping[int, Sequence[int]]
-#: seconds a table's claim floor (:meth:`Dialect.claim_floor`) is kept before it is read
-#: again; a row that became ready below it waits at most this long
+#: seconds between readings of a table's whole claim floor (:meth:`Dialect.claim_floor`);
+#: a row that became ready below the floor waits at most this long
 FLOOR_REFRESH = 30.0
+#: seconds between the floor's readings from where it stands (between whole readings):
+#: a claim passes over the rows deleted in :data:`FLOOR_MARGIN` plus this above it
+FLOOR_STEP = 1.0
 #: seconds the floor stays below the oldest row it saw: a publish committing late (its
 #: transaction's start is its ready time) or with a slightly past ETA stays above it
 FLOOR_MARGIN = 10.0
+#: beyond any priority a priority column holds (a SMALLINT's largest)
+PRIORITY_BOUND = 32767
 #: a claim that picks candidates before it locks them (MySQL) picks this many per row
 #: wanted, so that rows other claims lock at that moment leave it enough
 CANDIDATES = 2
@@ -98,8 +103,10 @@ class Statements:
     purge: TextClause
     drop: TextClause
     #: the epoch seconds of the table's oldest ready time (now, when it is empty), where
-    #: claims take a floor (:attr:`Dialect.floor_time`)
+    #: claims take a floor (:attr:`Dialect.floor_time`); read over the whole table, and
+    #: from ``:floor`` up (see :meth:`Dialect.oldest_above`)
     floor: TextClause | None = None
+    floor_above: TextClause | None = None
     #: one row if any may be ready, read before a claim where claiming takes a lock for
     #: the whole database (:meth:`Dialect.any_ready`)
     any_ready: TextClause | None = None
@@ -285,10 +292,11 @@ class Dialect:
         self._statements: dict[TableSpec, Statements] = {}
         self._rows_inserts: dict[tuple[TableSpec, str], RowsInsert | None] = {}
         self._routing: dict[str, RoutingStatements] = {}
-        #: per table: its claim floor, and the monotonic time it was read
-        self._floors: dict[TableSpec, tuple[float, float]] = {}
-        #: seconds a claim floor is kept before it is read again
+        #: per table: its claim floor, the monotonic times it was read last and whole
+        self._floors: dict[TableSpec, tuple[float, float, float]] = {}
+        #: seconds between whole readings of a claim floor, and between readings from it
         self.floor_refresh = FLOOR_REFRESH
+        self.floor_step = FLOOR_STEP
         #: the clock installed for this database (:mod:`kombu_sqlinbox.clock`), if any
         self.clock: Clock | None = None if engine is None else clock_for(engine.url)
         if self.clock is not None:
@@ -412,6 +420,41 @@ class Dialect:
             return ""
         return (f" AND {alias}.{self.quote(spec.name_of(Role.AVAILABLE_AT))} >= "
                 f"{self.floor_time.format('floor')}")
+
+    def ordered_select(self, spec: TableSpec, columns: Sequence[str], selection: str,
+                       lock: str = "") -> str:
+        """``SELECT`` of ``columns`` from the rows of ``spec`` (as ``r``) that ``selection``
+        picks, under the lock clause ``lock`` (leading space) if any."""
+        return (f"SELECT {', '.join(columns)} FROM {self.table_ref(spec)} AS r"
+                f"{self.index_hint(spec)} {selection}{lock}")
+
+    def oldest_above(self, spec: TableSpec) -> str:
+        """The ready times (as ``available_at``) whose least is the oldest of the rows at
+        or above ``:floor`` (ready, leased or due later): the first of the default
+        priority (0, nearly every row) in claim order, an index range that starts at the
+        floor and stops at that row, and the oldest of each other band of priorities,
+        read whole (each an index range of its own: their rows are few)."""
+        f = self.fields(spec)
+        ready = f"r.{f['available_at']}"
+        first = (f"SELECT {ready} FROM {f['table']} AS r{self.index_hint(spec)} WHERE {{}}"
+                 f"{ready} >= {(self.floor_time or '').format('floor')} "
+                 f"ORDER BY {self.claim_order(spec, 'r')} LIMIT 1")
+        if not spec.has(Role.PRIORITY):
+            return first.format("")
+        priority = f"r.{f['priority']}"
+        # a range, not an inequality: a planner without statistics reads a range through
+        # the index
+        others = [f"SELECT MIN({ready}) FROM {f['table']} AS r{self.index_hint(spec)} "
+                  f"WHERE {priority} BETWEEN {low} AND {high}"
+                  for low, high in ((1, PRIORITY_BOUND), (-PRIORITY_BOUND, -1))]
+        return " UNION ALL ".join(
+            f"({query})" for query in [first.format(f"{priority} = 0 AND "), *others])
+
+    def index_hint(self, spec: TableSpec, index: str = "claim") -> str:
+        """What makes a statement read ``spec``'s table through its index of that
+        :meth:`index_columns` suffix (``PRIMARY``: its primary key), whatever the table's
+        statistics say; empty where the planner needs no telling."""
+        return ""
 
     def among(self, row_id: str, ids: str, order: str) -> tuple[str, str, str]:
         """A join and a condition (each empty or ending in a space) keeping the rows whose
@@ -549,13 +592,15 @@ class Dialect:
         key = f"r.{f['partition_key']}" if spec.has(Role.PARTITION_KEY) else "NULL"
         key_head = (" AND " + self.head_of(spec, Role.PARTITION_KEY)
                     if spec.has(Role.PARTITION_KEY) else "")
-        floor = None
+        floor = floor_above = None
         if self.floor_time is not None and spec.has(Role.AVAILABLE_AT):
             oldest = f"COALESCE(MIN({f['available_at']}), {self.now})"
             floor = text(f"SELECT {self.epoch(oldest)} FROM {f['table']}")
-        candidates = (
-            f"SELECT r.{f['id']}, {key} FROM {f['table']} AS r WHERE {self.ready_filter(spec)}"
-            f"{key_head} ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit")
+            floor_above = text(f"SELECT {self.epoch(oldest)} FROM "
+                               f"({self.oldest_above(spec)}) AS m")
+        candidates = self.ordered_select(spec, [f"r.{f['id']}", key], (
+            f"WHERE {self.ready_filter(spec)}{self.above_floor(spec)}"
+            f"{key_head} ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit"))
         return Statements(
             insert=self.insert_statement(spec),
             claim=claim,
@@ -576,6 +621,7 @@ class Dialect:
             purge=text(f"DELETE FROM {f['table']} {waiting}"),
             drop=text(self.drop_ddl(spec)),
             floor=floor,
+            floor_above=floor_above,
             any_ready=self.any_ready(spec),
         )
 
@@ -718,18 +764,25 @@ class Dialect:
         nor InnoDB's purge can remove them, and a claim reading from the index's start
         visits every one. Below the floor it passes over them in the index alone. The
         floor is the oldest ready time of any row in the table (ready, leased, or due
-        later), less :data:`FLOOR_MARGIN`, read again every :attr:`floor_refresh` seconds:
-        a row falls below it only by committing more than the margin after its ready time
-        (a transaction's start, for a publish inside one) or with an ETA further than the
-        margin in the past, and then waits for the next reading."""
-        statement = self.statements(spec).floor
-        if statement is None:
+        later), less :data:`FLOOR_MARGIN`, read over the whole table every
+        :attr:`floor_refresh` seconds: a row falls below it only by committing more than
+        the margin after its ready time (a transaction's start, for a publish inside one)
+        or with an ETA further than the margin in the past, and then waits for the next
+        whole reading. That reading walks the dead rows too; in between, every
+        :attr:`floor_step` seconds, the floor is read again from where it stands
+        (:meth:`oldest_above`), which walks only those above it: the floor follows the
+        queue's head, and a claim passes over the rows deleted in the margin and the step."""
+        statements = self.statements(spec)
+        if statements.floor is None or statements.floor_above is None:
             return None
         now = time.monotonic()
         known = self._floors.get(spec)
-        if known is None or now - known[1] >= self.floor_refresh:
-            oldest = float(conn.execute(statement).scalar_one())
-            known = self._floors[spec] = (oldest - FLOOR_MARGIN, now)
+        if known is None or now - known[2] >= self.floor_refresh:
+            oldest = float(conn.execute(statements.floor).scalar_one())
+            known = self._floors[spec] = (oldest - FLOOR_MARGIN, now, now)
+        elif now - known[1] >= self.floor_step:
+            oldest = float(conn.execute(statements.floor_above, {"floor": known[0]}).scalar_one())
+            known = self._floors[spec] = (max(known[0], oldest - FLOOR_MARGIN), now, known[2])
         return known[0]
 
     def forget_floor(self, spec: TableSpec) -> None:

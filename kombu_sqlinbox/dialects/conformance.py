@@ -296,7 +296,8 @@ def check_keys(suite: Suite) -> None:
         spec, {"partition_key": "k1"}, {"partition_key": "k1"}, {"partition_key": "k2"}, {})
     with suite.engine.begin() as conn:
         found = [tuple(row) for row in conn.execute(
-            suite.dialect.statements(spec).candidates, {"limit": 10})]
+            suite.dialect.statements(spec).candidates,
+            {"limit": 10, "floor": suite.dialect.claim_floor(conn, spec)})]
     expected = [(k1, "k1"), (k2, "k2"), (keyless, None)]
     expect(found == expected, f"candidates: got {found}, expected each key's first row "
            f"{expected}")

@@ -138,6 +138,16 @@ class MySQLDialect(Dialect):
         return (f" AND ({priority} > 0 OR {priority} < 0 OR ({priority} = 0"
                 f"{floor}))")
 
+    def index_hint(self, spec: TableSpec, index: str = "claim") -> str:
+        """``FORCE INDEX`` on the transport's own tables (an error where the index is
+        missing, so never on a declared table): a table whose statistics count only its
+        few live rows is otherwise read whole, every delete-marked row a snapshot keeps
+        from purge with it, at every claim."""
+        if not spec.own:
+            return ""
+        name = "PRIMARY" if index == "PRIMARY" else self.index_name(spec, index)
+        return f" FORCE INDEX ({name})"
+
     def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
         """No UPDATE ... RETURNING here: lock the rows, then lease them, same transaction.
 
@@ -149,14 +159,13 @@ class MySQLDialect(Dialect):
         over, so a claim racing others may take fewer than ``:limit``."""
         f = self.fields(spec)
         ordered = f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit"
-        rows = f"{f['table']} AS r"
+        rows = f"{f['table']} AS r{self.index_hint(spec, 'PRIMARY')}"
         if selection.endswith(ordered):
-            candidates = (f"SELECT r.{f['id']} FROM {f['table']} AS r "
+            candidates = (f"SELECT r.{f['id']} FROM {f['table']} AS r{self.index_hint(spec)} "
                           f"{selection.removesuffix(':limit')}:candidates")
             # STRAIGHT_JOIN: the candidates first, whatever the table's statistics say (a
             # table that looks small would otherwise be scanned whole)
-            rows = (f"({candidates}) AS c STRAIGHT_JOIN {f['table']} AS r "
-                    f"ON r.{f['id']} = c.{f['id']}")
+            rows = (f"({candidates}) AS c STRAIGHT_JOIN {rows} ON r.{f['id']} = c.{f['id']}")
             selection = f"WHERE {self.ready_filter(spec)} {ordered}"
         select = (f"SELECT {self.returned_columns(spec, 'r')} FROM {rows} "
                   f"{selection} {self.lock_clause}")

@@ -82,13 +82,36 @@ class PostgreSQLDialect(Dialect):
         planned as a walk of the claim index probing each row."""
         return f"JOIN unnest(ARRAY({ids})) AS h (id) ON {row_id} = h.id ", "", order
 
+    def ordered_select(self, spec: TableSpec, columns: Sequence[str], selection: str,
+                       lock: str = "") -> str:
+        """The rows ``selection`` picks as one query per band of priorities (above, at and
+        below the default, 0), merged in claim order: with the priority first in the
+        claim index, a floor on the ready time (its second column) only filters entries,
+        and the query would walk every dead entry from the index's start; an equal
+        priority makes the floor where the walk starts. A locking band locks at most
+        ``:limit`` rows; the few the merge leaves go back at the claim's commit. One
+        query where the table has no priority or no floor, or the selection is of
+        another shape (by ids, a FIFO window)."""
+        f = self.fields(spec)
+        ordered = f" ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit"
+        if (not spec.has(Role.PRIORITY) or not self.above_floor(spec)
+                or not selection.startswith("WHERE ") or not selection.endswith(ordered)):
+            return super().ordered_select(spec, columns, selection, lock)
+        named = ", ".join(f"{column} AS c{n}" for n, column in enumerate(columns))
+        bands = " UNION ALL ".join(
+            f"(SELECT * FROM (SELECT {named}, r.{f['priority']} AS p, r.{f['available_at']} "
+            f"AS a FROM {f['table']} AS r WHERE r.{f['priority']} {band} AND "
+            f"{selection.removeprefix('WHERE ')}{lock}) AS b)" for band in ("> 0", "= 0", "< 0"))
+        picked = ", ".join([f"b.c0 AS {f['id']}", *(f"b.c{n}" for n in range(1, len(columns)))])
+        return f"SELECT {picked} FROM ({bands}) AS b ORDER BY b.p DESC, b.a, b.c0 LIMIT :limit"
+
     def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
         f = self.fields(spec)
+        rows = self.ordered_select(spec, [f"r.{f['id']}"], selection, " " + self.lock_clause)
         claim = (
             f"UPDATE {f['table']} AS q SET {f['locked_until']} = {self.later(':lease')}, "
             f"{f['attempt']} = q.{f['attempt']} + 1 "
-            f"FROM (SELECT r.{f['id']} FROM {f['table']} AS r {selection} "
-            f"{self.lock_clause}) AS c "
+            f"FROM ({rows}) AS c "
             f"WHERE q.{f['id']} = c.{f['id']} "
             f"RETURNING {self.returned_columns(spec, 'q')}"
         )

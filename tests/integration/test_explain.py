@@ -178,3 +178,29 @@ def test_fifo_claim_reads_no_backlog_behind_a_head_in_work(
         assert read < 1000, f"{read} rows read behind head {head.id}: {claim.text}"
     with broker.engine.begin() as db:
         assert broker.dialect.claim(db, spec, 4, 30.0) == [], "a row behind the head was taken"
+
+
+@pytest.mark.parametrize("database", ["postgresql", "mysql"], indirect=True)
+def test_claim_candidates_and_floor_read_a_few_rows_of_a_big_queue(
+        connect: Connect, database: str) -> None:
+    """READY_ROWS ready rows: the claim (PostgreSQL: its bands of priorities merged), the
+    advisory form's candidates and the floor read from where it stands each read a few
+    rows from the claim index, not the backlog."""
+    conn = connect()
+    conn.default_channel.queue_declare("jobs")
+    broker = broker_of(conn)
+    spec = broker.table("jobs").spec
+    table = quoted(broker.engine, spec.table)
+    with broker.engine.begin() as db:
+        db.execute(text(bulk_insert_sql(database, table)))
+    with broker.engine.begin() as db:
+        db.execute(text(f"{ANALYZE[database]} {table}"))
+        floor = broker.dialect.claim_floor(db, spec)
+    statements = broker.dialect.statements(spec)
+    assert statements.floor_above is not None
+    params = {"limit": 8, "lease": 30.0, "floor": floor, "candidates": 16}
+    for statement in (statements.claim[0], statements.candidates, statements.floor_above):
+        with broker.engine.connect() as db, db.begin() as transaction:
+            read = rows_read(db, database, statement, params)
+            transaction.rollback()
+        assert read < 100, f"{read} rows read: {statement.text}"
