@@ -960,6 +960,19 @@ class Wakeup:
         self._listener = connection
         return session
 
+    def _listening(self) -> Connection | None:
+        """The LISTEN connection's session, connected when a queue is consumed and there is
+        none (the first claim or wait, and again after it died); None while the database
+        is away (call locked). A consumer with a backlog claims before it ever waits, so
+        its claims run on this connection from the first."""
+        if self._channels and self._listener is None:
+            try:
+                self._session = self._connect_listener()
+            except Exception as exc:  # the database is away: poll until it is back
+                logger.warning("sqlinbox: LISTEN connection failed (%s); polling until "
+                               "it works", exc)
+        return self._session
+
     def _drop_listener(self) -> None:
         if self._session is not None:
             try:
@@ -974,7 +987,7 @@ class Wakeup:
         a pending wake-up); else, or when that connection fails, in a transaction of the
         pool's. Either way its commit does not wait for the disk."""
         with self._lock:
-            session = self._session
+            session = self._listening()
             if session is not None and self.dialect.keeps_notifications(self._listener):
                 try:
                     result = work(session)
@@ -995,12 +1008,7 @@ class Wakeup:
         same-host signal's socket where there is one."""
         sources: list[Any] = [self._read]
         with self._lock:
-            if self._channels and self._listener is None:
-                try:
-                    self._session = self._connect_listener()
-                except Exception as exc:  # the database is away: poll until it is back
-                    logger.warning("sqlinbox: LISTEN connection failed (%s); polling until "
-                                   "it works", exc)
+            self._listening()
             if self._listener is not None:
                 sources.append(self._listener)
         if self._consuming and self.signal is not None and self.signal.bind() is not None:

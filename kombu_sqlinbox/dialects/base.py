@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from sqlalchemy import Connection, Row, TextClause, bindparam, event, inspect, text
 from sqlalchemy import types as sqltypes
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import CursorResult, Engine
 from sqlalchemy.exc import DBAPIError
 
 from ..clock import PARAMETER, Clock, clock_for
@@ -231,10 +231,43 @@ def _json_text(headers: Any) -> str | None:
     return headers if headers is None or isinstance(headers, str) else json.dumps(headers)
 
 
+#: the list parameters of statements: each renders as a parenthesized list of its values
+EXPANDING = ("ids", "skip")
+
+
 def _expanding(sql: str) -> TextClause:
     """The statement with its list parameters (``:ids``, ``:skip``) bound as expanding."""
-    return text(sql).bindparams(*(bindparam(name, expanding=True) for name in ("ids", "skip")
+    return text(sql).bindparams(*(bindparam(name, expanding=True) for name in EXPANDING
                                   if f":{name}" in sql))
+
+
+@dataclass(frozen=True)
+class DriverSql:
+    """A statement in the driver's positional style for given lengths of its list
+    parameters, and where each marker's value comes from: a parameter's name, with the
+    position in its list for a list parameter."""
+
+    sql: str
+    values: tuple[tuple[str, int | None], ...]
+
+    @classmethod
+    def of(cls, statement: TextClause, paramstyle: str,
+           lengths: Mapping[str, int]) -> DriverSql:
+        sql = statement.text
+        for name, length in lengths.items():
+            sql = re.sub(rf"(?<![:\w]):{name}\b",
+                         "(" + ", ".join(f":{name}__{at}" for at in range(length)) + ")", sql)
+        sql, names = _driver_style(sql, paramstyle)
+        values = []
+        for name in names:
+            listed, _, at = name.rpartition("__")
+            values.append((listed, int(at)) if listed in lengths else (name, None))
+        return cls(sql, tuple(values))
+
+    def parameters(self, params: Mapping[str, Any], clock: Clock | None) -> tuple[Any, ...]:
+        return tuple(
+            (clock.value() if clock is not None and name == PARAMETER else params[name])
+            if at is None else params[name][at] for name, at in self.values)
 
 
 class Dialect:
@@ -292,6 +325,8 @@ class Dialect:
         self._statements: dict[TableSpec, Statements] = {}
         self._rows_inserts: dict[tuple[TableSpec, str], RowsInsert | None] = {}
         self._routing: dict[str, RoutingStatements] = {}
+        #: statements as the driver's SQL (:meth:`execute`), by paramstyle and list lengths
+        self._driver_sql: dict[tuple[TextClause, str, tuple[int, ...]], DriverSql] = {}
         #: per table: its claim floor, the monotonic times it was read last and whole
         self._floors: dict[TableSpec, tuple[float, float, float]] = {}
         #: seconds between whole readings of a claim floor, and between readings from it
@@ -723,6 +758,25 @@ class Dialect:
     def publish(self, conn: Connection, spec: TableSpec, params: Sequence[dict[str, Any]]) -> None:
         conn.execute(self.statements(spec).insert, list(params))
 
+    def execute(self, conn: Connection, statement: TextClause,
+                params: Mapping[str, Any]) -> CursorResult[Any]:
+        """Run one of the statements a consumer runs per claim (the claim, settlements,
+        lease extensions) as the driver's own SQL: SQLAlchemy's compiling and parameter
+        processing of a ``text()`` cost several times the driver's work, once per claim
+        and per ack. Errors, connection invalidation and events stay SQLAlchemy's. List
+        parameters are never empty here; a driver with named parameters takes the usual
+        path."""
+        paramstyle = conn.dialect.paramstyle
+        if paramstyle not in POSITIONAL_MARKERS:
+            return conn.execute(statement, dict(params))
+        lengths = {name: len(params[name]) for name in EXPANDING
+                   if f":{name}" in statement.text}
+        key = (statement, paramstyle, tuple(lengths.values()))
+        driver = self._driver_sql.get(key)
+        if driver is None:
+            driver = self._driver_sql[key] = DriverSql.of(statement, paramstyle, lengths)
+        return conn.exec_driver_sql(driver.sql, driver.parameters(params, self.clock))
+
     def claim(
         self, conn: Connection, spec: TableSpec, limit: int, lease: float,
         ids: Sequence[int] | None = None, skip: Sequence[Any] = (),
@@ -748,11 +802,12 @@ class Dialect:
         """The rows one claim statement (or select and lease) took."""
         if self.capabilities.returning:
             (claim,) = statements
-            return list(conn.execute(claim, params).all())
+            return list(self.execute(conn, claim, params).all())
         select, lease_rows = statements
-        rows = list(conn.execute(select, params).all())
+        rows = list(self.execute(conn, select, params).all())
         if rows:
-            conn.execute(lease_rows, {"ids": [row.id for row in rows], "lease": params["lease"]})
+            self.execute(conn, lease_rows, {"ids": [row.id for row in rows],
+                                            "lease": params["lease"]})
         return rows
 
     def claim_floor(self, conn: Connection, spec: TableSpec) -> float | None:
@@ -838,7 +893,7 @@ class Dialect:
         for attempt, ids in tokens.items():
             if ids:
                 params = {"attempt": attempt, "ids": list(ids), **(extra or {})}
-                touched += conn.execute(statement, params).rowcount
+                touched += self.execute(conn, statement, params).rowcount
         return touched
 
     def extend(self, conn: Connection, spec: TableSpec, tokens: Tokens, lease: float) -> int:

@@ -10,6 +10,9 @@ from sqlalchemy import Connection, TextClause, bindparam, text
 from ..tables import Role, TableSpec
 from .base import Capabilities, Dialect, _expanding
 
+#: a settled FIFO head's wake-up: the consumers listening on the table's channel look again
+WAKE = text("SELECT pg_notify(:channel, '')")
+
 
 class PostgreSQLDialect(Dialect):
     names = ("postgresql",)
@@ -139,7 +142,7 @@ class PostgreSQLDialect(Dialect):
 
     def wake(self, conn: Connection, spec: TableSpec) -> None:
         if self.notify:
-            conn.execute(text("SELECT pg_notify(:channel, '')"), {"channel": self.channel(spec)})
+            self.execute(conn, WAKE, {"channel": self.channel(spec)})
 
     def channel(self, spec: TableSpec) -> str:
         """The NOTIFY channel of a table: its (validated) name."""

@@ -210,3 +210,31 @@ def test_a_notification_that_arrives_during_a_claim_is_a_pending_wake_up(
     assert conn.default_channel.basic_get("jobs") is None  # the claim reads it
     assert select.select([wakeup._read], [], [], 0)[0], "the pipe was not poked"
     consumer.cancel()
+
+
+@pytest.mark.parametrize("database", ["postgresql"])
+def test_a_consumer_with_a_backlog_claims_on_the_listen_connection_from_its_first_claim(
+        connect: Connect) -> None:
+    """It never waits while rows are ready, so its first claim connects the LISTEN
+    connection rather than leave every claim of the backlog to the pool."""
+    publisher = connect()
+    for i in range(30):
+        publish(publisher, "jobs", {"i": i})
+    conn = connect(polling_interval=5)
+    broker = broker_of(conn)
+    claimed_on: list[Any] = []
+
+    def record(connection: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        if statement.startswith("UPDATE") and "RETURNING" in statement:
+            claimed_on.append(connection.connection.dbapi_connection)
+
+    event.listen(broker.engine, "before_cursor_execute", record)
+    got: list[Any] = []
+    with Consumer(conn.default_channel, [Queue("jobs")], accept=["json"],
+                  callbacks=[acking(got)]) as consumer:
+        consumer.qos(prefetch_count=10)
+        while len(got) < 30:
+            conn.drain_events(timeout=5)
+    assert sorted(body["i"] for body in got) == list(range(30))
+    assert len(claimed_on) >= 3
+    assert all(on is broker.wakeup._listener for on in claimed_on), claimed_on

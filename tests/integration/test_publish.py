@@ -47,11 +47,15 @@ def test_a_publish_finding_the_write_lock_held_is_retried_and_lands_once(
 
 
 @pytest.mark.databases("sqlite")
-def test_a_driver_of_another_parameter_style_publishes_through_sqlalchemy(
+def test_a_driver_of_another_parameter_style_publishes_and_consumes_through_sqlalchemy(
         connect: Connect, engine: Engine, table_prefix: str) -> None:
     conn = connect(engine_options={"paramstyle": "named"})
     publish(conn, "jobs", {"n": 1})
     broker = broker_of(conn)
     assert broker.database.rows_insert(broker.table("jobs").spec) is None
     assert count_rows(engine, table_of("jobs", table_prefix)) == 1
-    assert get_within(conn, "jobs").payload == {"n": 1}
+    message = get_within(conn, "jobs")  # claimed by SQLAlchemy's statement
+    assert message.payload == {"n": 1}
+    message.ack()
+    assert broker.keeper.flush(timeout=10)  # settled by SQLAlchemy's statement
+    assert count_rows(engine, table_of("jobs", table_prefix)) == 0
