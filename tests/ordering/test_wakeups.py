@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import threading
 import time
@@ -23,6 +24,7 @@ import pytest
 from kombu import Consumer, Queue
 from sqlalchemy.engine import make_url
 
+from kombu_sqlinbox.claims import SETTLED_NS
 from tests.ordering.conftest import Ordering, publish
 from tests.processes import wait_until
 
@@ -182,6 +184,48 @@ def test_a_socket_whose_queue_is_full_does_not_fail_a_publish(ordering: Ordering
         slow.close()
     got = [conn.default_channel.basic_get("jobs") for _ in range(31)]
     assert sorted(m.payload["i"] for m in got if m is not None) == list(range(30))
+
+
+@pytest.mark.parametrize("database", ["sqlite"])
+def test_publishers_list_the_directory_again_only_when_its_time_moved(
+        ordering: Ordering) -> None:
+    """A publish keeps the directory's listing while its modification time stands still,
+    but not one taken within ``SETTLED_NS`` of that time: a socket bound later in the same
+    tick of a coarse file system clock (the time unchanged, as set here) is still found."""
+    conn = ordering.connect("jobs", "plain", **NO_POLLING)
+    conn.default_channel.queue_declare("jobs")
+    directory = signal_directory(ordering)
+    directory.mkdir(exist_ok=True)
+    bound = {name: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+             for name in ("first", "second", "third")}
+
+    def bind(name: str, tick: int) -> None:
+        bound[name].bind(str(directory / name))
+        bound[name].setblocking(False)
+        os.utime(directory, ns=(tick, tick))  # the clock has not ticked since
+
+    def woken(name: str) -> int:
+        count = 0
+        with contextlib.suppress(BlockingIOError):
+            while bound[name].recv(16):
+                count += 1
+        return count
+
+    try:
+        tick = time.time_ns() - SETTLED_NS // 2  # the directory changed just now
+        bind("first", tick)
+        publish(conn, "jobs", [({"i": 0}, {})])  # lists it: too soon to keep the listing
+        bind("second", tick)
+        wait_until(lambda: time.time_ns() - tick >= SETTLED_NS, 5, "the tick to settle",
+                   interval=0.01)
+        publish(conn, "jobs", [({"i": 1}, {})])  # lists it again, and keeps it
+        assert (woken("first"), woken("second")) == (2, 1)
+        bind("third", tick)  # no change a real clock would leave unseen by now
+        publish(conn, "jobs", [({"i": 2}, {})])
+        assert (woken("first"), woken("second"), woken("third")) == (1, 1, 0)
+    finally:
+        for sock in bound.values():
+            sock.close()
 
 
 @pytest.mark.slow
