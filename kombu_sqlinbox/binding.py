@@ -88,7 +88,7 @@ def batch_for(conn: Connection, write: Writer) -> Batch | None:
         event.listen(conn, "release_savepoint", lambda c, name, ctx: _BATCH_OF[c].flush(c))
         event.listen(conn, "rollback_savepoint", lambda c, name, ctx: _BATCH_OF[c].drop())
         event.listen(conn, "rollback", lambda c: _BATCH_OF[c].drop())
-    if not any(conn is known for known in batched):
+    if not (batched and batched[-1] is conn) and not any(conn is known for known in batched):
         batched.append(conn)
     return found
 

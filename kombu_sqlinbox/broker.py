@@ -19,8 +19,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
+from weakref import WeakSet
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from . import binding
@@ -61,6 +62,8 @@ class Broker:
         self._tables: dict[str, QueueTable] = {}
         self._tables_lock = threading.Lock()
         self._inserts: dict[str, tuple[QueueTable, RowsInsert | None]] = {}
+        #: the engines of bound transactions found on this database
+        self._same_engines: WeakSet[Engine] = WeakSet()
         #: queues declared with a message TTL (seconds; ``x-message-ttl``) in this process
         self.message_ttls: dict[str, float] = {}
         self.dialect.notify = options.notify and self.dialect.notify
@@ -213,7 +216,7 @@ class Broker:
             self.check_same_database(caller, table.queue)
             batch = binding.batch_for(caller, self._write_held) if insert else None
             if batch is not None:
-                batch.add((table.spec, insert), params)
+                batch.add(insert, params)  # one per table and driver, hashed by identity
                 return
             binding.write_pending(caller)  # rows published before this one go first
             self.dialect.publish(caller, table.spec, [params])
@@ -236,18 +239,23 @@ class Broker:
         return found[1]
 
     @staticmethod
-    def _write_held(conn: Connection, key: tuple[TableSpec, RowsInsert],
+    def _write_held(conn: Connection, insert: RowsInsert,
                     rows: list[Mapping[str, Any]]) -> None:
         """A batch's rows of one table: one INSERT per chunk the server's limits allow."""
-        _, insert = key
         for chunk in insert.chunks(rows):
             conn.exec_driver_sql(insert.sql(len(chunk)), insert.parameters(chunk))
 
     def check_same_database(self, caller: Connection, queue: str) -> None:
-        if not same_database(self.engine, caller.engine):
-            raise ConfigurationError(
-                f"queue {queue!r}: the bound transaction is on {caller.engine.url}, the broker "
-                f"on {self.engine.url}; a transactional enqueue needs both on one database")
+        """Refuse a bound transaction on another database (an engine found on this one is
+        remembered: a bulk publish asks once per message)."""
+        if caller.engine in self._same_engines:
+            return
+        if same_database(self.engine, caller.engine):
+            self._same_engines.add(caller.engine)
+            return
+        raise ConfigurationError(
+            f"queue {queue!r}: the bound transaction is on {caller.engine.url}, the broker "
+            f"on {self.engine.url}; a transactional enqueue needs both on one database")
 
     def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
         return table.claims.claim(table, limit, skip)

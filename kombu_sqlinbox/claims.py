@@ -808,6 +808,10 @@ def isolated(parts: dict[K, V], run: Callable[[dict[K, V]], object],
     return []
 
 
+#: how old (ns) a directory's modification time must be for its last listing to hold
+SETTLED_NS = 1_000_000_000
+
+
 class LocalSignal:
     """Wake-ups between the processes of one host, without the database server (SQLite).
 
@@ -826,6 +830,9 @@ class LocalSignal:
         self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sender.setblocking(False)
         self._pid = os.getpid()
+        #: the names in the directory and its modification time (ns) when they were listed
+        #: (-1 when listed too soon after it: see :meth:`_names`)
+        self._listing: tuple[int, list[str]] = (-1, [])
 
     def bind(self) -> socket.socket | None:
         """This process's socket, bound on first need; None when the directory cannot
@@ -849,7 +856,7 @@ class LocalSignal:
     def send(self) -> None:
         """Wake every consumer of the database on this host (after a commit)."""
         try:
-            names = os.listdir(self.directory)
+            names = self._names()
         except OSError:  # no consumer ever bound here
             return
         for name in names:
@@ -864,6 +871,20 @@ class LocalSignal:
                     os.unlink(path)
             except OSError:  # its queue is full (a wake-up is pending), or it just went
                 pass
+
+    def _names(self) -> list[str]:
+        """The directory's sockets, listed again only when it changed since (a publish
+        costs a ``stat`` rather than a listing). A listing taken less than
+        :data:`SETTLED_NS` after the directory's last change is not kept: file system
+        clocks are coarse, and a socket bound later in the same tick leaves the
+        modification time as it was."""
+        modified = os.stat(self.directory).st_mtime_ns
+        listed_at, names = self._listing
+        if modified != listed_at:
+            settled = time.time_ns() - modified >= SETTLED_NS
+            names = os.listdir(self.directory)
+            self._listing = (modified if settled else -1, names)
+        return names
 
     def take(self) -> None:
         """Read the bytes that arrived, so that the next wait blocks."""
@@ -917,9 +938,11 @@ class Wakeup:
             os.write(self._write, b"!")
 
     def published(self) -> None:
-        """A publish committed: wake the consumers of this process and, where there is a
-        same-host signal, those of the other processes."""
-        self.poke()
+        """A publish committed: wake the consumers of this process (when it has any: a
+        consumer registers before its first claim, which finds the row) and, where there
+        is a same-host signal, those of the other processes."""
+        if self._consuming:
+            self.poke()
         if self.signal is not None:
             self.signal.send()
 

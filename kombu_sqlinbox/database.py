@@ -8,6 +8,7 @@ run on it without a broker.
 from __future__ import annotations
 
 import random
+import select
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -23,6 +24,10 @@ from .errors import ConfigurationError
 from .tables import TableSpec
 
 T = TypeVar("T")
+#: drivers whose connections show their socket (``fileno()``)
+SOCKET_DRIVERS = frozenset({"psycopg2", "psycopg"})
+#: where a pooled connection keeps the driver cursor :meth:`Database.write` publishes on
+PUBLISH_CURSOR = "sqlinbox_publish_cursor"
 
 #: drivers tried, in order, for a URL that names no driver (SQLAlchemy's own default
 #: first where it has one installed)
@@ -88,6 +93,12 @@ def engine_for(url: str | URL, sqlite_begin: str = "IMMEDIATE",
     return engine, dialect
 
 
+def closed_by_server(connection: Any) -> bool:
+    """Whether an idle driver connection has something to read: the server closed it (a
+    restart or a terminated backend sends its goodbye, then the end of the stream)."""
+    return bool(select.select([connection.fileno()], [], [], 0)[0])
+
+
 def same_database(a: Engine, b: Engine) -> bool:
     """Whether two engines reach one database (drivers and credentials aside)."""
     return key_of(a.url) == key_of(b.url)
@@ -99,6 +110,9 @@ class Database:
     def __init__(self, engine: Engine, dialect: Dialect) -> None:
         self.engine = engine
         self.dialect = dialect
+        #: durable publishes commit as one statement in autocommit (drivers whose socket
+        #: shows a connection the server closed: see :meth:`write`)
+        self.switch_autocommit = dialect.autocommit_switch and engine.driver in SOCKET_DRIVERS
 
     @classmethod
     def open(cls, url: str | URL, **engine_options: Any) -> Database:
@@ -166,20 +180,36 @@ class Database:
         """Insert ``rows`` in one transaction of their own, through a pooled connection's
         driver cursor (no SQLAlchemy statement machinery on the way: a publish costs the
         round trips a bare driver loop makes): one statement the database commits itself
-        where the dialect allows (:attr:`.Dialect.autocommit_write`), else BEGIN (where the
-        dialect needs one), INSERT, COMMIT. Retried as :meth:`run` retries work that is
+        where the dialect allows (:attr:`.Dialect.autocommit_write`, and for durable rows
+        :attr:`.Dialect.autocommit_switch`), else BEGIN (where the dialect needs one),
+        INSERT, COMMIT. Retried as :meth:`run` retries work that is
         not repeatable; driver errors are raised as SQLAlchemy's, as :meth:`run` raises.
         Rows that are not ``durable`` skip the commit's wait for the disk, as in :meth:`run`."""
         sql = insert.sql(len(rows))
+        switch = durable and self.switch_autocommit
         for attempt in range(1, attempts + 1):
-            committing = False
+            committing = switched = False
             pooled = self.engine.raw_connection()
             cursor = None
             try:
-                cursor = pooled.cursor()
-                if self.dialect.autocommit_write:
+                # one cursor per connection for its publishes (forgotten with the connection):
+                # a cursor made per publish is a good part of the client's time
+                cursor = pooled.info.get(PUBLISH_CURSOR)
+                if cursor is None:
+                    cursor = pooled.info[PUBLISH_CURSOR] = pooled.cursor()
+                driver: Any = pooled.dbapi_connection
+                if switch:
+                    if attempt < attempts and closed_by_server(driver):
+                        # its statement could not tell a connection that was dead before
+                        # it from a commit whose reply was lost: take a fresh one first
+                        pooled.invalidate()
+                        continue
+                    driver.autocommit = switched = True
+                if self.dialect.autocommit_write or switch:
                     committing = True  # the statement is the commit
                     cursor.execute(sql, insert.parameters(rows))
+                    if switched:
+                        driver.autocommit = False
                     return
                 if self.dialect.begin_write:
                     cursor.execute(self.dialect.begin_write)
@@ -190,11 +220,12 @@ class Database:
                 pooled.commit()
                 return
             except self.engine.dialect.loaded_dbapi.Error as driver_error:
+                pooled.info.pop(PUBLISH_CURSOR, None)  # a failed statement's is not reused
                 exc = self._driver_failure(driver_error, pooled, cursor, sql)
+                if switched and not exc.connection_invalidated:
+                    driver.autocommit = False  # back to the pool as it came
                 self._retry_or_raise(exc, committing, attempt, attempts)
             finally:
-                if cursor is not None:
-                    cursor.close()
                 pooled.close()
 
     def _driver_failure(self, error: Any, pooled: Any, cursor: Any, sql: str) -> DBAPIError:

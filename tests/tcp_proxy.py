@@ -33,6 +33,7 @@ class Proxy:
         self._pairs: set[tuple[socket.socket, socket.socket]] = set()
         self._refusing = False
         self._commit_cuts = 0
+        self._marker = b"COMMIT"
         self.commits_cut = 0
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
@@ -59,11 +60,13 @@ class Proxy:
         finally:
             self._refusing = False
 
-    def cut_after_commit(self, times: int = 1) -> None:
-        """The next ``times`` COMMITs are forwarded, then their connection is cut before
-        the server's reply reaches the client."""
+    def cut_after_commit(self, times: int = 1, marker: bytes = b"COMMIT") -> None:
+        """The next ``times`` COMMITs (statements holding ``marker``: one that commits
+        itself) are forwarded, then their connection is cut before the server's reply
+        reaches the client."""
         with self._lock:
             self._commit_cuts += times
+            self._marker = marker
 
     def close(self) -> None:
         self._closed = True
@@ -102,7 +105,7 @@ class Proxy:
                         return
                     if source is client:
                         server.sendall(data)
-                        if b"COMMIT" in data and self._take_commit_cut():
+                        if self._marker in data and self._take_commit_cut():
                             time.sleep(COMMIT_SETTLES)
                             return
                     else:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from operator import itemgetter
 from typing import Any, ClassVar
 
@@ -173,12 +174,17 @@ class RowsInsert:
     max_bytes: int | None
 
     def sql(self, rows: int) -> str:
-        return self.head + ", ".join([self.row] * rows) + self.tail
+        return self.single if rows == 1 else self.head + ", ".join([self.row] * rows) + self.tail
+
+    @cached_property
+    def single(self) -> str:
+        """The statement for one row, the one a lone publish sends (built once)."""
+        return self.head + self.row + self.tail
 
     def parameters(self, rows: Sequence[Mapping[str, Any]]) -> tuple[Any, ...]:
-        fixed = dict(self.fixed)
+        fixed = self.fixed
         if self.clock is not None:
-            fixed[PARAMETER] = self.clock.value()
+            fixed = {**fixed, PARAMETER: self.clock.value()}
         head, row_names, tail = self.names
         values = [fixed[name] for name in head]
         for row in rows:
@@ -305,9 +311,14 @@ class Dialect:
     begin_write: ClassVar[str | None] = None
     #: the driver connection is in autocommit mode: a single publish statement is a
     #: transaction of its own (as durable as BEGIN, INSERT, COMMIT), with no BEGIN or
-    #: COMMIT to send. Not on a server: a COMMIT costs one round trip next to the
-    #: commit's flush to disk, and its reply says whether the publish landed
+    #: COMMIT to send (SQLite; a server's pooled connections stay out of autocommit, see
+    #: :attr:`autocommit_switch`)
     autocommit_write: ClassVar[bool] = False
+    #: a durable publish switches the driver connection to autocommit for its one
+    #: statement, which the server commits before it replies (its reply says the row
+    #: landed, as a COMMIT's would): one round trip instead of BEGIN, INSERT, COMMIT. Only
+    #: where the switch itself sends nothing to the server
+    autocommit_switch: ClassVar[bool] = False
     #: the most parameters one statement may bind
     max_bind_params: ClassVar[int] = 65535
     #: ``:floor`` (epoch seconds) as a time value where claims read past the rows below
@@ -690,9 +701,11 @@ class Dialect:
         (``NULL`` when not given), also by its name for a declared statement (the
         declaration refuses a name that clashes with another parameter)."""
         columns = [*columns, *[None] * (len(spec.row_columns) - len(columns))]
-        named = dict(zip(spec.row_columns, columns, strict=True)) if spec.publish else {}
-        return {**self.insert_params(payload, headers, priority, eta, group, partition_key,
-                                     task, columns), **named}
+        params = self.insert_params(payload, headers, priority, eta, group, partition_key,
+                                    task, columns)
+        if spec.publish:
+            params.update(zip(spec.row_columns, columns, strict=True))
+        return params
 
     def insert_sql(self, spec: TableSpec) -> str:
         """The publish statement: the declared one, else the roles a message fills (and

@@ -22,6 +22,9 @@ class PostgreSQLDialect(Dialect):
     lock_clause = "FOR UPDATE OF r SKIP LOCKED"
     relaxed_commit = "SET LOCAL synchronous_commit = off"
     relaxed_session = "SET synchronous_commit = off"
+    #: psycopg2 and psycopg switch to autocommit without a round trip; the server commits
+    #: a lone statement (NOTIFY included) before its reply
+    autocommit_switch = True
     now = "now()"
     pinned_now = "to_timestamp(CAST(:sqlinbox_now AS double precision))"
     eta_value = "COALESCE(to_timestamp(:eta), now())"

@@ -12,6 +12,7 @@ import time
 
 import pytest
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 
 from kombu_sqlinbox.dialects.sqlite import SQLiteDialect
 
@@ -59,3 +60,24 @@ def test_a_driver_of_another_parameter_style_publishes_and_consumes_through_sqla
     message.ack()
     assert broker.keeper.flush(timeout=10)  # settled by SQLAlchemy's statement
     assert count_rows(engine, table_of("jobs", table_prefix)) == 0
+
+
+@pytest.mark.databases("postgresql")
+def test_a_failed_publish_returns_its_connection_out_of_autocommit(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """A durable publish on PostgreSQL runs its INSERT in autocommit; one that fails (its
+    table gone) leaves no connection in the pool in autocommit, where the transport's
+    own transactions would commit statement by statement."""
+    conn = connect()
+    publish(conn, "jobs", {"n": 0})
+    with engine.begin() as drop:
+        drop.exec_driver_sql(f'DROP TABLE "{table_of("jobs", table_prefix)}"')
+    with pytest.raises(DBAPIError):
+        conn.Producer().publish({"n": 1}, routing_key="jobs", retry=False)
+    pool = broker_of(conn).engine.pool
+    pooled = [pool.connect() for _ in range(pool.checkedin())]
+    try:
+        assert pooled and not any(p.dbapi_connection.autocommit for p in pooled)
+    finally:
+        for p in pooled:
+            p.close()

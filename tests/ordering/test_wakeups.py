@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import socket
 import tempfile
@@ -26,6 +27,7 @@ from typing import Any
 import pytest
 from kombu import Consumer, Queue
 
+from kombu_sqlinbox.claims import SETTLED_NS
 from kombu_sqlinbox.dialects import dialect_for
 from tests.ordering.conftest import Ordering, publish
 from tests.processes import wait_until
@@ -218,6 +220,48 @@ def test_an_entry_that_refuses_wake_ups_and_cannot_be_removed_does_not_fail_a_pu
     assert sockets(directory) == [directory / "stray"]
     message = conn.default_channel.basic_get("jobs")
     assert message is not None and message.payload["i"] == 0
+
+
+@pytest.mark.parametrize("database", ["sqlite"])
+def test_publishers_list_the_directory_again_only_when_its_time_moved(
+        ordering: Ordering) -> None:
+    """A publish keeps the directory's listing while its modification time stands still,
+    but not one taken within ``SETTLED_NS`` of that time: a socket bound later in the same
+    tick of a coarse file system clock (the time unchanged, as set here) is still found."""
+    conn = ordering.connect("jobs", "plain", **NO_POLLING)
+    conn.default_channel.queue_declare("jobs")
+    directory = signal_directory(ordering)
+    directory.mkdir(exist_ok=True)
+    bound = {name: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+             for name in ("first", "second", "third")}
+
+    def bind(name: str, tick: int) -> None:
+        bound[name].bind(str(directory / name))
+        bound[name].setblocking(False)
+        os.utime(directory, ns=(tick, tick))  # the clock has not ticked since
+
+    def woken(name: str) -> int:
+        count = 0
+        with contextlib.suppress(BlockingIOError):
+            while bound[name].recv(16):
+                count += 1
+        return count
+
+    try:
+        tick = time.time_ns() - SETTLED_NS // 2  # the directory changed just now
+        bind("first", tick)
+        publish(conn, "jobs", [({"i": 0}, {})])  # lists it: too soon to keep the listing
+        bind("second", tick)
+        wait_until(lambda: time.time_ns() - tick >= SETTLED_NS, 5, "the tick to settle",
+                   interval=0.01)
+        publish(conn, "jobs", [({"i": 1}, {})])  # lists it again, and keeps it
+        assert (woken("first"), woken("second")) == (2, 1)
+        bind("third", tick)  # no change a real clock would leave unseen by now
+        publish(conn, "jobs", [({"i": 2}, {})])
+        assert (woken("first"), woken("second"), woken("third")) == (1, 1, 0)
+    finally:
+        for sock in bound.values():
+            sock.close()
 
 
 @pytest.mark.slow
