@@ -45,4 +45,6 @@ def test_row_mode_fifo_groups_hold_order_across_racing_workers(ordering: Orderin
     check_serial_in_order(entries, {f"g{g}": ROWS for g in range(GROUPS)})
     assert {"requeue", "retry"} <= {e.outcome for e in entries}, "no random failure happened"
     assert any_overlap_across(entries), "groups never ran side by side"
-    assert len({e.pid for e in entries}) == 3, "every worker should have taken rows"
+    # a worker claims a group's next row in the transaction that settles its head, so a
+    # group tends to stay with one worker; requeues and retries hand rows to the others
+    assert len({e.pid for e in entries}) >= 2, "no two workers took rows"
