@@ -931,9 +931,14 @@ class Wakeup:
         directory = self.dialect.signal_directory() if local else None
         self.signal = LocalSignal(directory) if directory else None
         self._consuming = False
+        self._closed = False
 
     def poke(self) -> None:
-        """Wake a consumer of this process now (a local publish, a key set free)."""
+        """Wake a consumer of this process now (a local publish, a key set free). Not once
+        closed: a channel may outlive its broker (``close_all`` at a test's end) and
+        publish on, and the pipe's descriptors may by then be another file's."""
+        if self._closed:
+            return
         with contextlib.suppress(BlockingIOError):  # a full pipe: a wake-up is pending
             os.write(self._write, b"!")
 
@@ -1069,7 +1074,12 @@ class Wakeup:
         self.take(ready)
 
     def close(self) -> None:
+        """Drop the listener, the signal and the pipe; once only (a descriptor closed twice
+        may close another file's)."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             self._drop_listener()
         if self.signal is not None:
             self.signal.close()

@@ -7,6 +7,7 @@ is in test_lost_commits.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -14,6 +15,7 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
+from kombu_sqlinbox.broker import close_all
 from kombu_sqlinbox.dialects.sqlite import SQLiteDialect
 
 from .conftest import Connect
@@ -81,3 +83,34 @@ def test_a_failed_publish_returns_its_connection_out_of_autocommit(
     finally:
         for p in pooled:
             p.close()
+
+
+@pytest.mark.databases("sqlite")
+def test_a_channel_that_outlives_its_closed_broker_publishes_into_no_other_file(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """``close_all`` (a test's or a process's end) closes the broker a channel still holds.
+    A publish on that channel lands, and its wake-up writes nothing to the descriptors the
+    broker's pipe had, which by then belong to another file; closing again closes none of
+    them."""
+    conn = connect()
+    publish(conn, "jobs", {"n": 0})
+    broker = broker_of(conn)
+    wakeup = broker.wakeup
+    wakeup.listen(None)  # a consumer of this process: a publish pokes its pipe
+    old_read, old_write = wakeup._read, wakeup._write
+    close_all()
+    other_read, other_write = os.pipe()
+    os.dup2(other_write, old_write)  # another file takes the pipe's numbers
+    os.dup2(other_read, old_read)
+    try:
+        publish(conn, "jobs", {"n": 1})
+        os.set_blocking(other_read, False)
+        with pytest.raises(BlockingIOError):
+            os.read(other_read, 16)
+        broker.close()  # again: the other file's descriptors stay open
+        os.fstat(old_read)
+        os.fstat(old_write)
+    finally:
+        for fd in {old_read, old_write, other_read, other_write}:  # often the same numbers
+            os.close(fd)
+    assert count_rows(engine, table_of("jobs", table_prefix)) == 2
