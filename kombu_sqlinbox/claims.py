@@ -41,6 +41,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
 from .database import Database
+from .dialects.base import no_wakeups
 from .errors import ConfigurationError
 from .rows import ClaimedRow, QueueTable
 from .rows import Held as Held  # re-exported: the transport imports them from here
@@ -846,8 +847,7 @@ class LocalSignal:
             except OSError as exc:
                 bound.close()
                 self.failed = True
-                logger.warning("sqlinbox: no same-host wake-ups through %s (%s); consumers "
-                               "poll", self.directory, exc)
+                no_wakeups(self.directory, exc)
                 return None
             bound.setblocking(False)
             self.socket, self.path = bound, path

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -29,6 +30,8 @@ from ..errors import MessageTooLarge, SchemaMismatch
 from ..roles import check_identifier
 from ..rows import ClaimedRow as ClaimedRow  # built here; re-exported
 from ..tables import ROUTING_TABLES, ColumnSpec, Role, TableSpec
+
+logger = logging.getLogger(__name__)
 
 #: attempt -> ids held with that attempt (the attempt is the lease's fencing token)
 Tokens = Mapping[int, Sequence[int]]
@@ -224,6 +227,14 @@ FIFO_WINDOW = 16
 #: the roles a claim returns (:meth:`Dialect.returned_columns`), those a table declares
 RETURNED_ROLES = (Role.ID, Role.ATTEMPT, Role.PAYLOAD, Role.HEADERS, Role.GROUP,
                   Role.PARTITION_KEY, Role.PRIORITY, Role.AVAILABLE_AT)
+
+
+def no_wakeups(directory: str, why: object) -> None:
+    """Warn that the same-host signal cannot use ``directory`` (a dialect's
+    :meth:`Dialect.signal_directory` refused it, or a consumer could not bind there), so
+    that a consumer polling where it was expected to be woken says why."""
+    logger.warning("sqlinbox: no same-host wake-ups through %s (%s); consumers poll",
+                   directory, why)
 
 
 def plain_payload(payload: Any) -> bytes | str:
@@ -1227,7 +1238,8 @@ class Dialect:
 
     def signal_directory(self) -> str | None:
         """Where processes of this database on one host meet for wake-ups without the
-        server (a directory; None: the database has no such place)."""
+        server (a directory; None: the database has no such place, or the one it has is
+        unusable, which :func:`no_wakeups` says)."""
         return None
 
     def take_notifications(self, dbapi_connection: Any) -> bool:

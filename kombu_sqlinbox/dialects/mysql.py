@@ -8,7 +8,6 @@ does not keep gap locks on rows it passed over.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import re
 import stat
@@ -21,9 +20,7 @@ from sqlalchemy import types as sqltypes
 from sqlalchemy.exc import DBAPIError
 
 from ..tables import ColumnSpec, Role, TableSpec
-from .base import Capabilities, Dialect, _expanding
-
-logger = logging.getLogger(__name__)
+from .base import Capabilities, Dialect, _expanding, no_wakeups
 
 NOW = "UTC_TIMESTAMP(6)"
 #: column types that hold at most 64 KiB: too small for a Celery message
@@ -78,13 +75,11 @@ class MySQLDialect(Dialect):
             os.makedirs(root, mode=0o700, exist_ok=True)
             mode = os.lstat(root)
         except OSError as exc:
-            logger.warning("sqlinbox: no same-host wake-ups through %s (%s); consumers poll",
-                           root, exc)
+            no_wakeups(root, exc)
             return None
         if (not stat.S_ISDIR(mode.st_mode) or mode.st_uid != os.getuid()
                 or mode.st_mode & 0o077):
-            logger.warning("sqlinbox: no same-host wake-ups through %s: it is not a directory "
-                           "of this user's alone; consumers poll", root)
+            no_wakeups(root, "not a directory of this user's alone")
             return None
         url = self.engine.url
         server = f"{url.host or 'localhost'}:{url.port or 3306}/{url.database or ''}"
