@@ -265,14 +265,19 @@ def test_publishers_list_the_directory_again_only_when_its_time_moved(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("database", ["sqlite"])
-def test_no_signal_directory_falls_back_to_polling(signalled: Ordering) -> None:
-    """A file where the directory should be: consumers cannot bind (they poll) and
-    publishers find no directory to list; every message still arrives, by polling."""
+@pytest.mark.parametrize("database", SIGNALLED)
+def test_no_signal_directory_falls_back_to_polling(signalled: Ordering, database: str) -> None:
+    """SQLite: a file where the directory should be, so consumers cannot bind and
+    publishers find no directory to list. MariaDB: the private root above it open to
+    others, so no process uses it. Every message still arrives, by polling."""
     directory = signal_directory(signalled)
-    directory.write_text("not a directory")
+    if database == "mysql":
+        directory.parent.chmod(0o777)
+    else:
+        directory.write_text("not a directory")
     polling = {"polling_interval": 0.3, "polling_interval_min": 0.3}
     delays = delays_to_another_process(signalled, **polling)
     assert len(delays) == MESSAGES and max(delays) < 5, delays
+    assert sockets(directory) == []
     (idle,) = [proc for proc in signalled.processes.procs if proc.name == "idle"]
     assert "no same-host wake-ups" in idle.output()
