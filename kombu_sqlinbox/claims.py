@@ -980,6 +980,7 @@ class Wakeup:
             if self.dialect.relaxed_session:  # it only claims: see LeaseClaims.claim
                 session.exec_driver_sql(self.dialect.relaxed_session)
                 session.commit()
+            self.dialect.prepare_session(session)
         except Exception:
             # the driver's own close: the session's would roll back first and, on a
             # broken connection, give up before closing it

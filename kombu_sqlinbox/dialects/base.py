@@ -258,14 +258,24 @@ def _expanding(sql: str) -> TextClause:
                                   if f":{name}" in sql))
 
 
+#: a list parameter after ``IN`` or ``NOT IN`` (see :meth:`DriverSql.prepared`)
+LIST_MEMBERSHIP = re.compile(rf"\b(NOT )?IN :({'|'.join(EXPANDING)})\b")
+#: where a session's info says it runs statements prepared (:meth:`Dialect.prepare_session`):
+#: the names of those it prepared
+PREPARED = "sqlinbox_prepared"
+
+
 @dataclass(frozen=True)
 class DriverSql:
     """A statement in the driver's positional style for given lengths of its list
     parameters, and where each marker's value comes from: a parameter's name, with the
-    position in its list for a list parameter."""
+    position in its list for a list parameter. A prepared one is an ``EXECUTE`` of the
+    statement :attr:`prepare` names."""
 
     sql: str
     values: tuple[tuple[str, int | None], ...]
+    #: the ``PREPARE`` a session runs once before ``sql``
+    prepare: str | None = None
 
     @classmethod
     def of(cls, statement: TextClause, paramstyle: str,
@@ -280,6 +290,20 @@ class DriverSql:
             listed, _, at = name.rpartition("__")
             values.append((listed, int(at)) if listed in lengths else (name, None))
         return cls(sql, tuple(values))
+
+    @classmethod
+    def prepared(cls, statement: TextClause, paramstyle: str) -> DriverSql:
+        """The statement as the server's prepared statement: its PREPARE, then an EXECUTE
+        binding each parameter once. A list parameter is one array (``= ANY``, ``<> ALL``),
+        so one prepared statement serves every length. Its name is its text's digest."""
+        sql = LIST_MEMBERSHIP.sub(
+            lambda m: f"<> ALL(:{m[2]})" if m[1] else f"= ANY(:{m[2]})", statement.text)
+        names = tuple(dict.fromkeys(NAMED_PARAMETER.findall(sql)))
+        numbered = NAMED_PARAMETER.sub(lambda m: f"${names.index(m[1]) + 1}", sql)
+        name = "sqlinbox_" + hashlib.sha1(numbered.encode()).hexdigest()[:20]
+        markers = ", ".join(POSITIONAL_MARKERS[paramstyle] for _ in names)
+        return cls(f"EXECUTE {name} ({markers})" if names else f"EXECUTE {name}",
+                   tuple((name, None) for name in names), f"PREPARE {name} AS {numbered}")
 
     def parameters(self, params: Mapping[str, Any], clock: Clock | None) -> tuple[Any, ...]:
         return tuple(
@@ -793,6 +817,9 @@ class Dialect:
         paramstyle = conn.dialect.paramstyle
         if paramstyle not in POSITIONAL_MARKERS:
             return conn.execute(statement, dict(params))
+        prepared: set[str] | None = conn.info.get(PREPARED)
+        if prepared is not None:
+            return self._execute_prepared(conn, statement, params, prepared)
         lengths = {name: len(params[name]) for name in EXPANDING
                    if f":{name}" in statement.text}
         key = (statement, paramstyle, tuple(lengths.values()))
@@ -800,6 +827,28 @@ class Dialect:
         if driver is None:
             driver = self._driver_sql[key] = DriverSql.of(statement, paramstyle, lengths)
         return conn.exec_driver_sql(driver.sql, driver.parameters(params, self.clock))
+
+    def _execute_prepared(self, conn: Connection, statement: TextClause,
+                          params: Mapping[str, Any], prepared: set[str]) -> CursorResult[Any]:
+        """:meth:`execute` on a session of :meth:`prepare_session`'s: the statement is
+        prepared on its first run there, and executed by name from then on."""
+        key = (statement, PREPARED, ())
+        driver = self._driver_sql.get(key)
+        if driver is None:
+            driver = self._driver_sql[key] = DriverSql.prepared(statement,
+                                                                conn.dialect.paramstyle)
+        assert driver.prepare is not None  # a prepared statement's
+        if driver.prepare not in prepared:
+            conn.exec_driver_sql(driver.prepare)
+            prepared.add(driver.prepare)
+        return conn.exec_driver_sql(driver.sql, driver.parameters(params, self.clock))
+
+    def prepare_session(self, conn: Connection) -> None:
+        """Run :meth:`execute`'s statements on ``conn`` as prepared statements from now
+        on, where the database plans a statement each time it comes as text and a
+        prepared one once: a consumer's claim is planned on every round otherwise. Only
+        for a session of its own (the LISTEN connection): a prepared statement lives
+        in its session, which a pooler sharing server sessions would not keep."""
 
     def claim(
         self, conn: Connection, spec: TableSpec, limit: int, lease: float,

@@ -4,11 +4,13 @@ and so does SQLite's read before a claim."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import Connection, TextClause, text
+from sqlalchemy import Connection, Engine, TextClause, create_engine, make_url, text
 
 from kombu_sqlinbox import TableBuilder
+from kombu_sqlinbox.dialects.base import DriverSql
 
 from .conftest import Connect
 from .support import broker_of, quoted
@@ -133,6 +135,12 @@ def rows_read(conn: Connection, database: str, statement: TextClause,
                                        "r_loops", "table_name")
     plan = conn.execute(text(explain).bindparams(*statement._bindparams.values()),
                         params).scalar_one()
+    return rows_in(plan, rows, loops, table)
+
+
+def rows_in(plan: object, rows: str = "Actual Rows", loops: str = "Actual Loops",
+            table: str = "Relation Name") -> int:
+    """The rows an executed JSON plan read from tables (PostgreSQL's keys by default)."""
     found = 0
 
     def walk(node: object) -> None:
@@ -204,3 +212,77 @@ def test_claim_candidates_and_floor_read_a_few_rows_of_a_big_queue(
             read = rows_read(db, database, statement, params)
             transaction.rollback()
         assert read < 100, f"{read} rows read: {statement.text}"
+
+
+def generic_rows_read(engine: Engine, statement: TextClause, params: dict[str, object]) -> int:
+    """Rows PostgreSQL read to run ``statement`` prepared, as a consumer's LISTEN session
+    runs it (psycopg2: psycopg 3 prepares it itself), in the plan made once for any
+    parameters (a generic plan), which it may choose after a few runs."""
+    prepared = DriverSql.prepared(statement, "pyformat")
+    assert prepared.prepare is not None
+    with engine.connect() as db:
+        with db.begin() as transaction:
+            db.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
+            db.exec_driver_sql(prepared.prepare)
+            plan = db.exec_driver_sql(f"EXPLAIN (ANALYZE, FORMAT JSON) {prepared.sql}",
+                                      prepared.parameters(params, None)).scalar_one()
+            transaction.rollback()
+        db.exec_driver_sql("DEALLOCATE ALL")  # a prepared statement outlives its transaction
+    return rows_in(plan)
+
+
+@pytest.fixture
+def psycopg2_engine(db_url: str) -> Iterator[Engine]:
+    engine = create_engine(make_url(db_url).set(drivername="postgresql+psycopg2"))
+    yield engine
+    engine.dispose()
+
+
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
+def test_prepared_claim_and_settlements_read_a_few_rows_in_their_generic_plan(
+        connect: Connect, database: str, psycopg2_engine: Engine) -> None:
+    """READY_ROWS ready rows: prepared, the claim and the settlements still read a few."""
+    conn = connect()
+    conn.default_channel.queue_declare("jobs")
+    broker = broker_of(conn)
+    spec = broker.table("jobs").spec
+    table = quoted(broker.engine, spec.table)
+    with broker.engine.begin() as db:
+        db.execute(text(bulk_insert_sql(database, table)))
+    with broker.engine.begin() as db:
+        db.execute(text(f"ANALYZE {table}"))
+        floor = broker.dialect.claim_floor(db, spec)
+        ids = list(db.execute(text(f"SELECT id FROM {table} ORDER BY id LIMIT 5")).scalars())
+    statements = broker.dialect.statements(spec)
+    fenced = {"attempt": 0, "ids": ids, "lease": 30.0}
+    # the rows each must find: the claim's 8, the acked 5, none to extend (never leased)
+    for statement, params, found in (
+            (statements.claim[0], {"limit": 8, "lease": 30.0, "floor": floor}, 8),
+            (statements.complete, fenced, 5), (statements.extend, fenced, 0)):
+        read = generic_rows_read(psycopg2_engine, statement, params)
+        assert found <= read < 100, f"{read} rows read: {statement.text}"
+
+
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
+def test_prepared_fifo_claims_read_no_backlog_behind_a_head_in_work(
+        connect: Connect, database: str, table_prefix: str, psycopg2_engine: Engine) -> None:
+    """One group of READY_ROWS rows whose head is in work: prepared, both FIFO claim
+    statements still read a few rows, not the rows behind it."""
+    spec = (TableBuilder(f"{table_prefix}jobs").id().payload().headers()
+            .group("grp", fifo=True).available_at().locked_until().attempt().build())
+    conn = connect(queues={"jobs": {"table": spec}})
+    conn.default_channel.queue_declare("jobs")
+    broker = broker_of(conn)
+    spec = broker.table("jobs").spec
+    table = quoted(broker.engine, spec.table)
+    with broker.engine.begin() as db:
+        db.execute(text(bulk_insert_sql(database, table, group="g0")))
+    with broker.engine.begin() as db:
+        db.execute(text(f"ANALYZE {table}"))
+        broker.dialect.claim(db, spec, 1, 3600.0)
+    statements = broker.dialect.statements(spec)
+    assert statements.claim_heads is not None
+    params = {"limit": 1, "window": 17, "lease": 30.0, "floor": 0.0}
+    for claim in (statements.claim[0], statements.claim_heads[0]):
+        read = generic_rows_read(psycopg2_engine, claim, params)
+        assert read < 1000, f"{read} rows read behind the head: {claim.text}"
