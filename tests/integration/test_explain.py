@@ -4,10 +4,9 @@ and so does SQLite's read before a claim."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import Connection, Engine, TextClause, create_engine, make_url, text
+from sqlalchemy import URL, Connection, TextClause, create_engine, text
 
 from kombu_sqlinbox import TableBuilder
 from kombu_sqlinbox.dialects.base import DriverSql
@@ -184,6 +183,9 @@ def test_fifo_claim_reads_no_backlog_behind_a_head_in_work(
             read = rows_read(db, database, claim, params)
             transaction.rollback()
         assert read < 1000, f"{read} rows read behind head {head.id}: {claim.text}"
+        if database == "postgresql":
+            read = generic_rows_read(broker.engine.url, claim, params)
+            assert read < 1000, f"{read} rows read behind head {head.id}, prepared: {claim.text}"
     with broker.engine.begin() as db:
         assert broker.dialect.claim(db, spec, 4, 30.0) == [], "a row behind the head was taken"
 
@@ -193,7 +195,8 @@ def test_claim_candidates_and_floor_read_a_few_rows_of_a_big_queue(
         connect: Connect, database: str) -> None:
     """READY_ROWS ready rows: the claim (PostgreSQL: its bands of priorities merged), the
     advisory form's candidates and the floor read from where it stands each read a few
-    rows from the claim index, not the backlog."""
+    rows from the claim index, not the backlog; on PostgreSQL the claim and the
+    settlements, prepared, too."""
     conn = connect()
     conn.default_channel.queue_declare("jobs")
     broker = broker_of(conn)
@@ -212,77 +215,30 @@ def test_claim_candidates_and_floor_read_a_few_rows_of_a_big_queue(
             read = rows_read(db, database, statement, params)
             transaction.rollback()
         assert read < 100, f"{read} rows read: {statement.text}"
+    if database == "postgresql":
+        with broker.engine.connect() as db:
+            ids = list(db.execute(text(f"SELECT id FROM {table} ORDER BY id LIMIT 5")).scalars())
+        fenced = {"attempt": 0, "ids": ids, "lease": 30.0}
+        # the rows each must find: the claim's 8, the acked 5, none to extend (never leased)
+        for statement, values, found in ((statements.claim[0], params, 8),
+                                         (statements.complete, fenced, 5),
+                                         (statements.extend, fenced, 0)):
+            read = generic_rows_read(broker.engine.url, statement, values)
+            assert found <= read < 100, f"{read} rows read, prepared: {statement.text}"
 
 
-def generic_rows_read(engine: Engine, statement: TextClause, params: dict[str, object]) -> int:
+def generic_rows_read(url: URL, statement: TextClause, params: dict[str, object]) -> int:
     """Rows PostgreSQL read to run ``statement`` prepared, as a consumer's LISTEN session
-    runs it (psycopg2: psycopg 3 prepares it itself), in the plan made once for any
-    parameters (a generic plan), which it may choose after a few runs."""
+    runs it with psycopg2 (psycopg 3 prepares statements itself), in the plan made once for
+    any parameters (a generic plan), which it may choose after a few runs."""
     prepared = DriverSql.prepared(statement, "pyformat")
     assert prepared.prepare is not None
-    with engine.connect() as db:
-        with db.begin() as transaction:
-            db.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
-            db.exec_driver_sql(prepared.prepare)
-            plan = db.exec_driver_sql(f"EXPLAIN (ANALYZE, FORMAT JSON) {prepared.sql}",
-                                      prepared.parameters(params, None)).scalar_one()
-            transaction.rollback()
-        db.exec_driver_sql("DEALLOCATE ALL")  # a prepared statement outlives its transaction
-    return rows_in(plan)
-
-
-@pytest.fixture
-def psycopg2_engine(db_url: str) -> Iterator[Engine]:
-    engine = create_engine(make_url(db_url).set(drivername="postgresql+psycopg2"))
-    yield engine
+    engine = create_engine(url.set(drivername="postgresql+psycopg2"))
+    with engine.connect() as db, db.begin() as transaction:
+        db.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
+        db.exec_driver_sql(prepared.prepare)
+        plan = db.exec_driver_sql(f"EXPLAIN (ANALYZE, FORMAT JSON) {prepared.sql}",
+                                  prepared.parameters(params, None)).scalar_one()
+        transaction.rollback()
     engine.dispose()
-
-
-@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
-def test_prepared_claim_and_settlements_read_a_few_rows_in_their_generic_plan(
-        connect: Connect, database: str, psycopg2_engine: Engine) -> None:
-    """READY_ROWS ready rows: prepared, the claim and the settlements still read a few."""
-    conn = connect()
-    conn.default_channel.queue_declare("jobs")
-    broker = broker_of(conn)
-    spec = broker.table("jobs").spec
-    table = quoted(broker.engine, spec.table)
-    with broker.engine.begin() as db:
-        db.execute(text(bulk_insert_sql(database, table)))
-    with broker.engine.begin() as db:
-        db.execute(text(f"ANALYZE {table}"))
-        floor = broker.dialect.claim_floor(db, spec)
-        ids = list(db.execute(text(f"SELECT id FROM {table} ORDER BY id LIMIT 5")).scalars())
-    statements = broker.dialect.statements(spec)
-    fenced = {"attempt": 0, "ids": ids, "lease": 30.0}
-    # the rows each must find: the claim's 8, the acked 5, none to extend (never leased)
-    for statement, params, found in (
-            (statements.claim[0], {"limit": 8, "lease": 30.0, "floor": floor}, 8),
-            (statements.complete, fenced, 5), (statements.extend, fenced, 0)):
-        read = generic_rows_read(psycopg2_engine, statement, params)
-        assert found <= read < 100, f"{read} rows read: {statement.text}"
-
-
-@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
-def test_prepared_fifo_claims_read_no_backlog_behind_a_head_in_work(
-        connect: Connect, database: str, table_prefix: str, psycopg2_engine: Engine) -> None:
-    """One group of READY_ROWS rows whose head is in work: prepared, both FIFO claim
-    statements still read a few rows, not the rows behind it."""
-    spec = (TableBuilder(f"{table_prefix}jobs").id().payload().headers()
-            .group("grp", fifo=True).available_at().locked_until().attempt().build())
-    conn = connect(queues={"jobs": {"table": spec}})
-    conn.default_channel.queue_declare("jobs")
-    broker = broker_of(conn)
-    spec = broker.table("jobs").spec
-    table = quoted(broker.engine, spec.table)
-    with broker.engine.begin() as db:
-        db.execute(text(bulk_insert_sql(database, table, group="g0")))
-    with broker.engine.begin() as db:
-        db.execute(text(f"ANALYZE {table}"))
-        broker.dialect.claim(db, spec, 1, 3600.0)
-    statements = broker.dialect.statements(spec)
-    assert statements.claim_heads is not None
-    params = {"limit": 1, "window": 17, "lease": 30.0, "floor": 0.0}
-    for claim in (statements.claim[0], statements.claim_heads[0]):
-        read = generic_rows_read(psycopg2_engine, claim, params)
-        assert read < 1000, f"{read} rows read behind the head: {claim.text}"
+    return rows_in(plan)
