@@ -230,7 +230,7 @@ def test_a_consumer_with_a_backlog_claims_on_the_listen_connection_from_its_firs
                                   "pyformat").sql.partition(" (")[0]
 
     def record(connection: Any, cursor: Any, statement: str, *rest: Any) -> None:
-        if (statement.startswith("UPDATE") and "RETURNING" in statement
+        if ((statement.startswith("UPDATE") and "RETURNING" in statement)
                 or statement.startswith(prepared)):
             claimed_on.append(connection.connection.dbapi_connection)
 
