@@ -440,6 +440,58 @@ def next_backoff(backoff: float) -> float:
     return min(max(backoff * 2, BACKOFF_FIRST), BACKOFF_MAX)
 
 
+class OwnSession:
+    """A connection of this process's own, out of the pool (its session settings stay its
+    own), in autocommit, for fenced work whose commits need not wait for the disk: each
+    statement is one round trip, with no pool checkout, ``BEGIN`` or ``COMMIT``, run as a
+    prepared statement where the dialect can (:meth:`.Dialect.prepare_session`).
+    ``setup`` runs first on the driver connection (the wake-up's LISTEN)."""
+
+    def __init__(self, database: Database, setup: Callable[[Any], None] | None = None) -> None:
+        self.database = database
+        self.setup = setup
+        self.driver: Any = None
+        self.session: Connection | None = None
+        self._pid = 0
+
+    def connect(self) -> Connection:
+        """Connect (again); a connection whose set-up fails is closed as it is."""
+        raw = self.database.engine.raw_connection()
+        driver: Any = raw.driver_connection  # read before detach() forgets it
+        raw.detach()
+        driver.autocommit = True
+        session = Connection(self.database.engine, connection=raw)
+        dialect = self.database.dialect
+        try:
+            if self.setup is not None:
+                self.setup(driver)
+            if dialect.relaxed_session:
+                session.exec_driver_sql(dialect.relaxed_session)
+                session.commit()
+            dialect.prepare_session(session)
+        except Exception:
+            # the driver's own close: the session's would roll back first and, on a
+            # broken connection, give up before closing it
+            driver.close()
+            raise
+        self.driver, self.session, self._pid = driver, session, os.getpid()
+        return session
+
+    def current(self) -> Connection | None:
+        """The session, when there is one of this process (a forked child leaves its
+        parent's alone)."""
+        return self.session if self._pid == os.getpid() else None
+
+    def drop(self) -> None:
+        session = self.current()
+        if session is not None:
+            try:
+                session.close()
+            except Exception:
+                logger.debug("closing a dead connection of our own failed", exc_info=True)
+        self.driver = self.session = None
+
+
 class LeaseKeeper:
     """Extends leases of held rows and settles them in batches, each on its own thread.
 
@@ -448,12 +500,17 @@ class LeaseKeeper:
     own while every other group is written, and one whose table no longer exists is
     dropped (its rows went with the table). ``wake`` is called when a settlement may let
     a waiting row go (a FIFO head settled).
+
+    Where the database relaxes a whole session's commits (PostgreSQL), settlements are
+    written on an :class:`OwnSession` of the keeper's, one round trip per statement; a
+    settlement that fails there runs again on the pool (it is fenced).
     """
 
     def __init__(self, database: Database, wake: Callable[[], None]) -> None:
         self.database = database
         self.dialect = database.dialect
         self.wake = wake
+        self._own = OwnSession(database) if database.dialect.relaxed_session else None
         self._lock = threading.Lock()
         self._written = threading.Condition(self._lock)  # settlements left the queue
         self._held: dict[QueueTable, dict[int, int]] = defaultdict(dict)
@@ -572,6 +629,8 @@ class LeaseKeeper:
                 continue
             self._settle_wake.wait(wait)
             self._settle_wake.clear()
+        if self._own is not None:
+            self._own.drop()
 
     def _gathering(self) -> float:
         """How much longer the settlements queued may gather before they are written: up to
@@ -603,8 +662,25 @@ class LeaseKeeper:
 
     def _commit(self, batch: list[Queued]) -> None:
         work, written = self._settling(batch)
-        # fenced: run again after a commit whose reply was lost, it finds nothing to do
-        written(self.database.run_fenced(work))
+        written(self._run(work))
+
+    def _run(self, work: Callable[[Connection], T]) -> T:
+        """Run fenced settlement ``work`` (run again after a commit whose reply was lost, it
+        finds nothing to do) on the keeper's own session where it has one, else, and when
+        that fails, in a transaction of the pool's; either way its commit does not wait
+        for the disk."""
+        own = self._own
+        if own is not None:
+            try:
+                session = own.current() or own.connect()
+                result = work(session)
+                session.commit()  # autocommit: ends SQLAlchemy's view of a transaction
+                return result
+            except DBAPIError as exc:
+                logger.info("sqlinbox: settling on the lease keeper's own connection failed "
+                            "(%s); settling on the pool", exc)
+                own.drop()
+        return self.database.run_fenced(work)
 
     def _settling(self, batch: list[Queued]) -> tuple[Callable[[Connection], int],
                                                       Callable[[int], None]]:
@@ -927,6 +1003,9 @@ class Wakeup:
         self._channels: set[str] = set()
         self._listener: Any = None  # the DBAPI connection that LISTENs
         self._session: Connection | None = None  # the same, as SQLAlchemy runs statements
+        #: it only claims, settles and listens: see :class:`OwnSession`
+        self._own = OwnSession(database, lambda driver: self.dialect.listen(driver,
+                                                                            self._channels))
         self._lock = threading.Lock()
         directory = self.dialect.signal_directory() if local else None
         self.signal = LocalSignal(directory) if directory else None
@@ -970,23 +1049,8 @@ class Wakeup:
         self.poke()  # a consumer waiting in an event loop connects the listener now
 
     def _connect_listener(self) -> Connection:
-        raw = self.database.engine.raw_connection()
-        connection: Any = raw.driver_connection  # read before detach() forgets it
-        raw.detach()  # never back in the pool: its session settings stay its own
-        connection.autocommit = True
-        session = Connection(self.database.engine, connection=raw)
-        try:
-            self.dialect.listen(connection, self._channels)
-            if self.dialect.relaxed_session:  # it only claims: see LeaseClaims.claim
-                session.exec_driver_sql(self.dialect.relaxed_session)
-                session.commit()
-            self.dialect.prepare_session(session)
-        except Exception:
-            # the driver's own close: the session's would roll back first and, on a
-            # broken connection, give up before closing it
-            connection.close()
-            raise
-        self._listener = connection
+        session = self._own.connect()
+        self._listener = self._own.driver
         return session
 
     def _listening(self) -> Connection | None:
@@ -1003,11 +1067,7 @@ class Wakeup:
         return self._session
 
     def _drop_listener(self) -> None:
-        if self._session is not None:
-            try:
-                self._session.close()
-            except Exception:
-                logger.debug("closing a dead LISTEN connection failed", exc_info=True)
+        self._own.drop()
         self._listener = self._session = None
 
     def claim(self, work: Callable[[Connection], T]) -> T:

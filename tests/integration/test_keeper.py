@@ -189,3 +189,39 @@ def test_closing_gives_up_on_an_ack_it_cannot_write_in_time_and_the_row_comes_ba
     again.ack()
     assert broker_of(rival).keeper.flush(timeout=10)
     assert count_rows(engine, table) == 0
+
+
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
+def test_acks_are_written_on_the_keepers_own_connection_then_on_the_pool_once_it_died(
+    connect: Connect, engine: Engine, table_prefix: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """PostgreSQL: the settling thread writes acks on a connection of its own (one round
+    trip a statement). Once that connection died (its server session ended), the next
+    ack lands through the pool, once; the one after connects it again."""
+    caplog.set_level(logging.INFO, "kombu_sqlinbox.claims")
+    conn = connect()
+    for n in range(3):
+        publish(conn, "jobs", {"n": n})
+    keeper = broker_of(conn).keeper
+    table = table_of("jobs", table_prefix)
+
+    def ack_next() -> int:
+        """Ack the next message, wait until it is written; the rows left."""
+        get_within(conn, "jobs").ack()
+        assert keeper.flush(timeout=10), "the ack did not land"
+        return count_rows(engine, table)
+
+    def own_pid() -> int:
+        session = keeper._own.current() if keeper._own is not None else None
+        assert session is not None, "no connection of the keeper's own"
+        return int(session.exec_driver_sql("SELECT pg_backend_pid()").scalar_one())
+
+    assert ack_next() == 2
+    first = own_pid()
+    with engine.connect() as db:
+        db.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": first})
+        db.commit()
+    assert ack_next() == 1
+    assert "settling on the pool" in caplog.text
+    assert ack_next() == 0
+    assert own_pid() != first
