@@ -477,6 +477,14 @@ class OwnSession:
         self.driver, self.session, self._pid = driver, session, os.getpid()
         return session
 
+    @staticmethod
+    def commit(session: Connection, work: Callable[[Connection], T]) -> T:
+        """Run ``work`` on ``session``; each statement committed as it ran (autocommit), the
+        commit only ends SQLAlchemy's view of a transaction."""
+        result = work(session)
+        session.commit()
+        return result
+
     def current(self) -> Connection | None:
         """The session, when there is one of this process (a forked child leaves its
         parent's alone)."""
@@ -672,10 +680,7 @@ class LeaseKeeper:
         own = self._own
         if own is not None:
             try:
-                session = own.current() or own.connect()
-                result = work(session)
-                session.commit()  # autocommit: ends SQLAlchemy's view of a transaction
-                return result
+                return own.commit(own.current() or own.connect(), work)
             except DBAPIError as exc:
                 logger.info("sqlinbox: settling on the lease keeper's own connection failed "
                             "(%s); settling on the pool", exc)
@@ -1079,8 +1084,7 @@ class Wakeup:
             session = self._listening()
             if session is not None and self.dialect.keeps_notifications(self._listener):
                 try:
-                    result = work(session)
-                    session.commit()  # autocommit: ends SQLAlchemy's view of a transaction
+                    result = self._own.commit(session, work)
                     if self.dialect.take_notifications(self._listener):
                         self.poke()
                     return result
