@@ -58,14 +58,17 @@ ADVISORY_KEYS, ADVISORY_ROWS = 8, 25
 
 
 def advisory_run(ordering: Ordering) -> list[Entry]:
-    """Two consumer processes (three threads each) drain interleaved rows of 8 keys."""
+    """Two consumer processes (three threads each) drain interleaved rows of 8 keys,
+    published once both consume: the first to start would drain a backlog alone while
+    the second starts."""
     options = {"claim": "advisory"}
     conn = ordering.connect("jobs", "keyed", **options)
-    publish(conn, "jobs", interleaved(ADVISORY_KEYS, ADVISORY_ROWS, "partition_key"))
+    conn.default_channel.queue_declare("jobs")
     consumers = [
         ordering.consumer(f"c{n}", "jobs", "keyed", options=options, concurrency=3,
                           prefetch=3, work=[0.005, 0.02], seed=n)
         for n in range(2)]
+    publish(conn, "jobs", interleaved(ADVISORY_KEYS, ADVISORY_ROWS, "partition_key"))
     wait_for_count(ordering.log.done, ADVISORY_KEYS * ADVISORY_ROWS, "rows done", consumers)
     return ordering.log.entries()
 
