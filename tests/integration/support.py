@@ -9,11 +9,12 @@ from typing import Any, TypeVar
 
 from kombu import Connection
 from kombu.message import Message
-from sqlalchemy import text
+from sqlalchemy import TextClause, text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox.broker import Broker
 from kombu_sqlinbox.codec import DEATH_HEADER
+from kombu_sqlinbox.dialects.base import DriverSql
 from kombu_sqlinbox.tables import table_name_for_queue
 from tests.processes import wait_until
 
@@ -67,6 +68,12 @@ def never_delivered(rival: Connection, queues: list[str], seconds: float) -> Non
 def settled(conn: Connection) -> None:
     """Wait for the lease keeper to write every pending ack/requeue (it batches them)."""
     assert broker_of(conn).keeper.flush(timeout=10), "lease keeper did not settle in 10 s"
+
+
+def run_prepared(statement: TextClause) -> str:
+    """How a session that prepared ``statement`` (psycopg2's LISTEN connection and the
+    lease keeper's own) sends it: ``EXECUTE`` and the name it was prepared under."""
+    return DriverSql.prepared(statement, "pyformat").sql.partition(" (")[0]
 
 
 def table_of(queue: str, prefix: str) -> str:

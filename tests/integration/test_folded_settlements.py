@@ -28,6 +28,7 @@ from .support import (
     publish,
     rows,
     rows_locked,
+    run_prepared,
     table_of,
     wait_for,
 )
@@ -37,16 +38,18 @@ from .test_lost_commits import broker_url  # noqa: F401  (every connection via t
 pytestmark = pytest.mark.databases("postgresql", "mysql")
 
 
-def lock_waiters(engine: Engine, table: str) -> int:
-    """Sessions whose statement on ``table`` waits for a row lock."""
+def lock_waiters(engine: Engine, table: str, prepared: str) -> int:
+    """Sessions whose statement on ``table`` (or the statement ``prepared`` names) waits
+    for a row lock."""
     if engine.dialect.name == "postgresql":
         sql = ("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-               "AND query LIKE :like")
+               "AND (query LIKE :like OR query LIKE :prepared)")
     else:
         sql = ("SELECT count(*) FROM information_schema.innodb_trx "
                "WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE :like")
     with engine.connect() as conn:
-        return int(conn.execute(text(sql), {"like": f"%{table}%"}).scalar_one())
+        return int(conn.execute(text(sql), {"like": f"%{table}%",
+                                            "prepared": f"{prepared} %"}).scalar_one())
 
 
 @contextmanager
@@ -56,9 +59,11 @@ def settler_busy(conn: Connection, engine: Engine, table_prefix: str) -> Iterato
     publish(conn, "slow", {"n": 0})
     slow = get_within(conn, "slow")
     table = table_of("slow", table_prefix)
+    broker = broker_of(conn)
+    ack = run_prepared(broker.dialect.statements(broker.table("slow").spec).complete)
     with rows_locked(engine, table):
         slow.ack()
-        wait_for(lambda: lock_waiters(engine, table), "the settling thread to wait")
+        wait_for(lambda: lock_waiters(engine, table, ack), "the settling thread to wait")
         yield
     wait_for(lambda: count_rows(engine, table) == 0, "the slow ack to land")
 

@@ -20,9 +20,8 @@ from sqlalchemy.engine import Engine
 from kombu_sqlinbox import binding
 from kombu_sqlinbox.claims import Wakeup
 from kombu_sqlinbox.database import Database
-from kombu_sqlinbox.dialects.base import DriverSql
 from tests.integration.conftest import Connect
-from tests.integration.support import broker_of, publish, table_of, wait_for
+from tests.integration.support import broker_of, publish, run_prepared, table_of, wait_for
 from tests.tcp_proxy import Proxy
 
 #: a consumer that only polls (no NOTIFY, no same-host signal), backing off quickly
@@ -226,8 +225,7 @@ def test_a_consumer_with_a_backlog_claims_on_the_listen_connection_from_its_firs
     claimed_on: list[Any] = []
 
     # the claim as text, or run by the name psycopg2's LISTEN session prepared it under
-    prepared = DriverSql.prepared(broker.dialect.statements(broker.table("jobs").spec).claim[0],
-                                  "pyformat").sql.partition(" (")[0]
+    prepared = run_prepared(broker.dialect.statements(broker.table("jobs").spec).claim[0])
 
     def record(connection: Any, cursor: Any, statement: str, *rest: Any) -> None:
         if ((statement.startswith("UPDATE") and "RETURNING" in statement)
