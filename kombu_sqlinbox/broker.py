@@ -316,7 +316,7 @@ class Broker:
         self.closed = True
         self.keeper.stop()
         self.wakeup.close()
-        self.engine.dispose()
+        self.database.dispose()
 
     # -- what the kombu glue and transactional tasks ask of the broker ---------
     def publish_message(
@@ -469,7 +469,7 @@ def close_all() -> None:
 def _forget_after_fork() -> None:
     """A forked child must not use the parent's pooled connections or held rows."""
     for broker in _BROKERS.values():
-        broker.engine.dispose(close=False)
+        broker.database.dispose(close=False)
     _BROKERS.clear()
 
 

@@ -13,9 +13,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, create_engine, inspect
+from sqlalchemy import Connection, create_engine, event, inspect
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
+from sqlalchemy.pool import Pool
 
 from . import binding
 from .clock import key_of
@@ -24,8 +25,8 @@ from .errors import ConfigurationError
 from .tables import TableSpec
 
 T = TypeVar("T")
-#: drivers whose connections show their socket (``fileno()``)
-SOCKET_DRIVERS = frozenset({"psycopg2", "psycopg"})
+#: drivers whose connections show their socket (``fileno()``; PyMySQL's ``_sock``)
+SOCKET_DRIVERS = frozenset({"psycopg2", "psycopg", "pymysql"})
 #: where a pooled connection keeps the driver cursor :meth:`Database.write` publishes on
 PUBLISH_CURSOR = "sqlinbox_publish_cursor"
 
@@ -96,7 +97,8 @@ def engine_for(url: str | URL, sqlite_begin: str = "IMMEDIATE",
 def closed_by_server(connection: Any) -> bool:
     """Whether an idle driver connection has something to read: the server closed it (a
     restart or a terminated backend sends its goodbye, then the end of the stream)."""
-    return bool(select.select([connection.fileno()], [], [], 0)[0])
+    fileno = getattr(connection, "fileno", None) or connection._sock.fileno
+    return bool(select.select([fileno()], [], [], 0)[0])
 
 
 def same_database(a: Engine, b: Engine) -> bool:
@@ -113,11 +115,28 @@ class Database:
         #: durable publishes commit as one statement in autocommit (drivers whose socket
         #: shows a connection the server closed: see :meth:`write`)
         self.switch_autocommit = dialect.autocommit_switch and engine.driver in SOCKET_DRIVERS
+        #: where switching costs round trips, publishes check out connections of this pool,
+        #: put in autocommit once as they open (the engine's pool settings and connect
+        #: hooks): no other work ever sees one in autocommit
+        self.publish_pool: Pool | None = None
+        if dialect.autocommit_kept and engine.driver in SOCKET_DRIVERS:
+            self.publish_pool = engine.pool.recreate()
+            event.listen(self.publish_pool, "connect", lambda dbapi, record:
+                         engine.dialect.set_isolation_level(dbapi, "AUTOCOMMIT"))
 
     @classmethod
     def open(cls, url: str | URL, **engine_options: Any) -> Database:
         """A database on an engine made by :func:`engine_for`."""
         return cls(*engine_for(url, **engine_options))
+
+    def dispose(self, close: bool = True) -> None:
+        """Drop every pooled connection, closing them unless ``close`` is false (a forked
+        child, whose parent still uses them); the pools open fresh ones on demand."""
+        self.engine.dispose(close=close)
+        if self.publish_pool is not None:
+            if close:
+                self.publish_pool.dispose()
+            self.publish_pool = self.publish_pool.recreate()
 
     def run(self, work: Callable[[Connection], T], attempts: int = 10,
             read_only: bool = False, durable: bool = True, repeatable: bool = False) -> T:
@@ -180,16 +199,19 @@ class Database:
         """Insert ``rows`` in one transaction of their own, through a pooled connection's
         driver cursor (no SQLAlchemy statement machinery on the way: a publish costs the
         round trips a bare driver loop makes): one statement the database commits itself
-        where the dialect allows (:attr:`.Dialect.autocommit_write`, and for durable rows
-        :attr:`.Dialect.autocommit_switch`), else BEGIN (where the dialect needs one),
-        INSERT, COMMIT. Retried as :meth:`run` retries work that is
-        not repeatable; driver errors are raised as SQLAlchemy's, as :meth:`run` raises.
+        where the dialect allows (:attr:`.Dialect.autocommit_write`, a connection of
+        :attr:`publish_pool`, and for durable rows :attr:`.Dialect.autocommit_switch`),
+        else BEGIN (where the dialect needs one), INSERT, COMMIT. Retried as :meth:`run`
+        retries work that is not repeatable; driver errors are raised as SQLAlchemy's, as
+        :meth:`run` raises.
         Rows that are not ``durable`` skip the commit's wait for the disk, as in :meth:`run`."""
         sql = insert.sql(len(rows))
         switch = durable and self.switch_autocommit
+        kept = self.publish_pool
+        alone = self.dialect.autocommit_write or switch or kept is not None
         for attempt in range(1, attempts + 1):
             committing = switched = False
-            pooled = self.engine.raw_connection()
+            pooled = self.engine.raw_connection() if kept is None else kept.connect()
             cursor = None
             try:
                 # one cursor per connection for its publishes (forgotten with the connection):
@@ -198,14 +220,15 @@ class Database:
                 if cursor is None:
                     cursor = pooled.info[PUBLISH_CURSOR] = pooled.cursor()
                 driver: Any = pooled.dbapi_connection
-                if switch:
+                if switch or kept is not None:
                     if attempt < attempts and closed_by_server(driver):
                         # its statement could not tell a connection that was dead before
                         # it from a commit whose reply was lost: take a fresh one first
                         pooled.invalidate()
                         continue
-                    driver.autocommit = switched = True
-                if self.dialect.autocommit_write or switch:
+                    if switch:
+                        driver.autocommit = switched = True
+                if alone:
                     committing = True  # the statement is the commit
                     cursor.execute(sql, insert.parameters(rows))
                     if switched:

@@ -354,6 +354,10 @@ class Dialect:
     #: landed, as a COMMIT's would): one round trip instead of BEGIN, INSERT, COMMIT. Only
     #: where the switch itself sends nothing to the server
     autocommit_switch: ClassVar[bool] = False
+    #: where switching costs a round trip each way: publishes run on connections of their
+    #: own, switched to autocommit once when they open (:attr:`.Database.publish_pool`),
+    #: so a publish is one statement the server commits, whatever its durability
+    autocommit_kept: ClassVar[bool] = False
     #: the most parameters one statement may bind
     max_bind_params: ClassVar[int] = 65535
     #: ``:floor`` (epoch seconds) as a time value where claims read past the rows below

@@ -35,6 +35,9 @@ class MySQLDialect(Dialect):
     #: on return (a round trip with pymysql) is skipped
     engine_defaults = {"isolation_level": "READ COMMITTED", "pool_reset_on_return": None}
     capabilities = Capabilities(row_locks=True, skip_locked=True, key_locks=True)
+    #: PyMySQL and MySQLdb send ``SET AUTOCOMMIT`` to switch; the server commits a lone
+    #: statement before its reply (durable with ``innodb_flush_log_at_trx_commit=1``)
+    autocommit_kept = True
     lock_clause = "FOR UPDATE SKIP LOCKED"
     now = NOW
     pinned_now = "FROM_UNIXTIME(:sqlinbox_now)"

@@ -1,8 +1,8 @@
 """A publish outside a binding: its INSERT on the pooled driver connection's cursor.
 
 A busy database is retried (the row lands once); a driver whose parameter style the
-transport does not rewrite publishes through SQLAlchemy instead. A lost COMMIT reply
-is in test_lost_commits.
+transport does not rewrite publishes through SQLAlchemy instead. On MariaDB publishes
+keep connections of their own in autocommit. A lost COMMIT reply is in test_lost_commits.
 """
 
 from __future__ import annotations
@@ -12,14 +12,27 @@ import threading
 import time
 
 import pytest
+from kombu import Connection
+from sqlalchemy import Connection as SAConnection
+from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
 from kombu_sqlinbox.broker import close_all
+from kombu_sqlinbox.database import closed_by_server
 from kombu_sqlinbox.dialects.sqlite import SQLiteDialect
 
 from .conftest import Connect
-from .support import broker_of, count_rows, get_within, publish, rows_locked, table_of
+from .support import (
+    broker_of,
+    count_rows,
+    get_within,
+    publish,
+    quoted,
+    rows_locked,
+    table_of,
+    wait_for,
+)
 
 BUSY = 0.2
 
@@ -114,3 +127,120 @@ def test_a_channel_that_outlives_its_closed_broker_publishes_into_no_other_file(
         for fd in {old_read, old_write, other_read, other_write}:  # often the same numbers
             os.close(fd)
     assert count_rows(engine, table_of("jobs", table_prefix)) == 2
+
+
+class Oops(Exception):
+    pass
+
+
+def publish_connection_id(conn: Connection) -> int:
+    """The server's id of the connection a publish takes next (the one a single thread's
+    publishes left in the broker's publish pool)."""
+    pool = broker_of(conn).database.publish_pool
+    assert pool is not None, "no publish pool on this driver"
+    pooled = pool.connect()
+    try:
+        cursor = pooled.cursor()
+        cursor.execute("SELECT CONNECTION_ID()")
+        found = cursor.fetchone()
+        cursor.close()
+        assert found is not None
+        return int(found[0])
+    finally:
+        pooled.close()
+
+
+def connected(engine: Engine, connection_id: int) -> bool:
+    with engine.connect() as conn:
+        return bool(conn.execute(
+            text("SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = :id"),
+            {"id": connection_id}).scalar_one())
+
+
+@pytest.mark.databases("mysql")
+def test_publishes_in_autocommit_leave_the_transactions_of_the_pool_whole(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """Publishes on MariaDB keep connections of their own in autocommit: a transaction
+    run after them (on the connection an earlier publish of the thread would have taken)
+    is still one transaction, which a failure rolls back whole."""
+    conn = connect()
+    for n in range(3):
+        publish(conn, "jobs", {"n": n})
+    publisher = publish_connection_id(conn)
+    table = quoted(engine, table_of("jobs", table_prefix))
+    seen: list[tuple[int, int]] = []
+
+    def delete_then_fail(session: SAConnection) -> None:
+        row = session.exec_driver_sql("SELECT CONNECTION_ID(), @@autocommit").one()
+        seen.append((int(row[0]), int(row[1])))
+        session.exec_driver_sql(f"DELETE FROM {table}")
+        raise Oops
+
+    with pytest.raises(Oops):
+        broker_of(conn).database.run(delete_then_fail)
+    assert seen[0][0] != publisher and seen[0][1] == 0
+    assert count_rows(engine, table_of("jobs", table_prefix)) == 3
+    publish(conn, "jobs", {"n": 3})
+    assert publish_connection_id(conn) == publisher  # kept, in autocommit
+    assert count_rows(engine, table_of("jobs", table_prefix)) == 4
+
+
+@pytest.mark.databases("mysql")
+def test_a_publish_on_a_connection_the_server_killed_takes_a_fresh_one_and_lands_once(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """A publish connection killed while idle (KILL, wait_timeout) is seen closed before
+    the publish sends anything: the publish goes on, once, on a fresh connection."""
+    conn = connect()
+    publish(conn, "jobs", {"n": 0})
+    pool = broker_of(conn).database.publish_pool
+    assert pool is not None
+    pooled = pool.connect()
+    driver = pooled.dbapi_connection
+    pooled.close()
+    killed = publish_connection_id(conn)
+    with engine.connect() as admin:
+        admin.exec_driver_sql(f"KILL {killed}")
+    wait_for(lambda: closed_by_server(driver), "the killed connection's end")
+    conn.Producer().publish({"n": 1}, routing_key="jobs", retry=False)
+    assert count_rows(engine, table_of("jobs", table_prefix)) == 2
+    assert publish_connection_id(conn) != killed
+
+
+@pytest.mark.databases("mysql")
+def test_closing_the_broker_closes_its_publish_connections(
+        connect: Connect, engine: Engine) -> None:
+    conn = connect()
+    publish(conn, "jobs", {"n": 0})
+    publisher = publish_connection_id(conn)
+    assert connected(engine, publisher)
+    close_all()
+    wait_for(lambda: not connected(engine, publisher), "the publish connection's end")
+
+
+@pytest.mark.databases("mysql")
+def test_a_forked_child_publishes_on_connections_of_its_own(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """A child forked after publishes (a prefork pool process) opens its own publish
+    connection; the parent's stays the parent's and goes on publishing."""
+    conn = connect()
+    publish(conn, "jobs", {"n": 0})
+    parent = publish_connection_id(conn)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            publish(conn, "jobs", {"n": 1})
+            os.write(write, str(publish_connection_id(conn)).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as reader:
+        child = reader.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert int(child) != parent
+    publish(conn, "jobs", {"n": 2})
+    assert publish_connection_id(conn) == parent
+    assert count_rows(engine, table_of("jobs", table_prefix)) == 3
