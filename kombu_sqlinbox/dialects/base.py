@@ -679,7 +679,10 @@ class Dialect:
                     if spec.has(Role.PARTITION_KEY) else "")
         floor = floor_above = None
         if self.floor_time is not None and spec.has(Role.AVAILABLE_AT):
-            oldest = f"COALESCE(MIN({f['available_at']}), {self.now})"
+            # never above the present: with only rows due later in the table, a floor at
+            # their ready time would hide every row published until the next whole reading
+            least = f"MIN({f['available_at']})"
+            oldest = f"CASE WHEN {least} < {self.now} THEN {least} ELSE {self.now} END"
             floor = text(f"SELECT {self.epoch(oldest)} FROM {f['table']}")
             floor_above = text(f"SELECT {self.epoch(oldest)} FROM "
                                f"({self.oldest_above(spec)}) AS m")
@@ -896,8 +899,9 @@ class Dialect:
         nor InnoDB's purge can remove them, and a claim reading from the index's start
         visits every one. Below the floor it passes over them in the index alone. The
         floor is the oldest ready time of any row in the table (ready, leased, or due
-        later), less :data:`FLOOR_MARGIN`, read over the whole table every
-        :attr:`floor_refresh` seconds: a row falls below it only by committing more than
+        later) or the present, whichever is sooner (a row due later must not hide those
+        published before it is due), less :data:`FLOOR_MARGIN`, read over the whole table
+        every :attr:`floor_refresh` seconds: a row falls below it only by committing more than
         the margin after its ready time (a transaction's start, for a publish inside one)
         or with an ETA further than the margin in the past, and then waits for the next
         whole reading. That reading walks the dead rows too; in between, every

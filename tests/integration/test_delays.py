@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timezone
 
 from kombu_sqlinbox.clock import Clock
+from kombu_sqlinbox.dialects.base import FLOOR_REFRESH, FLOOR_STEP
 
 from .conftest import Connect
-from .support import get, get_within, publish, settled
+from .support import broker_of, get, get_within, publish, settled
 
 
 def test_eta_in_the_future_is_not_claimable_before_it_is_due(
@@ -28,6 +30,30 @@ def test_eta_in_the_future_is_not_claimable_before_it_is_due(
     delayed = get_within(conn, "jobs")
     assert delayed.decode() == {"n": "later"}
     assert delayed.headers["eta"] == due.isoformat()
+
+
+def test_a_row_due_later_hides_none_published_before_it_is_due(connect: Connect) -> None:
+    """A queue whose only row is due in an hour (a countdown task) delivers a message
+    published next at once, whether the claim floor was read over the whole table or from
+    where it stood (the step) while that row was alone: the floor never rises above the
+    present, so the new row is not passed over until the next whole reading."""
+    conn = connect()
+    due = datetime.fromtimestamp(time.time() + 3600, timezone.utc)
+    publish(conn, "jobs", {"n": "later"}, headers={"eta": due.isoformat()})
+    assert get(conn, "jobs") is None  # a claim reads the floor with the later row alone
+    publish(conn, "jobs", {"n": "now"})
+    first = get_within(conn, "jobs", timeout=FLOOR_REFRESH / 3)
+    assert first.decode() == {"n": "now"}
+    first.ack()
+    settled(conn)
+    dialect = broker_of(conn).dialect
+    dialect.floor_step = 0.0  # every claim reads the floor from where it stands
+    try:
+        assert get(conn, "jobs") is None
+        publish(conn, "jobs", {"n": "next"})
+        assert get_within(conn, "jobs", timeout=FLOOR_REFRESH / 3).decode() == {"n": "next"}
+    finally:
+        dialect.floor_step = FLOOR_STEP
 
 
 def test_higher_priority_is_delivered_first(connect: Connect) -> None:

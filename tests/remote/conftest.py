@@ -18,9 +18,10 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from celery import Celery
@@ -38,6 +39,7 @@ EXAMPLE = EXAMPLES / "monitoring"
 HOST = socket.gethostname()
 #: a ``celery`` command that does not end in this time fails its test
 COMMAND_LIMIT = 60.0
+T = TypeVar("T")
 
 
 def example_app() -> ModuleType:
@@ -156,9 +158,12 @@ class Cluster:
         return replies
 
     def control(self, *args: str, destination: Sequence[str] = ()) -> str:
-        """``celery control <args>`` (to ``destination`` or every worker); its output."""
-        target = ["-d", ",".join(destination)] if destination else []
-        return self.celery("control", *args, *target).stdout
+        """``celery control <args>`` to ``destination``, by default both workers by name:
+        the command then returns once both replied, not after its whole reply timeout
+        (a broadcast to no one in particular cannot know how many replies to await);
+        its output."""
+        target = ",".join(destination or self.names)
+        return self.celery("control", *args, "-d", target).stdout
 
     # -- tasks ---------------------------------------------------------------------------
     def send(self, name: str, *args: Any, **options: Any) -> str:
@@ -192,6 +197,14 @@ class Cluster:
             self.events.stop()
         self.processes.close(failed)
         self.app.close()
+
+
+def at_once(calls: Sequence[Callable[[], T]]) -> list[T]:
+    """The results of ``calls``, run each in a thread of its own: independent ``celery``
+    commands overlap their start-up (a second or more of imports each) and their wait
+    for replies. Each call bounds its own wait."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [future.result() for future in [pool.submit(call) for call in calls]]
 
 
 @pytest.fixture(autouse=True)

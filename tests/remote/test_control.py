@@ -2,7 +2,8 @@
 
 The tests share the module's two workers (``a`` and ``b``) and run in file order; the
 last one shuts a worker down. Every command under test is the ``celery`` command line as a
-user runs it, in the example app's directory, with its default one-second reply timeout;
+user runs it, in the example app's directory, with its default one-second reply timeout
+(``celery control`` names both workers, so that it need not wait that second out);
 the checks that follow a command ask through the Python API.
 """
 
@@ -15,10 +16,11 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from functools import partial
 from typing import Any
 
 from tests.processes import START_LIMIT, Proc, wait_until
-from tests.remote.conftest import HOST, Cluster
+from tests.remote.conftest import HOST, Cluster, at_once
 
 A, B = f"a@{HOST}", f"b@{HOST}"
 TASKS = {"monitor.add", "monitor.fail", "monitor.mark", "monitor.hold", "monitor.paced",
@@ -51,10 +53,9 @@ def test_inspect_active_and_query_task_show_a_running_task(cluster: Cluster) -> 
 
 
 def test_inspect_registered_stats_scheduled_queues_conf(cluster: Cluster) -> None:
-    registered = cluster.inspect("registered")
-    stats = cluster.inspect("stats")
-    queues = cluster.inspect("active_queues")
-    conf = cluster.inspect("conf")
+    registered, stats, queues, conf = at_once([
+        partial(cluster.inspect, command)
+        for command in ("registered", "stats", "active_queues", "conf")])
     for node in (A, B):
         assert set(registered[node]) >= TASKS, registered
         assert stats[node]["pool"]["max-concurrency"] == 2, stats

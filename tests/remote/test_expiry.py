@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from kombu_sqlinbox.broker import close_all, sqlalchemy_url
-from tests.remote.conftest import HOST, Cluster, cluster_on, example_app
+from tests.remote.conftest import HOST, Cluster, at_once, cluster_on, example_app
 
 #: seconds the test's own reply queue and the monitor's event queue outlive their use
 #: (``celery inspect`` run as a command keeps the example app's ten)
@@ -54,8 +54,8 @@ def test_reply_and_event_queues_expire(broker: str, tmp_path: Path) -> None:
         for _ in range(PINGS):
             assert caller.control.ping(destination=[f"a@{HOST}"], timeout=1.0) == [
                 {f"a@{HOST}": {"ok": "pong"}}]
-        for _ in range(3):
-            assert f"a@{HOST}: OK" in cluster.celery("inspect", "ping").stdout
+        for done in at_once([lambda: cluster.celery("inspect", "ping")] * 3):
+            assert f"a@{HOST}: OK" in done.stdout
         # a caller that dies waiting for a reply that never comes leaves its reply queue
         waiting = cluster.spawn("waiting", "inspect", "ping", "-t", "60", "-d",
                                 f"a@{HOST},nobody@{HOST}", PYTHONUNBUFFERED="1")
