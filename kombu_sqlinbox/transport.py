@@ -583,8 +583,10 @@ class Transport(virtual.Transport):
         self._on_timer(loop)
 
     def _on_timer(self, loop: Any) -> None:
-        """Claim, then set the timer for the next round."""
+        """Claim, delete what expired (as the blocking loop's idle rounds do; at most every
+        :confval:`sweep_interval`), then set the timer for the next round."""
         self._on_poll(loop)
+        self.broker.sweep()
         self._schedule(loop)
 
     def _schedule(self, loop: Any) -> None:

@@ -27,6 +27,7 @@ from kombu_sqlinbox.dialects import RoutingStatements
 
 from .conftest import Connect
 from .support import broker_of, get, get_within, quoted, wait_for
+from .test_kombu import EventLoop
 
 FANOUT = Exchange("broadcast", type="fanout", durable=False)
 TOPIC = Exchange("events", type="topic", durable=False)
@@ -177,6 +178,23 @@ def test_queue_unused_past_x_expires_goes_with_its_bindings_and_messages(
     sweeper.sweep()
     for table in ("queues", "bindings", "transient"):
         assert count(engine, table_prefix, table) == 0, table
+
+
+def test_a_consumer_in_an_event_loop_sweeps_what_expired(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """Celery's event loop (the ``event_loop`` option) runs the transport's timer, not its
+    blocking loop: that timer deletes expired queues too."""
+    owner = other(connect, 1)
+    declare(owner, transient("gone", FANOUT, expires=0.3))
+    owner.Producer().publish({"left": "behind"}, exchange=FANOUT, declare=[FANOUT])
+    loop = EventLoop(other(connect, 2, sweep_interval=0.05), declare(owner, transient("busy")))
+    try:
+        loop.run_until(lambda: count(engine, table_prefix, "queues", "WHERE name = 'gone'") == 0,
+                       "sweep the expired queue")
+    finally:
+        loop.close()
+    assert count(engine, table_prefix, "transient") == 0
 
 
 def test_consumed_queue_outlives_its_expiry_and_comes_back_after_a_sweep_took_it(
