@@ -35,7 +35,7 @@ import zlib
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
@@ -139,7 +139,7 @@ class LeaseClaims(ClaimForm):
             self._busy.add(table)
         else:
             self._busy.discard(table)
-        self.keeper.hold(self.held_for(table, row) for row in rows)
+        self.keeper.hold(table, rows)
         return rows
 
     def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
@@ -356,7 +356,7 @@ class AdvisoryClaims(LeaseClaims):
                 unused = [key for key in locked if key not in mine]
                 if unused:
                     self._give_back(space, unused)
-        self.keeper.hold(self.held_for(table, row) for row in rows)
+        self.keeper.hold(table, rows)
         return rows
 
     def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
@@ -403,9 +403,9 @@ BACKOFF_FIRST = 0.2
 BACKOFF_MAX = 5.0
 
 
-@dataclass(frozen=True)
-class Queued:
-    """A settlement waiting to be written; ``seq`` orders it for :meth:`LeaseKeeper.flush`."""
+class Queued(NamedTuple):
+    """A settlement waiting to be written; ``seq`` orders it for :meth:`LeaseKeeper.flush`.
+    A tuple: one is made per ack, and a frozen dataclass costs several times as much."""
 
     seq: int
     how: Settlement
@@ -531,24 +531,32 @@ class LeaseKeeper:
         self._hurry = threading.Event()
         self._extend_wake = threading.Event()
         self._stopped = False
+        #: the running threads by name (each takes itself out as it ends), of process _pid
         self._threads: dict[str, threading.Thread] = {}
+        self._pid = os.getpid()
+        #: the settling thread waits for ``_settle_wake`` (or may be about to): a
+        #: settlement queued meanwhile sets it; one queued while it gathers or writes
+        #: does not, sparing the consumer a thread switch per ack
+        self._settler_idle = True
         #: when the leases held are next extended (never while nothing is held)
         self._next_extension = math.inf
 
     # -- called from consumer and pool threads ------------------------------
-    def hold(self, rows: Iterable[Held]) -> None:
-        soonest: float | None = None
+    def hold(self, table: QueueTable, rows: Sequence[ClaimedRow]) -> None:
+        """Extend the leases of ``rows`` of ``table`` (just claimed) until they settle."""
+        if not rows:
+            return
+        # the first extension of these rows is due at a third of their lease: bring forward
+        # one scheduled later (for longer leases, or none while nothing was held)
+        due = time.monotonic() + table.options.visibility_timeout / 3
         with self._lock:
-            for held in rows:
-                self._held[held.table][held.id] = held.attempt
-                due = time.monotonic() + held.table.options.visibility_timeout / 3
-                soonest = due if soonest is None else min(soonest, due)
+            held = self._held[table]
+            for row in rows:
+                held[row.id] = row.attempt
             self._ensure_threads()
-            # the first extension of these rows is due at a third of their lease: bring
-            # forward one scheduled later (for longer leases, or none while nothing was held)
-            early = soonest is not None and soonest < self._next_extension
-            if soonest is not None and early:
-                self._next_extension = soonest
+            early = due < self._next_extension
+            if early:
+                self._next_extension = due
         if early:
             self._extend_wake.set()
 
@@ -558,7 +566,9 @@ class LeaseKeeper:
             self._queued += 1
             self._pending.append(Queued(self._queued, how, held, delay, time.monotonic()))
             self._ensure_threads()
-        self._settle_wake.set()
+            wake, self._settler_idle = self._settler_idle, False
+        if wake:
+            self._settle_wake.set()
 
     def forget(self, held: Held) -> None:
         """Stop extending a row that left by another path (moved to a dead-letter queue)."""
@@ -601,14 +611,30 @@ class LeaseKeeper:
 
     # -- the threads --------------------------------------------------------
     def _ensure_threads(self) -> None:
-        """Start the settling and the extending thread where not running (call locked)."""
+        """Start the settling and the extending thread where not running (call locked; once
+        per ack, so the usual case is one comparison). A forked child has none of its
+        parent's threads."""
+        if len(self._threads) == 2 and self._pid == os.getpid():
+            return
+        if self._pid != os.getpid():
+            self._pid, self._threads = os.getpid(), {}
         for name, target in (("settler", self._settle_loop), ("extender", self._extend_loop)):
-            thread = self._threads.get(name)
-            if thread is None or not thread.is_alive():
+            if name not in self._threads:
                 self._stopped = False
                 self._threads[name] = thread = threading.Thread(
-                    target=target, name=f"sqlinbox-lease-{name}", daemon=True)
+                    target=self._run, args=(name, target), name=f"sqlinbox-lease-{name}",
+                    daemon=True)
                 thread.start()
+
+    def _run(self, name: str, loop: Callable[[], None]) -> None:
+        """A keeper thread: its loop, then out of ``_threads`` however the loop ended (stopped,
+        or failed), so that the next use starts another."""
+        try:
+            loop()
+        finally:
+            with self._lock:
+                if self._threads.get(name) is threading.current_thread():
+                    del self._threads[name]
 
     def _oldest(self) -> float:
         """The sequence number of the oldest settlement not yet written (call locked)."""
@@ -629,6 +655,7 @@ class LeaseKeeper:
                 due, wait = ([], None) if gather else self._take_due()
                 if not self._pending and not self._writing:
                     self._hurry.clear()
+                self._settler_idle = not gather and not due
             if gather:
                 self._hurry.wait(gather)
                 continue
@@ -729,12 +756,14 @@ class LeaseKeeper:
         thread writes them. If it fails, they go back to the settling thread (its
         isolation and back-off decide) and the claim runs alone."""
         with self._lock:
-            batch = [queued for queued in self._pending
-                     if (queued.held.table, queued.how) not in self._failing]
-            if batch:
+            if self._failing:  # groups in back-off stay the settling thread's
+                batch = [queued for queued in self._pending
+                         if (queued.held.table, queued.how) not in self._failing]
                 taken = {id(queued) for queued in batch}
                 self._pending = [queued for queued in self._pending if id(queued) not in taken]
-                self._writing.extend(batch)
+            else:
+                batch, self._pending = self._pending, []
+            self._writing.extend(batch)
         if not batch:
             return run(claim)
         work, written = self._settling(batch)

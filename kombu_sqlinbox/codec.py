@@ -12,7 +12,6 @@ import binascii
 import contextlib
 import json
 import uuid
-from dataclasses import replace
 from datetime import date, datetime, time, timezone
 from decimal import Decimal
 from reprlib import repr as saferepr
@@ -39,6 +38,12 @@ ROW_KEY = "sqlinbox_row"
 EXPIRES_KEY = "expires_at"
 #: header carrying why and from where a message reached a dead-letter queue
 DEATH_HEADER = "x-sqlinbox-death"
+
+
+#: the types a text field of an envelope, a stored body, an expiry may have
+_TEXT = (str, type(None))
+_BODY = (str, bytes, type(None))
+_NUMBER = (int, float, type(None))
 
 
 class Undecodable(ValueError):
@@ -128,13 +133,14 @@ def decode_row(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict[st
         if not isinstance(properties, dict) or not isinstance(headers, dict):
             raise Undecodable("properties and headers must be JSON objects")
         routing = properties.pop("routing", None) or {}
-        if not isinstance(routing, dict) or not all(
-                isinstance(routing.get(k), (str, type(None))) for k in ("exchange", "routing_key")):
+        if (not isinstance(routing, dict)
+                or not isinstance(exchange := routing.get("exchange"), _TEXT)
+                or not isinstance(routing_key := routing.get("routing_key"), _TEXT)):
             raise Undecodable("routing must be a JSON object of exchange and routing_key strings")
-        if not all(isinstance(envelope.get(k), (str, type(None)))
-                   for k in ("content-type", "content-encoding")):
+        if (not isinstance(content_type := envelope.get("content-type"), _TEXT)
+                or not isinstance(content_encoding := envelope.get("content-encoding"), _TEXT)):
             raise Undecodable("content-type and content-encoding must be strings")
-        if not isinstance(body, (str, bytes, type(None))):
+        if not isinstance(body, _BODY):
             raise Undecodable("the stored body is not text")
         encoding = properties.get("body_encoding")
         if encoding == "base64":
@@ -143,22 +149,22 @@ def decode_row(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict[st
             raise Undecodable(f"unknown body_encoding {encoding!r}")
         properties["body_encoding"] = None
         expires_at = envelope.get(EXPIRES_KEY)
-        if not isinstance(expires_at, (int, float, type(None))):
+        if not isinstance(expires_at, _NUMBER):
             raise Undecodable(f"{EXPIRES_KEY} must be a number of epoch seconds")
     except (ValueError, UnicodeDecodeError, binascii.Error) as exc:
         raise Undecodable(f"cannot decode stored message: {exc}") from exc
     properties["delivery_tag"] = delivery_tag
     properties["delivery_info"] = {
-        "exchange": routing.get("exchange") or "",
-        "routing_key": routing.get("routing_key") or table.queue,
+        "exchange": exchange or "",
+        "routing_key": routing_key or table.queue,
         "redelivered": row.attempt > 1,
         ROW_KEY: {"queue": table.queue, "id": row.id, "attempt": row.attempt},
     }
     return {
         EXPIRES_KEY: expires_at,
         "body": body,
-        "content-type": envelope.get("content-type"),
-        "content-encoding": envelope.get("content-encoding"),
+        "content-type": content_type,
+        "content-encoding": content_encoding,
         "headers": headers,
         "properties": properties,
     }
@@ -295,7 +301,7 @@ def decode_stored(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict
                    "content-encoding": "utf-8", "properties": {}}
     message["properties"]["delivery_info"] = {"exchange": "", "routing_key": table.queue}
     payload, headers = encode_message(message, table)
-    return decode_row(replace(row, payload=payload, headers=headers), table, delivery_tag)
+    return decode_row(row._replace(payload=payload, headers=headers), table, delivery_tag)
 
 
 def _row_task(row: ClaimedRow, table: QueueTable) -> dict[str, Any]:

@@ -142,6 +142,20 @@ class TableSpec(RoleTable[Role, ColumnSpec]):
                     f"{where}: the publish statement binds :{unknown[0]}; it may bind "
                     f"{', '.join(':' + name for name in allowed)}")
 
+    def __hash__(self) -> int:
+        """The hash of the table and its columns, computed once: statements and settlements
+        are looked up by spec several times per claim, and hashing every column costs
+        microseconds each time. Equal specs have equal tables and columns, so equal hashes."""
+        cached: int | None = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.table, self.schema, self.columns))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its hash: another process hashes strings differently."""
+        return {name: value for name, value in self.__dict__.items() if name != "_hash"}
+
     def required_roles(self) -> tuple[Enum, ...]:
         """Row mode taking its arguments from named columns needs no payload column."""
         if self.rows is not None and self.rows.from_columns:

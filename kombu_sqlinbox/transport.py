@@ -259,7 +259,9 @@ class Channel(virtual.Channel):
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         table = self.broker.table(queue)
         self.broker.routes.keep_alive(queue)
-        buffer = self._buffers.setdefault(queue, deque())
+        buffer = self._buffers.get(queue)
+        if buffer is None:
+            buffer = self._buffers[queue] = deque()
         while True:
             row = self._next_free(queue, buffer)
             if row is None:
@@ -281,7 +283,36 @@ class Channel(virtual.Channel):
                 continue
             message = self._deliverable(table, row)
             if message is not None:
+                self._served(queue, table)
                 return message
+
+    def _served(self, queue: str, table: QueueTable) -> None:
+        """A delivery went out through kombu's cycles: its queue's next buffered rows may
+        skip them (:meth:`Transport._deliver_buffered`) when no other queue would take a
+        turn meanwhile: every other queue consumed on the connection is transient (those
+        wait anyway while rows are ready elsewhere, see :meth:`_transient_may_wait`)."""
+        transport = self.connection
+        served = transport.served
+        if served is not None and served[0] is self and served[1] == queue:
+            return
+        alone = all(name == queue or self.broker.table(name).transient
+                    for name in transport._callbacks)
+        transport.served = (self, queue, table) if alone else None
+
+    def next_buffered(self, queue: str, table: QueueTable) -> dict[str, Any] | None:
+        """The message of the next buffered row of ``queue`` that may go out now, when a
+        prefetch slot is free; else None (a claim is due: kombu's cycles decide)."""
+        buffer = self._buffers.get(queue)
+        if not buffer or self.closed or not self.qos.can_consume():
+            return None
+        while buffer:
+            row = self._next_free(queue, buffer)
+            if row is None:
+                return None
+            message = self._deliverable(table, row)
+            if message is not None:
+                return message
+        return None
 
     def _transient_may_wait(self, queue: str) -> bool:
         """Whether a transient queue (a worker's remote-control queue, a reply queue) may
@@ -382,6 +413,7 @@ class Channel(virtual.Channel):
     def basic_consume(self, queue: str, no_ack: bool, callback: Callable[[Any], Any],
                       consumer_tag: str, **kwargs: Any) -> Any:
         self.broker.listen(self.broker.table(queue))
+        self.connection.served = None  # another queue to take turns with
         if no_ack:
             callback = self._completed_on_delivery(callback)
         return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
@@ -517,6 +549,9 @@ class Transport(virtual.Transport):
         #: whether the last claim of a queue table (not a transient queue) found rows
         self.working = False
         self._loop: Any = None  # the kombu hub consumed from, if any
+        #: the channel, queue and table of the last delivery through kombu's cycles, while
+        #: no other queue would take a turn (:meth:`Channel._served`)
+        self.served: tuple[Channel, str, QueueTable] | None = None
         self._readers: dict[int, Any] = {}
         self._poll_timer: Any = None
         if self.options.event_loop:  # Celery then runs its event loop, not the blocking one
@@ -558,6 +593,9 @@ class Transport(virtual.Transport):
         """kombu's virtual loop, with the polling sleep replaced by the broker's wake-up
         (NOTIFY on PostgreSQL, the same-host signal on SQLite, an in-process poke
         everywhere) and the :class:`Cadence`'s wait."""
+        if self._deliver_buffered():
+            self.cadence.active()
+            return
         started = monotonic()
         while True:
             try:
@@ -572,6 +610,21 @@ class Transport(virtual.Transport):
                 if timeout:
                     interval = min(interval, timeout)
                 self.broker.wakeup.wait(interval)
+
+    def _deliver_buffered(self) -> bool:
+        """Hand over the next buffered row of the queue that delivered last, without kombu's
+        two round-robin cycles (over channels, then over a channel's queues) and their
+        checks: they cost more than the rest of a delivery. The rows of a claim still go
+        out one per call. Whether a message went out."""
+        if self.served is None:
+            return False
+        channel, queue, table = self.served
+        callback = self._callbacks.get(queue)
+        message = None if callback is None else channel.next_buffered(queue, table)
+        if message is None:
+            return False
+        callback(message)
+        return True
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         """Consume from kombu's event loop (Celery's, with :confval:`event_loop`): the
@@ -641,6 +694,8 @@ class Transport(virtual.Transport):
         pipe brings that turn about (the hub's poll would not return for a callback
         scheduled from one of its own callbacks). Whether anything was delivered."""
         for delivered in range(self.options.max_batch):
+            if self._deliver_buffered():
+                continue
             try:
                 self.cycle.get(self._deliver, timeout=0)
             except Empty:

@@ -6,6 +6,8 @@ keeper stopped."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -140,6 +142,44 @@ def test_the_keeper_extends_a_held_lease_until_the_row_settles(
     assert rows(engine, name) == []
     assert keeper.held_count() == 0
     assert not woken.is_set(), "no row waited behind this one"
+
+
+def exit_code_within(pid: int, seconds: float) -> int | None:
+    """A child's exit code, or None (and the child killed) when it has not ended in time."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)  # polling a child's exit: there is no event to wait on
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+def test_a_keeper_used_in_a_forked_child_starts_threads_of_its_own(
+    table_prefix: str, db: Database, keeper: LeaseKeeper, engine: Engine,
+) -> None:
+    """A child forked while the keeper's threads run has none of them: its first
+    settlement starts the child's own, which write it."""
+    spec = default_table(f"{table_prefix}forked")
+    form = LeaseClaims(db, keeper)
+    table = queue_table(db, spec, form)
+    publish(db, table, "a", "b")
+    first, second = form.claim(table, 2)
+    form.settle(Settlement.COMPLETE, form.held_for(table, first))
+    assert keeper.flush(timeout=10)  # the parent's threads run
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            db.engine.dispose(close=False)  # the parent's connections stay the parent's
+            form.settle(Settlement.COMPLETE, form.held_for(table, second))
+            code = 0 if keeper.flush(timeout=10) else 2
+        finally:
+            os._exit(code)
+    assert exit_code_within(pid, 30) == 0, "the child's settlement was not written"
+    assert rows(engine, spec.table) == []
 
 
 def test_settling_a_fifo_head_calls_the_wake_up(
