@@ -697,9 +697,9 @@ class LeaseKeeper:
 
     def _commit(self, batch: list[Queued]) -> None:
         work, written = self._settling(batch)
-        written(self._run(work))
+        written(self._settle_on_own(work))
 
-    def _run(self, work: Callable[[Connection], T]) -> T:
+    def _settle_on_own(self, work: Callable[[Connection], T]) -> T:
         """Run fenced settlement ``work`` (run again after a commit whose reply was lost, it
         finds nothing to do) on the keeper's own session where it has one, else, and when
         that fails, in a transaction of the pool's; either way its commit does not wait
