@@ -1035,8 +1035,6 @@ class Wakeup:
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
         self._channels: set[str] = set()
-        self._listener: Any = None  # the DBAPI connection that LISTENs
-        self._session: Connection | None = None  # the same, as SQLAlchemy runs statements
         #: it only claims, settles and listens: see :class:`OwnSession`
         self._own = OwnSession(database, lambda driver: self.dialect.listen(driver,
                                                                             self._channels))
@@ -1082,10 +1080,15 @@ class Wakeup:
                 return
         self.poke()  # a consumer waiting in an event loop connects the listener now
 
-    def _connect_listener(self) -> Connection:
-        session = self._own.connect()
-        self._listener = self._own.driver
-        return session
+    @property
+    def _listener(self) -> Any:
+        """The DBAPI connection that LISTENs, if connected."""
+        return self._own.driver
+
+    @property
+    def _session(self) -> Connection | None:
+        """The same, as SQLAlchemy runs statements."""
+        return self._own.session
 
     def _listening(self) -> Connection | None:
         """The LISTEN connection's session, connected when a queue is consumed and there is
@@ -1094,7 +1097,7 @@ class Wakeup:
         its claims run on this connection from the first."""
         if self._channels and self._listener is None:
             try:
-                self._session = self._connect_listener()
+                self._own.connect()
             except Exception as exc:  # the database is away: poll until it is back
                 logger.warning("sqlinbox: LISTEN connection failed (%s); polling until "
                                "it works", exc)
@@ -1102,7 +1105,6 @@ class Wakeup:
 
     def _drop_listener(self) -> None:
         self._own.drop()
-        self._listener = self._session = None
 
     def claim(self, work: Callable[[Connection], T]) -> T:
         """Run a claim (one repeatable statement) on the LISTEN connection when it is up
