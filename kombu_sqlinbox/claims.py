@@ -128,13 +128,20 @@ class LeaseClaims(ClaimForm):
         def claim(conn: Connection) -> list[ClaimedRow]:
             return dialect.claim(conn, table.spec, limit, lease, skip=skip)
 
+        def completing(conn: Connection, attempt: int,
+                       ids: list[int]) -> tuple[int, list[ClaimedRow]]:
+            return dialect.complete_and_claim(conn, table.spec, limit, lease, attempt, ids)
+
         probe = dialect.statements(table.spec).any_ready
         if probe is not None and table not in self._busy and self.database.run(
                 lambda conn: conn.execute(probe).first(), read_only=True) is None:
             return []  # a row ready from now on is found by the next round
         # a claim repeated after a lost commit reply takes other rows; the rows of the
         # first come back after one lease, their attempt counted, as after a crash
-        rows = self.keeper.folded(claim, self.run_claim)
+        one_statement = (not skip and not table.fifo
+                         and dialect.statements(table.spec).claim_completing is not None)
+        rows = self.keeper.folded(claim, self.run_claim,
+                                  (table, completing) if one_statement else None)
         if rows:
             self._busy.add(table)
         else:
@@ -427,6 +434,21 @@ class Failing:
 Group = tuple[QueueTable, Settlement]
 
 
+#: a claim that also completes the rows ``ids`` held at ``attempt``: how many it
+#: completed, and the rows it claimed (:meth:`.Dialect.complete_and_claim`)
+Completing = Callable[[Connection, int, list[int]], tuple[int, list[ClaimedRow]]]
+
+
+def _acks_of(batch: Sequence[Queued], table: QueueTable) -> tuple[int, list[int]] | None:
+    """The attempt and ids of ``batch`` when it only completes rows of ``table``, all at
+    one attempt, with no delay; else None."""
+    attempts = {queued.held.attempt for queued in batch}
+    if len(attempts) != 1 or any(queued.held.table is not table or queued.delay
+                                 or queued.how is not Settlement.COMPLETE for queued in batch):
+        return None
+    return attempts.pop(), [queued.held.id for queued in batch]
+
+
 def grouped(batch: Iterable[Queued]) -> dict[Group, list[Queued]]:
     """Settlements by group, each group in queue order."""
     groups: dict[Group, list[Queued]] = defaultdict(list)
@@ -706,9 +728,14 @@ class LeaseKeeper:
         for the disk."""
         own = self._own
         if own is not None:
+            session = own.current()
             try:
-                return own.commit(own.current() or own.connect(), work)
+                session = session or own.connect()
+                return own.commit(session, work)
             except DBAPIError as exc:
+                if session is not None and not exc.connection_invalidated:
+                    session.rollback()  # a statement's own error: the connection is sound
+                    raise
                 logger.info("sqlinbox: settling on the lease keeper's own connection failed "
                             "(%s); settling on the pool", exc)
                 own.drop()
@@ -748,13 +775,18 @@ class LeaseKeeper:
         return work, written
 
     # -- settling in a claim's transaction --------------------------------------
-    def folded(self, claim: Callable[[Connection], list[ClaimedRow]],
-               run: ClaimRunner) -> list[ClaimedRow]:
+    def folded(self, claim: Callable[[Connection], list[ClaimedRow]], run: ClaimRunner,
+               completing: tuple[QueueTable, Completing] | None = None) -> list[ClaimedRow]:
         """Run ``claim`` (fenced, so repeatable) through ``run`` with the settlements queued
         so far written first: a busy consumer's acks then cost no commit of their
         own. They count as written once that transaction committed, as when the settling
         thread writes them. If it fails, they go back to the settling thread (its
-        isolation and back-off decide) and the claim runs alone."""
+        isolation and back-off decide) and the claim runs alone.
+
+        ``completing`` is the claim's table and its claim with a completion in the same
+        statement, where it has one: when every settlement queued completes a row of
+        that table at one attempt (a consumer acking what it claimed), that statement
+        runs instead, one round trip for both."""
         with self._lock:
             if self._failing:  # groups in back-off stay the settling thread's
                 batch = [queued for queued in self._pending
@@ -767,8 +799,14 @@ class LeaseKeeper:
         if not batch:
             return run(claim)
         work, written = self._settling(batch)
+        acked = _acks_of(batch, completing[0]) if completing is not None else None
+
+        def both(conn: Connection) -> tuple[int, list[ClaimedRow]]:
+            if completing is not None and acked is not None:
+                return completing[1](conn, *acked)
+            return work(conn), claim(conn)
         try:
-            touched, rows = run(lambda conn: (work(conn), claim(conn)))
+            touched, rows = run(both)
         except DBAPIError as exc:
             logger.info("sqlinbox: a claim with %d settlements failed (%s); the settling "
                         "thread writes them, the claim runs alone", len(batch), exc)

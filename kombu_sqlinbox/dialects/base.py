@@ -114,6 +114,9 @@ class Statements:
     #: one row if any may be ready, read before a claim where claiming takes a lock for
     #: the whole database (:meth:`Dialect.any_ready`)
     any_ready: TextClause | None = None
+    #: :attr:`claim` with the completion of ``:ids`` at ``:attempt`` in the same statement,
+    #: where the database runs both as one (:meth:`Dialect.completing_claim`)
+    claim_completing: TextClause | None = None
 
 
 @dataclass(frozen=True)
@@ -711,7 +714,16 @@ class Dialect:
             floor=floor,
             floor_above=floor_above,
             any_ready=self.any_ready(spec),
+            claim_completing=self.completing_claim(claim, complete),
         )
+
+    def completing_claim(self, claim: tuple[TextClause, ...], complete: str) -> TextClause | None:
+        """The claim ``claim`` and the fenced ``complete`` of the rows a consumer acked, as
+        one statement returning the claimed rows and the completed count (``completed``, on
+        each row; a row of NULLs with it when none was claimed): a busy consumer's acks
+        then cost no round trip of their own. None where the database has no such
+        statement."""
+        return None
 
     def any_ready(self, spec: TableSpec) -> TextClause | None:
         """A read that finds a row a claim could take, if there is one, run before the
@@ -867,15 +879,34 @@ class Dialect:
         On a FIFO table a claim that found too few heads in its window goes on with the
         heads found group by group (see :meth:`selection`), in the same transaction."""
         statements = self.claim_statements_for(spec, ids, skip)
-        params = {"limit": limit, "lease": lease, "ids": list(ids or ()), "skip": list(skip),
-                  "window": limit + FIFO_WINDOW,
-                  "floor": self.claim_floor(conn, spec), "candidates": limit * CANDIDATES}
+        params = self.claim_parameters(conn, spec, limit, lease, ids=list(ids or ()),
+                                       skip=list(skip))
         rows = self.claim_rows(conn, statements, params)
         compiled = self.statements(spec)
         heads = compiled.claim_heads_skipping if skip else compiled.claim_heads
         if ids is None and heads is not None and len(rows) < limit:
             rows += self.claim_rows(conn, heads, {**params, "limit": limit - len(rows)})
         return self.claimed(spec, rows, leased=self.capabilities.returning)
+
+    def claim_parameters(self, conn: Connection, spec: TableSpec, limit: int, lease: float,
+                         **given: Any) -> dict[str, Any]:
+        """What a claim statement of ``spec`` binds, plus ``given``."""
+        return {"limit": limit, "lease": lease, "window": limit + FIFO_WINDOW,
+                "floor": self.claim_floor(conn, spec), "candidates": limit * CANDIDATES,
+                **given}
+
+    def complete_and_claim(self, conn: Connection, spec: TableSpec, limit: int, lease: float,
+                           attempt: int, ids: Sequence[int]) -> tuple[int, list[ClaimedRow]]:
+        """Complete the rows ``ids`` held at ``attempt`` and lease up to ``limit`` ready
+        rows, in one statement (:attr:`Statements.claim_completing`, which the table must
+        have): how many rows were completed, and the claimed ones."""
+        statement = self.statements(spec).claim_completing
+        assert statement is not None, "the table has no completing claim"
+        params = self.claim_parameters(conn, spec, limit, lease, attempt=attempt,
+                                       ids=list(ids))
+        rows = list(self.execute(conn, statement, params).all())
+        completed = int(rows[0].completed)
+        return completed, self.claimed(spec, [row for row in rows if row.id is not None])
 
     def claim_rows(self, conn: Connection, statements: tuple[TextClause, ...],
                    params: dict[str, Any]) -> list[Row[Any]]:

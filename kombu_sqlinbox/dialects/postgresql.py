@@ -123,6 +123,15 @@ class PostgreSQLDialect(Dialect):
         )
         return (_expanding(claim),)
 
+    def completing_claim(self, claim: tuple[TextClause, ...], complete: str) -> TextClause:
+        """A data-modifying ``WITH``: both run on one snapshot, and touch different rows
+        (the completed ones are leased by this consumer, so no claim takes them)."""
+        (statement,) = claim
+        return _expanding(
+            f"WITH completed AS ({complete} RETURNING 1), claimed AS ({statement.text}) "
+            "SELECT claimed.*, c.n AS completed FROM (SELECT count(*) AS n FROM completed) "
+            "AS c LEFT JOIN claimed ON true")
+
     def insert_statement(self, spec: TableSpec) -> TextClause:
         """The insert and its NOTIFY in one statement: one round trip per publish."""
         parts = self.insert_parts(spec)

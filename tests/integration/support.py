@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from kombu import Connection
 from kombu.message import Message
-from sqlalchemy import TextClause, text
+from sqlalchemy import TextClause, event, text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox.broker import Broker
@@ -116,3 +116,20 @@ def death(message: Message) -> dict[str, Any]:
     record: dict[str, Any] = message.headers[DEATH_HEADER]
     return record
 
+
+@contextmanager
+def statements_run(engine: Engine,
+                   keep: Callable[[str], bool] = lambda sql: True) -> Iterator[list[str]]:
+    """The SQL of the statements ``engine``'s connections run inside the block (those
+    ``keep`` accepts), as they run."""
+    seen: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if keep(statement):
+            seen.append(statement)
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", record)

@@ -26,9 +26,11 @@ from .support import (
     get,
     get_within,
     publish,
+    quoted,
     rows,
     rows_locked,
     run_prepared,
+    statements_run,
     table_of,
     wait_for,
 )
@@ -87,6 +89,87 @@ def test_an_ack_is_written_by_the_next_claim_and_counts_once_committed(
         second.ack()
     assert keeper.flush(timeout=10)
     assert count_rows(engine, jobs) == 0
+
+
+@pytest.mark.databases("postgresql")
+def test_acks_and_the_claim_that_carries_them_are_one_statement(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """PostgreSQL runs the completion of the acked rows and the next claim as one
+    statement: one round trip for both."""
+    conn = connect()
+    for n in (1, 2):
+        publish(conn, "jobs", {"n": n})
+    jobs = table_of("jobs", table_prefix)
+    broker = broker_of(conn)
+    with settler_busy(conn, engine, table_prefix):
+        first = get_within(conn, "jobs")
+        first.ack()
+        with statements_run(broker.engine) as seen:
+            second = get_within(conn, "jobs")
+        assert second.decode() == {"n": 2}
+        carrying = [sql for sql in seen if jobs in sql and "DELETE" in sql]
+        assert len(carrying) == 1 and "UPDATE" in carrying[0], seen
+        assert count_rows(engine, jobs) == 1  # the first is gone
+        second.ack()
+    assert broker.keeper.flush(timeout=10)
+    assert count_rows(engine, jobs) == 0
+
+
+@pytest.mark.databases("postgresql")
+def test_an_ack_carried_by_a_claim_leaves_a_row_claimed_again_elsewhere(
+    connect: Connect, engine: Engine, table_prefix: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The completion in the claim's statement is fenced like any other: an ack of a row
+    whose lease another consumer took over (its attempt moved on) completes nothing."""
+    caplog.set_level(logging.INFO, "kombu_sqlinbox.claims")
+    conn = connect()
+    for n in (1, 2):
+        publish(conn, "jobs", {"n": n})
+    jobs = table_of("jobs", table_prefix)
+    with settler_busy(conn, engine, table_prefix):
+        first = get_within(conn, "jobs")
+        with engine.begin() as db:  # another consumer's claim after the lease lapsed
+            db.execute(text(f"UPDATE {quoted(engine, jobs)} SET attempt = attempt + 1 "
+                            "WHERE id = :id"), {"id": first.delivery_info["sqlinbox_row"]["id"]})
+        first.ack()
+        second = get_within(conn, "jobs")
+        assert second.decode() == {"n": 2}
+        assert count_rows(engine, jobs) == 2  # the first kept: its ack was fenced out
+        assert any("1 of 1 settled rows had already left" in record.getMessage()
+                   for record in caplog.records)
+        second.ack()
+    assert broker_of(conn).keeper.flush(timeout=10)
+    assert [row["attempt"] for row in rows(engine, jobs)] == [2]
+
+
+@pytest.mark.databases("postgresql")
+def test_a_claim_carrying_an_ack_that_fails_runs_alone_and_the_ack_lands_later(
+    connect: Connect, engine: Engine, table_prefix: str, database: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An acked row that cannot be deleted fails the one statement of the ack and the
+    claim: the claim runs again alone and delivers, the settling thread retries the ack
+    until it lands, once."""
+    caplog.set_level(logging.INFO, "kombu_sqlinbox.claims")
+    conn = connect()
+    for n in (1, 2):
+        publish(conn, "jobs", {"n": n})
+    jobs = table_of("jobs", table_prefix)
+    pinned = rows(engine, jobs)[0]["id"]
+    first = get_within(conn, "jobs")
+    with undeletable(engine, database, jobs, pinned):
+        with settler_busy(conn, engine, table_prefix):
+            first.ack()
+            second = get_within(conn, "jobs")
+            assert second.decode() == {"n": 2}
+            assert any("claim with 1 settlements failed" in record.getMessage()
+                       for record in caplog.records)
+            second.ack()
+        assert count_rows(engine, jobs) >= 1  # the first still pinned, still retried
+    assert broker_of(conn).keeper.flush(timeout=10), "the ack did not land once it could"
+    assert count_rows(engine, jobs) == 0
+    assert get(conn, "jobs") is None
 
 
 def test_a_settlement_failing_in_a_claim_goes_back_to_the_settling_thread(

@@ -11,6 +11,8 @@ from kombu import Connection
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
+from kombu_sqlinbox.claims import LeaseKeeper
+from kombu_sqlinbox.codec import ROW_KEY
 from tests.tcp_proxy import Proxy
 
 from .conftest import Connect
@@ -67,6 +69,22 @@ def undeletable(engine: Engine, database: str, table: str, row_id: int) -> Itera
     finally:
         with engine.begin() as conn:
             conn.execute(text(f"DROP {'TRIGGER' if database == 'sqlite' else 'TABLE'} {pin}"))
+
+
+def jobs_published(connect: Connect, table_prefix: str,
+                   count: int) -> tuple[Connection, LeaseKeeper, str]:
+    """A connection with ``count`` messages in queue "jobs"; its keeper, the queue's table."""
+    conn = connect()
+    for n in range(count):
+        publish(conn, "jobs", {"n": n})
+    return conn, broker_of(conn).keeper, table_of("jobs", table_prefix)
+
+
+def own_pid(keeper: LeaseKeeper) -> int:
+    """The server process of the lease keeper's own connection."""
+    session = keeper._own.current() if keeper._own is not None else None
+    assert session is not None, "no connection of the keeper's own"
+    return int(session.exec_driver_sql("SELECT pg_backend_pid()").scalar_one())
 
 
 def failures_logged(caplog: pytest.LogCaptureFixture, queue: str, what: str = "") -> list[str]:
@@ -199,11 +217,7 @@ def test_acks_are_written_on_the_keepers_own_connection_then_on_the_pool_once_it
     trip a statement). Once that connection died (its server session ended), the next
     ack lands through the pool, once; the one after connects it again."""
     caplog.set_level(logging.INFO, "kombu_sqlinbox.claims")
-    conn = connect()
-    for n in range(3):
-        publish(conn, "jobs", {"n": n})
-    keeper = broker_of(conn).keeper
-    table = table_of("jobs", table_prefix)
+    conn, keeper, table = jobs_published(connect, table_prefix, 3)
 
     def ack_next() -> int:
         """Ack the next message, wait until it is written; the rows left."""
@@ -211,17 +225,36 @@ def test_acks_are_written_on_the_keepers_own_connection_then_on_the_pool_once_it
         assert keeper.flush(timeout=10), "the ack did not land"
         return count_rows(engine, table)
 
-    def own_pid() -> int:
-        session = keeper._own.current() if keeper._own is not None else None
-        assert session is not None, "no connection of the keeper's own"
-        return int(session.exec_driver_sql("SELECT pg_backend_pid()").scalar_one())
-
     assert ack_next() == 2
-    first = own_pid()
+    first = own_pid(keeper)
     with engine.connect() as db:
         db.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": first})
         db.commit()
     assert ack_next() == 1
     assert "settling on the pool" in caplog.text
     assert ack_next() == 0
-    assert own_pid() != first
+    assert own_pid(keeper) != first
+
+
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
+def test_an_ack_the_database_refuses_keeps_the_keepers_own_connection(
+    connect: Connect, engine: Engine, table_prefix: str, database: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A statement refused on the keeper's own connection (a row a foreign key pins) is
+    the row's error, not the connection's: the ack is retried until it lands, once, on
+    the same connection, never dropped for it."""
+    caplog.set_level(logging.INFO, "kombu_sqlinbox.claims")
+    conn, keeper, table = jobs_published(connect, table_prefix, 2)
+    first, second = get_within(conn, "jobs"), get_within(conn, "jobs")
+    second.ack()
+    assert keeper.flush(timeout=10)
+    pid = own_pid(keeper)
+    with undeletable(engine, database, table, first.delivery_info[ROW_KEY]["id"]):
+        first.ack()
+        wait_for(lambda: failures_logged(caplog, "jobs"), "the refused ack to be logged")
+        assert count_rows(engine, table) == 1
+    assert keeper.flush(timeout=10), "the ack did not land once it could"
+    assert count_rows(engine, table) == 0
+    assert own_pid(keeper) == pid
+    assert "settling on the pool" not in caplog.text

@@ -224,12 +224,17 @@ def test_a_consumer_with_a_backlog_claims_on_the_listen_connection_from_its_firs
     broker = broker_of(conn)
     claimed_on: list[Any] = []
 
-    # the claim as text, or run by the name psycopg2's LISTEN session prepared it under
-    prepared = run_prepared(broker.dialect.statements(broker.table("jobs").spec).claim[0])
+    # the claim (alone, or carrying the last claim's acks) as text, or run by the name
+    # psycopg2's LISTEN session prepared it under
+    statements = broker.dialect.statements(broker.table("jobs").spec)
+    assert statements.claim_completing is not None
+    claims = (statements.claim[0], statements.claim_completing)
+    names = tuple(run_prepared(claim) for claim in claims)
+    texts = tuple(claim.text.split()[0] for claim in claims)
 
     def record(connection: Any, cursor: Any, statement: str, *rest: Any) -> None:
-        if ((statement.startswith("UPDATE") and "RETURNING" in statement)
-                or statement.startswith(prepared)):
+        if ((statement.startswith(texts) and "RETURNING" in statement)
+                or statement.startswith(names)):
             claimed_on.append(connection.connection.dbapi_connection)
 
     event.listen(broker.engine, "before_cursor_execute", record)

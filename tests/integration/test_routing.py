@@ -11,22 +11,20 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 from kombu import Connection, Consumer, Exchange, Queue
 from kombu.exceptions import ChannelError
 from kombu.transport.virtual.exchange import TopicExchange
-from sqlalchemy import event, inspect, text
+from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox import ConfigurationError
 from kombu_sqlinbox.dialects import RoutingStatements
 
 from .conftest import Connect
-from .support import broker_of, get, get_within, quoted, wait_for
+from .support import broker_of, get, get_within, quoted, statements_run, wait_for
 from .test_kombu import EventLoop
 
 FANOUT = Exchange("broadcast", type="fanout", durable=False)
@@ -58,22 +56,6 @@ def count(engine: Engine, prefix: str, table: str, where: str = "", **params: An
                    .scalar_one())
 
 
-@contextmanager
-def statements_of(conn: Connection) -> Iterator[list[str]]:
-    """The SQL a connection's broker runs inside the block."""
-    seen: list[str] = []
-    engine = broker_of(conn).engine
-
-    def record(*args: Any) -> None:
-        seen.append(args[2])
-
-    event.listen(engine, "before_cursor_execute", record)
-    try:
-        yield seen
-    finally:
-        event.remove(engine, "before_cursor_execute", record)
-
-
 def test_fanout_reaches_queues_bound_by_other_processes_in_one_statement(
     connect: Connect,
 ) -> None:
@@ -85,7 +67,7 @@ def test_fanout_reaches_queues_bound_by_other_processes_in_one_statement(
     producer.publish({"warm": True}, exchange=FANOUT, declare=[FANOUT])  # bindings cached
     for n, conn in enumerate(consumers):
         assert get_within(conn, f"node{n}.pidbox").payload == {"warm": True}
-    with statements_of(publisher) as seen:
+    with statements_run(broker_of(publisher).engine) as seen:
         producer.publish({"ping": 1}, exchange=FANOUT)
     writes = [sql for sql in seen if "INSERT" in sql.upper()]
     assert len(writes) == 1, seen
@@ -464,7 +446,7 @@ def test_a_transient_queue_is_polled_once_per_polling_interval_while_another_has
     Consumer(control, [pidbox], no_ack=True,
                   callbacks=[lambda body, message: pinged.append(body)]).consume()
     transient_table = table_prefix + "transient"
-    with statements_of(conn) as seen:
+    with statements_run(broker_of(conn).engine) as seen:
         while len(got) < 50:
             conn.drain_events(timeout=5)
     # a poll's first statement (the claim of its rows) names the table in its FROM

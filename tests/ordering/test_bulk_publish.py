@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from datetime import datetime, timedelta, timezone
 from functools import partial
 from typing import Any
@@ -20,12 +19,12 @@ from typing import Any
 import pytest
 from celery import group
 from kombu import Connection
-from sqlalchemy import Engine, event, text
+from sqlalchemy import Engine, text
 
 import celery_ext
 from celery_ext.binding import defer_with
 from kombu_sqlinbox import TableBuilder
-from tests.integration.support import get, get_within
+from tests.integration.support import get, get_within, statements_run
 from tests.ordering.apps.common import check_serial_in_order, transport_options
 from tests.ordering.conftest import Ordering, wait_for_count
 from tests.ordering.test_wakeups import arrivals, arrived
@@ -34,20 +33,9 @@ from tests.processes import wait_until
 GROUPS, ROWS = 5, 40
 
 
-@contextmanager
-def inserts_into(engine: Engine, table: str) -> Iterator[list[str]]:
+def inserts_into(engine: Engine, table: str) -> AbstractContextManager[list[str]]:
     """The INSERT statements into ``table`` run on ``engine``'s connections in the block."""
-    seen: list[str] = []
-
-    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if "INSERT" in statement.upper() and table in statement:
-            seen.append(statement)
-
-    event.listen(engine, "before_cursor_execute", record)
-    try:
-        yield seen
-    finally:
-        event.remove(engine, "before_cursor_execute", record)
+    return statements_run(engine, lambda sql: "INSERT" in sql.upper() and table in sql)
 
 
 def rows_of(engine: Engine, table: str, columns: str = "id") -> list[Any]:
