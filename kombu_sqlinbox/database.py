@@ -192,7 +192,8 @@ class Database:
     def rows_insert(self, spec: TableSpec) -> RowsInsert | None:
         """The table's publish statement for this engine's driver (see
         :meth:`.Dialect.rows_insert`)."""
-        return self.dialect.rows_insert(spec, self.engine.dialect.paramstyle)
+        return self.dialect.rows_insert(spec, self.engine.dialect.paramstyle,
+                                        self.engine.dialect.driver)
 
     def write(self, insert: RowsInsert, rows: Sequence[Mapping[str, Any]],
               attempts: int = 10, durable: bool = True) -> None:

@@ -178,9 +178,18 @@ class RowsInsert:
     max_rows: int
     #: the largest statement the server accepts (None: no such limit)
     max_bytes: int | None
+    #: the statement for many rows as one row of arrays, one array per value a row binds
+    #: (:meth:`Dialect.array_insert`), and its parameter names: a short statement
+    #: whatever the number of rows, which neither the driver nor the server parses row
+    #: by row; None where the table or the database has none
+    arrays: tuple[str, tuple[str, ...]] | None = None
 
     def sql(self, rows: int) -> str:
-        return self.single if rows == 1 else self.head + ", ".join([self.row] * rows) + self.tail
+        if rows == 1:
+            return self.single
+        if self.arrays is not None:
+            return self.arrays[0]
+        return self.head + ", ".join([self.row] * rows) + self.tail
 
     @cached_property
     def single(self) -> str:
@@ -191,6 +200,9 @@ class RowsInsert:
         fixed = self.fixed
         if self.clock is not None:
             fixed = {**fixed, PARAMETER: self.clock.value()}
+        if self.arrays is not None and len(rows) > 1:
+            return tuple(fixed[name] if name in fixed else [row[name] for row in rows]
+                         for name in self.arrays[1])
         head, row_names, tail = self.names
         values = [fixed[name] for name in head]
         for row in rows:
@@ -214,11 +226,12 @@ class RowsInsert:
         return found
 
 
-def _driver_style(sql: str, paramstyle: str) -> tuple[str, tuple[str, ...]]:
-    """``sql`` with its ``:name`` parameters as the driver's positional markers, and their
-    names in order."""
-    marker = POSITIONAL_MARKERS[paramstyle]
-    if marker == "%s":
+def _driver_style(sql: str, paramstyle: str,
+                  marker: str | None = None) -> tuple[str, tuple[str, ...]]:
+    """``sql`` with its ``:name`` parameters as the driver's positional markers (or
+    ``marker``, of the same style), and their names in order."""
+    marker = marker or POSITIONAL_MARKERS[paramstyle]
+    if marker.startswith("%"):
         sql = sql.replace("%", "%%")
     return NAMED_PARAMETER.sub(marker, sql), tuple(NAMED_PARAMETER.findall(sql))
 
@@ -376,7 +389,7 @@ class Dialect:
         #: ``notify`` option turned it off for this instance
         self.notify = self.capabilities.wakeups
         self._statements: dict[TableSpec, Statements] = {}
-        self._rows_inserts: dict[tuple[TableSpec, str], RowsInsert | None] = {}
+        self._rows_inserts: dict[tuple[TableSpec, str, str], RowsInsert | None] = {}
         self._routing: dict[str, RoutingStatements] = {}
         #: statements as the driver's SQL (:meth:`execute`), by paramstyle and list lengths
         self._driver_sql: dict[tuple[TextClause, str, tuple[int, ...]], DriverSql] = {}
@@ -804,10 +817,11 @@ class Dialect:
         head, _, row = self.insert_sql(spec).partition(" VALUES ")
         return head + " VALUES ", row, "", {}
 
-    def rows_insert(self, spec: TableSpec, paramstyle: str) -> RowsInsert | None:
-        """:meth:`insert_parts` for a driver of ``paramstyle``, built once per table; None
-        where the statement is declared or the driver takes another parameter style."""
-        key = (spec, paramstyle)
+    def rows_insert(self, spec: TableSpec, paramstyle: str, driver: str = "") -> RowsInsert | None:
+        """:meth:`insert_parts` for a driver of ``paramstyle`` (named ``driver``), built once
+        per table; None where the statement is declared or the driver takes another
+        parameter style."""
+        key = (spec, paramstyle, driver)
         if key not in self._rows_inserts:
             parts = self.insert_parts(spec)
             found = None
@@ -816,11 +830,23 @@ class Dialect:
                 converted = [_driver_style(part, paramstyle) for part in texts]
                 head, row, tail = (sql for sql, _ in converted)
                 names = (converted[0][1], converted[1][1], converted[2][1])
+                arrays = self.array_insert(spec, parts)
                 found = RowsInsert(head, row, tail, names, fixed, self.clock,
                                    max(1, self.max_bind_params // max(1, len(names[1]))),
-                                   self.max_statement_bytes)
+                                   self.max_statement_bytes, None if arrays is None else
+                                   _driver_style(arrays, paramstyle, self.array_marker(driver)))
             self._rows_inserts[key] = found
         return self._rows_inserts[key]
+
+    def array_insert(self, spec: TableSpec,
+                     parts: tuple[str, str, str, dict[str, Any]]) -> str | None:
+        """:meth:`insert_parts` for many rows as one row of arrays (:attr:`RowsInsert.arrays`);
+        None where the database has no such statement."""
+        return None
+
+    def array_marker(self, driver: str) -> str | None:
+        """The parameter marker ``driver`` sends an array in fastest (None: its usual)."""
+        return None
 
     def publish(self, conn: Connection, spec: TableSpec, params: Sequence[dict[str, Any]]) -> None:
         conn.execute(self.statements(spec).insert, list(params))

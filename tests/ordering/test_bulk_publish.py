@@ -76,6 +76,36 @@ def test_a_bound_group_and_delay_loop_are_one_insert_and_run_once_in_order(
     check_serial_in_order(ordering.log.entries(), {f"g{g}": ROWS for g in range(GROUPS)})
 
 
+def test_a_bound_bulk_publish_to_a_queue_of_the_default_layout_keeps_every_message(
+        ordering: Ordering, engine: Engine) -> None:
+    """The rows of a queue the transport laid out go in as one statement (on PostgreSQL
+    one row of arrays, short whatever the number of rows) and come out as published:
+    bodies, priorities, a ready time later, in claim order."""
+    conn_ = Connection(ordering.broker_url, transport_options={"table_prefix": ordering.prefix})
+    ordering.connections.append(conn_)
+    conn_.default_channel.queue_declare("plain")
+    producer = conn_.Producer()
+    later = (datetime.now(timezone.utc) + timedelta(hours=1)).isoformat()
+    table = f"{ordering.prefix}plain"
+    with inserts_into(engine, table) as inserts, engine.connect() as conn:
+        conn.begin()
+        with celery_ext.bind(conn):
+            for n in range(200):
+                producer.publish({"n": n, "text": "ünïcode ✓"}, routing_key="plain",
+                                 priority=n % 3, headers={"eta": later} if n == 7 else None)
+        conn.commit()
+    assert len(inserts) == 1, inserts
+    if engine.dialect.name == "postgresql":
+        assert "unnest" in inserts[0] and len(inserts[0]) < 1000, inserts[0][:300]
+    taken = [get_within(conn_, "plain") for _ in range(199)]
+    expected = sorted((n for n in range(200) if n != 7), key=lambda n: (-(n % 3), n))
+    assert [m.payload["n"] for m in taken] == expected
+    assert all(m.payload["text"] == "ünïcode ✓" for m in taken)
+    assert get(conn_, "plain") is None, "the row due in an hour came early"
+    for message in taken:
+        message.ack()
+
+
 def test_held_rows_keep_their_options_and_a_rollback_drops_what_it_covers(
         ordering: Ordering, engine: Engine) -> None:
     """Priority, eta and partition key per row; a savepoint's rollback drops its rows, a
