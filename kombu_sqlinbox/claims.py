@@ -138,7 +138,7 @@ class LeaseClaims(ClaimForm):
             return []  # a row ready from now on is found by the next round
         # a claim repeated after a lost commit reply takes other rows; the rows of the
         # first come back after one lease, their attempt counted, as after a crash
-        one_statement = (not skip and not table.fifo
+        one_statement = (not skip
                          and dialect.statements(table.spec).claim_completing is not None)
         rows = self.keeper.folded(claim, self.run_claim,
                                   (table, completing) if one_statement else None)

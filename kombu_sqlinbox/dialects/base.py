@@ -440,10 +440,12 @@ class Dialect:
         return values
 
     # -- statement fragments shared by every dialect ----------------------
-    def ready_filter(self, spec: TableSpec, alias: str = "r", heads: bool = True) -> str:
+    def ready_filter(self, spec: TableSpec, alias: str = "r", heads: bool = True,
+                     gone: str = "") -> str:
         """Rows of ``alias`` that may be claimed now: not leased, due, not processed and,
         in a FIFO group, the group's head (no earlier unfinished row in the group; not
-        checked without ``heads``, for rows known to be heads)."""
+        checked without ``heads``, for rows known to be heads; rows whose ids the query
+        ``gone`` returns count as finished)."""
         f = self.fields(spec)
         col = f"{alias}." if alias else ""
         conditions = [
@@ -453,7 +455,7 @@ class Dialect:
         if spec.has(Role.PROCESSED_AT):
             conditions.append(f"{col}{f['processed_at']} IS NULL")
         if heads and self.fifo(spec):
-            conditions.append(self.head_of(spec, Role.GROUP, alias))
+            conditions.append(self.head_of(spec, Role.GROUP, alias, gone))
         return " AND ".join(conditions)
 
     @staticmethod
@@ -469,20 +471,22 @@ class Dialect:
             return ""
         return f" AND {alias}.{self.quote(spec.name_of(Role.PROCESSED_AT))} IS NULL"
 
-    def head_of(self, spec: TableSpec, role: Role, alias: str = "r") -> str:
+    def head_of(self, spec: TableSpec, role: Role, alias: str = "r", gone: str = "") -> str:
         """The row is the first unfinished one of its group (or partition key), or has
         none: a probe of the ``(group, id)`` index per row, never a join that reads the
-        table."""
+        table. Rows whose ids the query ``gone`` returns count as finished."""
         f = self.fields(spec)
         col = f"{alias}." if alias else ""
         unfinished = self.unfinished(spec, "ahead")
+        if gone:
+            unfinished += f" AND ahead.{f['id']} NOT IN ({gone})"
         key = f[role.value]
         return (f"({col}{key} IS NULL OR {col}{f['id']} = (SELECT ahead.{f['id']} "
                 f"FROM {f['table']} AS ahead WHERE ahead.{key} = {col}{key}{unfinished} "
                 f"ORDER BY ahead.{key}, ahead.{f['id']} LIMIT 1))")
 
     def selection(self, spec: TableSpec, by_ids: bool, skipping: bool = False,
-                  heads: bool = False) -> str:
+                  heads: bool = False, gone: str = "") -> str:
         """Which rows a claim takes: the first ``:limit`` ready ones in claim order, or the
         ready ones among ``:ids`` (rows whose keys an advisory claim has locked).
         ``skipping`` passes over rows of the partition keys in ``:skip`` (keys in work in
@@ -509,7 +513,7 @@ class Dialect:
                 f"SELECT w.{f['id']} FROM (SELECT w.{f['id']} FROM {f['table']} AS w "
                 f"WHERE {self.ready_filter(spec, 'w', False)}{self.above_floor(spec, 'w')} "
                 f"ORDER BY {self.claim_order(spec, 'w')} LIMIT :window) AS w"), order)
-        return (f"{join}WHERE {among}{self.ready_filter(spec, heads=not heads)}"
+        return (f"{join}WHERE {among}{self.ready_filter(spec, heads=not heads, gone=gone)}"
                 f"{self.above_floor(spec)}{skip} "
                 f"ORDER BY {order} LIMIT :limit")
 
@@ -727,15 +731,17 @@ class Dialect:
             floor=floor,
             floor_above=floor_above,
             any_ready=self.any_ready(spec),
-            claim_completing=self.completing_claim(claim, complete),
+            claim_completing=self.completing_claim(spec, claim, complete),
         )
 
-    def completing_claim(self, claim: tuple[TextClause, ...], complete: str) -> TextClause | None:
+    def completing_claim(self, spec: TableSpec, claim: tuple[TextClause, ...],
+                         complete: str) -> TextClause | None:
         """The claim ``claim`` and the fenced ``complete`` of the rows a consumer acked, as
-        one statement returning the claimed rows and the completed count (``completed``, on
-        each row; a row of NULLs with it when none was claimed): a busy consumer's acks
-        then cost no round trip of their own. None where the database has no such
-        statement."""
+        one statement returning the claimed rows and the completed count (``completed``, last
+        on each row; a row of NULLs with it when none was claimed): a busy consumer's acks
+        then cost no round trip of their own. On a FIFO table it also wakes the table's
+        consumers, as :meth:`wake` after a settlement. None where the database has no
+        such statement."""
         return None
 
     def any_ready(self, spec: TableSpec) -> TextClause | None:
@@ -908,11 +914,20 @@ class Dialect:
         params = self.claim_parameters(conn, spec, limit, lease, ids=list(ids or ()),
                                        skip=list(skip))
         rows = self.claim_rows(conn, statements, params)
+        if ids is None:
+            rows = self._with_heads(conn, spec, rows, params, skip)
+        return self.claimed(spec, rows, leased=self.capabilities.returning)
+
+    def _with_heads(self, conn: Connection, spec: TableSpec, rows: list[Row[Any]],
+                    params: dict[str, Any], skip: Sequence[Any]) -> list[Row[Any]]:
+        """``rows``, and on a FIFO table whose claim found fewer than ``:limit`` heads in
+        its window, the heads found group by group (see :meth:`selection`)."""
         compiled = self.statements(spec)
         heads = compiled.claim_heads_skipping if skip else compiled.claim_heads
-        if ids is None and heads is not None and len(rows) < limit:
-            rows += self.claim_rows(conn, heads, {**params, "limit": limit - len(rows)})
-        return self.claimed(spec, rows, leased=self.capabilities.returning)
+        wanted = params["limit"] - len(rows)
+        if heads is None or wanted <= 0:
+            return rows
+        return rows + self.claim_rows(conn, heads, {**params, "limit": wanted})
 
     def claim_parameters(self, conn: Connection, spec: TableSpec, limit: int, lease: float,
                          **given: Any) -> dict[str, Any]:
@@ -932,7 +947,9 @@ class Dialect:
                                        ids=list(ids))
         rows = list(self.execute(conn, statement, params).all())
         completed = int(rows[0].completed)
-        return completed, self.claimed(spec, [row for row in rows if row.id is not None])
+        claimed = self._with_heads(conn, spec, [row for row in rows if row.id is not None],
+                                   params, ())
+        return completed, self.claimed(spec, claimed)
 
     def claim_rows(self, conn: Connection, statements: tuple[TextClause, ...],
                    params: dict[str, Any]) -> list[Row[Any]]:

@@ -130,14 +130,34 @@ class PostgreSQLDialect(Dialect):
         )
         return (_expanding(claim),)
 
-    def completing_claim(self, claim: tuple[TextClause, ...], complete: str) -> TextClause:
+    def completing_claim(self, spec: TableSpec, claim: tuple[TextClause, ...],
+                         complete: str) -> TextClause:
         """A data-modifying ``WITH``: both run on one snapshot, and touch different rows
-        (the completed ones are leased by this consumer, so no claim takes them)."""
-        (statement,) = claim
+        (the completed ones are leased by this consumer, so no claim takes them). On a
+        FIFO table the claim counts the rows completed as finished (the snapshot still
+        shows them), so the next row of an acked head's group is its head already, and a
+        ``NOTIFY`` follows once anything was completed (a subquery's volatile output is
+        computed, though nothing reads it)."""
+        f = self.fields(spec)
+        count = "SELECT count(*) AS n FROM completed"
+        if self.fifo(spec):
+            (statement,) = self.claim_statements(spec, self.selection(
+                spec, False, gone="SELECT completed.id FROM completed"))
+            if self.notify:
+                count = ("SELECT count(*) AS n, (SELECT count(*) FROM (SELECT pg_notify("
+                         ":channel, '') FROM completed LIMIT 1) AS w) AS woken FROM completed")
+        else:
+            (statement,) = claim
         return _expanding(
-            f"WITH completed AS ({complete} RETURNING 1), claimed AS ({statement.text}) "
-            "SELECT claimed.*, c.n AS completed FROM (SELECT count(*) AS n FROM completed) "
-            "AS c LEFT JOIN claimed ON true")
+            f"WITH completed AS ({complete} RETURNING {f['id']} AS id), "
+            f"claimed AS ({statement.text}) "
+            f"SELECT claimed.*, c.n AS completed FROM ({count}) AS c LEFT JOIN claimed ON true")
+
+    def claim_parameters(self, conn: Connection, spec: TableSpec, limit: int, lease: float,
+                         **given: Any) -> dict[str, Any]:
+        """Also the table's NOTIFY channel, for the wake-up of a completing claim."""
+        return super().claim_parameters(conn, spec, limit, lease, channel=self.channel(spec),
+                                        **given)
 
     def insert_statement(self, spec: TableSpec) -> TextClause:
         """The insert and its NOTIFY in one statement: one round trip per publish."""

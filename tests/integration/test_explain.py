@@ -186,6 +186,11 @@ def test_fifo_claim_reads_no_backlog_behind_a_head_in_work(
         if database == "postgresql":
             read = generic_rows_read(broker.engine.url, claim, params)
             assert read < 1000, f"{read} rows read behind head {head.id}, prepared: {claim.text}"
+    if database == "postgresql":  # the claim carrying the head's ack, prepared
+        assert statements.claim_completing is not None
+        completing = {**params, "attempt": head.attempt, "ids": [head.id], "channel": "x"}
+        read = generic_rows_read(broker.engine.url, statements.claim_completing, completing)
+        assert read < 1000, f"{read} rows read behind head {head.id}, with its ack, prepared"
     with broker.engine.begin() as db:
         assert broker.dialect.claim(db, spec, 4, 30.0) == [], "a row behind the head was taken"
 
@@ -218,11 +223,17 @@ def test_claim_candidates_and_floor_read_a_few_rows_of_a_big_queue(
     if database == "postgresql":
         with broker.engine.connect() as db:
             ids = list(db.execute(text(f"SELECT id FROM {table} ORDER BY id LIMIT 5")).scalars())
+            last = list(db.execute(text(f"SELECT id FROM {table} ORDER BY id DESC LIMIT 5"))
+                        .scalars())
         fenced = {"attempt": 0, "ids": ids, "lease": 30.0}
-        # the rows each must find: the claim's 8, the acked 5, none to extend (never leased)
+        assert statements.claim_completing is not None
+        # the rows each must find: the claim's 8, the acked 5, none to extend (never leased);
+        # the claim carrying acks of 5 rows at the queue's far end, 8 and 5
         for statement, values, found in ((statements.claim[0], params, 8),
                                          (statements.complete, fenced, 5),
-                                         (statements.extend, fenced, 0)):
+                                         (statements.extend, fenced, 0),
+                                         (statements.claim_completing,
+                                          {**params, **fenced, "ids": last, "channel": "x"}, 13)):
             read = generic_rows_read(broker.engine.url, statement, values)
             assert found <= read < 100, f"{read} rows read, prepared: {statement.text}"
 

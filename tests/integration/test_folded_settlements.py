@@ -17,6 +17,8 @@ from kombu import Connection
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
+from kombu_sqlinbox import TableBuilder
+from kombu_sqlinbox.codec import ROW_KEY
 from tests.tcp_proxy import Proxy
 
 from .conftest import Connect
@@ -131,7 +133,7 @@ def test_an_ack_carried_by_a_claim_leaves_a_row_claimed_again_elsewhere(
         first = get_within(conn, "jobs")
         with engine.begin() as db:  # another consumer's claim after the lease lapsed
             db.execute(text(f"UPDATE {quoted(engine, jobs)} SET attempt = attempt + 1 "
-                            "WHERE id = :id"), {"id": first.delivery_info["sqlinbox_row"]["id"]})
+                            "WHERE id = :id"), {"id": first.delivery_info[ROW_KEY]["id"]})
         first.ack()
         second = get_within(conn, "jobs")
         assert second.decode() == {"n": 2}
@@ -170,6 +172,56 @@ def test_a_claim_carrying_an_ack_that_fails_runs_alone_and_the_ack_lands_later(
     assert broker_of(conn).keeper.flush(timeout=10), "the ack did not land once it could"
     assert count_rows(engine, jobs) == 0
     assert get(conn, "jobs") is None
+
+
+def fifo_jobs(connect: Connect, table_prefix: str) -> Connection:
+    """A connection whose queue "jobs" is a FIFO table, holding messages 1 and 2 of one
+    group."""
+    spec = (TableBuilder(f"{table_prefix}jobs").id().payload().headers()
+            .group("grp", fifo=True).available_at().locked_until().attempt().build())
+    conn = connect(queues={"jobs": {"table": spec}})
+    for n in (1, 2):
+        publish(conn, "jobs", {"n": n}, headers={"group_key": "g"})
+    return conn
+
+
+@pytest.mark.databases("postgresql")
+def test_a_fifo_claim_carrying_a_heads_ack_takes_the_next_row_of_its_group(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """The claim that completes a group's head counts it as finished, though its snapshot
+    still shows it: the group's next row comes in that one statement."""
+    conn = fifo_jobs(connect, table_prefix)
+    jobs = table_of("jobs", table_prefix)
+    with settler_busy(conn, engine, table_prefix):
+        first = get_within(conn, "jobs")
+        first.ack()
+        with statements_run(broker_of(conn).engine, lambda sql: jobs in sql) as seen:
+            second = get_within(conn, "jobs")
+        assert second.decode() == {"n": 2}
+        assert len(seen) == 1 and "DELETE" in seen[0], seen
+        second.ack()
+    assert broker_of(conn).keeper.flush(timeout=10)
+    assert count_rows(engine, jobs) == 0
+
+
+@pytest.mark.databases("postgresql")
+def test_a_fifo_head_whose_carried_ack_is_fenced_out_keeps_its_group_waiting(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """An ack of a head another consumer has taken over (its attempt moved on) completes
+    nothing, so the claim carrying it must not count the head as finished: the group's
+    next row stays back while the head is in work elsewhere."""
+    conn = fifo_jobs(connect, table_prefix)
+    jobs = table_of("jobs", table_prefix)
+    with settler_busy(conn, engine, table_prefix):
+        first = get_within(conn, "jobs")
+        with engine.begin() as db:  # another consumer's claim after the lease lapsed
+            db.execute(text(f"UPDATE {quoted(engine, jobs)} SET attempt = attempt + 1 "
+                            "WHERE id = :id"), {"id": first.delivery_info[ROW_KEY]["id"]})
+        first.ack()
+        assert get(conn, "jobs") is None, "a row ran while its group's head was in work"
+        assert count_rows(engine, jobs) == 2
 
 
 def test_a_settlement_failing_in_a_claim_goes_back_to_the_settling_thread(
