@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import pytest
 from kombu import Connection
+from kombu.message import Message
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
@@ -93,6 +94,14 @@ def test_an_ack_is_written_by_the_next_claim_and_counts_once_committed(
     assert count_rows(engine, jobs) == 0
 
 
+def taken_over(engine: Engine, table: str, message: Message) -> None:
+    """Another consumer's claim of ``message``'s row after its lease lapsed: the row's
+    attempt moves on, so the first consumer's ack of it is fenced out."""
+    with engine.begin() as db:
+        db.execute(text(f"UPDATE {quoted(engine, table)} SET attempt = attempt + 1 "
+                        "WHERE id = :id"), {"id": message.delivery_info[ROW_KEY]["id"]})
+
+
 @pytest.mark.databases("postgresql")
 def test_acks_and_the_claim_that_carries_them_are_one_statement(
     connect: Connect, engine: Engine, table_prefix: str,
@@ -131,9 +140,7 @@ def test_an_ack_carried_by_a_claim_leaves_a_row_claimed_again_elsewhere(
     jobs = table_of("jobs", table_prefix)
     with settler_busy(conn, engine, table_prefix):
         first = get_within(conn, "jobs")
-        with engine.begin() as db:  # another consumer's claim after the lease lapsed
-            db.execute(text(f"UPDATE {quoted(engine, jobs)} SET attempt = attempt + 1 "
-                            "WHERE id = :id"), {"id": first.delivery_info[ROW_KEY]["id"]})
+        taken_over(engine, jobs, first)
         first.ack()
         second = get_within(conn, "jobs")
         assert second.decode() == {"n": 2}
@@ -216,9 +223,7 @@ def test_a_fifo_head_whose_carried_ack_is_fenced_out_keeps_its_group_waiting(
     jobs = table_of("jobs", table_prefix)
     with settler_busy(conn, engine, table_prefix):
         first = get_within(conn, "jobs")
-        with engine.begin() as db:  # another consumer's claim after the lease lapsed
-            db.execute(text(f"UPDATE {quoted(engine, jobs)} SET attempt = attempt + 1 "
-                            "WHERE id = :id"), {"id": first.delivery_info[ROW_KEY]["id"]})
+        taken_over(engine, jobs, first)
         first.ack()
         assert get(conn, "jobs") is None, "a row ran while its group's head was in work"
         assert count_rows(engine, jobs) == 2
