@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parent.parent)  # the bench package, not its modules
 
 from bench import (  # noqa: E402
+    consume,
     core,
     latency,
     layout,
@@ -42,7 +43,7 @@ from bench import (  # noqa: E402
 )
 from bench.cli import main  # noqa: E402
 
-SECTIONS = [core.SECTION, publish.SECTION, latency.SECTION, ordering.SECTION,
+SECTIONS = [core.SECTION, consume.SECTION, publish.SECTION, latency.SECTION, ordering.SECTION,
             transactional.SECTION, outbox.SECTION, layout.SECTION, remote.SECTION,
             scale.SECTION, mvcc.SECTION]
 

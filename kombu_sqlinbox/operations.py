@@ -43,6 +43,7 @@ PLAN_PARAMS: Mapping[str, Any] = {
     "limit": 1, "lease": 30.0, "delay": 0.0, "ids": [0], "skip": ["-"], "attempt": 0, "id": 0,
     "payload": b"", "headers": "{}", "priority": 0, "eta": None, "group": None,
     "partition_key": None, "after": 0, "upto": 0, "floor": 0.0, "candidates": 2, "window": 1,
+    "channel": "sqlinbox_check",
 }
 
 
