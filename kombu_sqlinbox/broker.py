@@ -446,6 +446,28 @@ _BROKERS: dict[tuple[str, str], Broker] = {}
 _BROKERS_LOCK = threading.Lock()
 
 
+class _Shutdown:
+    """Whether this process's Celery worker has begun to shut down (:func:`stop_waiting`)."""
+
+    begun = False
+
+
+def stop_waiting(**_: Any) -> None:
+    """Celery's ``worker_shutting_down``: the consumers of this process stop waiting for
+    work. Celery's blocking loop looks for a shutdown only between drains of up to two
+    seconds, and drains once more after it, so an idle worker's warm shutdown would
+    otherwise sit out two whole waits. Sent from Celery's signal handler, perhaps in the
+    middle of code holding a lock: it takes none."""
+    _Shutdown.begun = True
+    for broker in list(_BROKERS.values()):
+        broker.wakeup.poke()
+
+
+def shutting_down() -> bool:
+    """Whether :func:`stop_waiting` ran in this process."""
+    return _Shutdown.begun
+
+
 def broker_for(url: str, options: TransportOptions) -> Broker:
     """The process's broker for this URL and options."""
     key = (url, repr(options))
@@ -467,7 +489,9 @@ def close_all() -> None:
 
 
 def _forget_after_fork() -> None:
-    """A forked child must not use the parent's pooled connections or held rows."""
+    """A forked child must not use the parent's pooled connections or held rows, and is
+    not the worker that shuts down."""
+    _Shutdown.begun = False
     for broker in _BROKERS.values():
         broker.database.dispose(close=False)
     _BROKERS.clear()

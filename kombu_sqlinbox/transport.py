@@ -16,12 +16,13 @@ from time import monotonic, time
 from typing import Any
 
 import sqlalchemy
+from celery.signals import worker_shutting_down
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
-from .broker import Broker, QueueTable, broker_for
+from .broker import Broker, QueueTable, broker_for, shutting_down, stop_waiting
 from .claims import SETTLE_LIMIT, Held, Settlement
 from .codec import (
     EXPIRES_KEY,
@@ -58,6 +59,8 @@ def _driver_connection_errors() -> tuple[type[BaseException], ...]:
 DRIVER_CONNECTION_ERRORS = _driver_connection_errors()
 #: how a broker URL names this transport
 URL_PREFIX = "sqlinbox+"
+
+worker_shutting_down.connect(stop_waiting, weak=False, dispatch_uid="sqlinbox.stop_waiting")
 
 
 def _key(value: Any) -> str | None:
@@ -592,7 +595,8 @@ class Transport(virtual.Transport):
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:
         """kombu's virtual loop, with the polling sleep replaced by the broker's wake-up
         (NOTIFY on PostgreSQL, the same-host signal on SQLite, an in-process poke
-        everywhere) and the :class:`Cadence`'s wait."""
+        everywhere) and the :class:`Cadence`'s wait. Once the process's Celery worker
+        shuts down, a drain that finds nothing returns at once."""
         if self._deliver_buffered():
             self.cadence.active()
             return
@@ -603,7 +607,8 @@ class Transport(virtual.Transport):
                 self.cadence.active()
                 return
             except Empty:
-                if timeout is not None and monotonic() - started >= timeout:
+                if shutting_down() or (timeout is not None
+                                       and monotonic() - started >= timeout):
                     raise TimeoutError() from None
                 self.broker.sweep()
                 interval = self.cadence.idle(self.polling_interval)

@@ -46,3 +46,18 @@ def test_acks_made_just_before_a_normal_exit_are_written(acceptance: Acceptance)
             time.sleep(0.05)
     assert acker.wait(30) == 0, acker.tail()
     assert acceptance.rows(QUEUE) == 0, acker.tail()
+
+
+#: Celery's blocking loop drains for up to two seconds at a time, looks for a shutdown
+#: between drains, and drains once more after it: waited out, a warm shutdown of an idle
+#: worker takes two seconds at least
+PROMPT_STOP = 1.5
+
+
+def test_an_idle_worker_on_the_blocking_loop_stops_without_waiting_out_its_drain(
+        acceptance: Acceptance) -> None:
+    worker = acceptance.worker("solo")
+    asked = time.monotonic()
+    assert worker.stop() == 0, worker.tail()
+    took = time.monotonic() - asked
+    assert took < PROMPT_STOP, f"the warm shutdown took {took:.2f}s"
