@@ -192,7 +192,9 @@ class RowLockClaims(ClaimForm):
         limit = min(limit, self.capacity())
         if limit <= 0:
             return []
-        counted = self.database.run(
+        # fenced like a lease claim's: run again after a lost commit reply, it counts other
+        # rows, and the first ones, leased for no time, are ready again at once
+        counted = self.database.run_fenced(
             lambda conn: dialect.claim(conn, table.spec, limit, 0.0, skip=skip))
         taken = []
         lock_row = dialect.statements(table.spec).lock_row

@@ -349,9 +349,14 @@ class Dialect:
     #: SQL types of the default layout, by role (``{generated}`` ids differ)
     column_types: ClassVar[Mapping[Role, str]]
     generated_id_type: ClassVar[str]
-    #: run first in a transaction whose commit need not wait for the disk
+    #: run first in a transaction whose commit need not wait for the disk: fenced work
+    #: (claims, settlements, sweeps) and the publishes of a queue that allows it. It sets
+    #: whatever else the transport's own statements need there (PostgreSQL: the
+    #: planner's settings under which they read their indexes, whatever the tables'
+    #: statistics say)
     relaxed_commit: ClassVar[str | None] = None
-    #: the same for a whole session (the LISTEN connection, which only claims)
+    #: the same for a whole session of the transport's own (the LISTEN connection's and
+    #: the lease keeper's, which run only fenced work)
     relaxed_session: ClassVar[str | None] = None
     #: create_engine() arguments this database's engines get unless the user sets them
     engine_defaults: ClassVar[Mapping[str, Any]] = {}

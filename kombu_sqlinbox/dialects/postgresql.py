@@ -15,6 +15,23 @@ from .base import NAMED_PARAMETER, PREPARED, Capabilities, Dialect, _expanding
 WAKE = text("SELECT pg_notify(:channel, '')")
 
 
+#: the planner's settings for the transport's own statements (claims, settlements,
+#: lease extensions, sweeps): each is written for an index, and a queue table's
+#: statistics are stale more often than not. Taken while the table was empty, or while
+#: its backlog was in work, they have a claim planned as a read of the whole backlog
+#: (a bitmap or sequential scan, then a sort), at every claim, until the next ANALYZE.
+#: Priced out of those scans, a plan gets a cost that would have it compiled (JIT),
+#: which statements this small never repay.
+INDEX_PLANS = {"enable_seqscan": "off", "enable_bitmapscan": "off", "jit": "off"}
+
+
+def set_config(settings: Mapping[str, str], local: bool) -> str:
+    """One statement setting all of ``settings``, for the transaction (``local``) or the
+    session: a round trip for all of them."""
+    return "SELECT " + ", ".join(f"set_config('{name}', '{value}', {str(local).lower()})"
+                                 for name, value in settings.items())
+
+
 #: the SQL type of each value a row of the transport's own layout binds, as an array's
 #: elements (:meth:`PostgreSQLDialect.array_insert`)
 ARRAY_TYPES = {"payload": "bytea", "headers": "text", "priority": "smallint",
@@ -27,8 +44,8 @@ class PostgreSQLDialect(Dialect):
     capabilities = Capabilities(row_locks=True, skip_locked=True, key_locks=True, wakeups=True,
                                 returning=True)
     lock_clause = "FOR UPDATE OF r SKIP LOCKED"
-    relaxed_commit = "SET LOCAL synchronous_commit = off"
-    relaxed_session = "SET synchronous_commit = off"
+    relaxed_commit = set_config({"synchronous_commit": "off", **INDEX_PLANS}, local=True)
+    relaxed_session = set_config({"synchronous_commit": "off", **INDEX_PLANS}, local=False)
     #: psycopg2 and psycopg switch to autocommit without a round trip; the server commits
     #: a lone statement (NOTIFY included) before its reply
     autocommit_switch = True

@@ -4,11 +4,14 @@ and so does SQLite's read before a claim."""
 from __future__ import annotations
 
 import json
+from functools import partial
 
+import psycopg
 import pytest
 from sqlalchemy import URL, Connection, TextClause, create_engine, text
 
 from kombu_sqlinbox import TableBuilder
+from kombu_sqlinbox.claims import OwnSession
 from kombu_sqlinbox.dialects.base import DriverSql
 
 from .conftest import Connect
@@ -242,14 +245,104 @@ def generic_rows_read(url: URL, statement: TextClause, params: dict[str, object]
     """Rows PostgreSQL read to run ``statement`` prepared, as a consumer's LISTEN session
     runs it with psycopg2 (psycopg 3 prepares statements itself), in the plan made once for
     any parameters (a generic plan), which it may choose after a few runs."""
-    prepared = DriverSql.prepared(statement, "pyformat")
-    assert prepared.prepare is not None
     engine = create_engine(url.set(drivername="postgresql+psycopg2"))
     with engine.connect() as db, db.begin() as transaction:
-        db.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
-        db.exec_driver_sql(prepared.prepare)
-        plan = db.exec_driver_sql(f"EXPLAIN (ANALYZE, FORMAT JSON) {prepared.sql}",
-                                  prepared.parameters(params, None)).scalar_one()
+        read = prepared_rows_read(db, statement, params, generic=True)
         transaction.rollback()
     engine.dispose()
+    return read
+
+
+def prepared_rows_read(db: Connection, statement: TextClause, params: dict[str, object],
+                       generic: bool) -> int:
+    """Rows PostgreSQL read to run ``statement`` prepared on ``db`` (under whatever its
+    session or transaction set), in the plan made for any parameters (``generic``) or
+    for these; the statement runs, and the plan mode and the statement are gone after."""
+    prepared = DriverSql.prepared(statement, "pyformat")
+    assert prepared.prepare is not None
+    mode = "force_generic_plan" if generic else "force_custom_plan"
+    db.exec_driver_sql(f"SET plan_cache_mode = {mode}")
+    db.exec_driver_sql(prepared.prepare)
+    explain = f"EXPLAIN (ANALYZE, FORMAT JSON) {prepared.sql}"
+    values = prepared.parameters(params, None)
+    if db.dialect.driver == "psycopg":  # which binds on the server: no parameters there
+        explain = psycopg.ClientCursor(db.connection.dbapi_connection).mogrify(explain, values)
+        values = None
+    plan = db.exec_driver_sql(explain, values).scalar_one()
+    db.exec_driver_sql(f"DEALLOCATE {prepared.sql.split()[1]}")
+    db.exec_driver_sql("RESET plan_cache_mode")
     return rows_in(plan)
+
+
+#: table statistics a queue table is often left with (autovacuum analyzes a new table
+#: while it is still empty; a burst is analyzed while its rows are in work), applied
+#: to a table of READY_ROWS ready rows
+STALE_STATISTICS = {
+    "taken while empty": ("ANALYZE {table}", "{fill}"),
+    "taken while every row was leased": (
+        "{fill}", "UPDATE {table} SET locked_until = now() + interval '1 hour'",
+        "ANALYZE {table}", "UPDATE {table} SET locked_until = NULL"),
+}
+
+
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("statistics", sorted(STALE_STATISTICS))
+@pytest.mark.parametrize("fifo", [False, True], ids=["default layout", "FIFO, head in work"])
+def test_claims_read_a_few_rows_of_a_big_queue_whatever_its_statistics(
+        connect: Connect, database: str, table_prefix: str, statistics: str,
+        fifo: bool) -> None:
+    """With statistics that have PostgreSQL's planner read the whole backlog for a claim,
+    every claim statement of the table (the FIFO ones behind a head in work too) still
+    reads a few rows, custom and generic plans alike, on both kinds of connection the
+    transport claims on: a session of its own (the LISTEN connection's, in autocommit)
+    and a fenced transaction of the pool."""
+    options: dict[str, object] = {}
+    if fifo:
+        options["queues"] = {"jobs": {"table": TableBuilder(f"{table_prefix}jobs").id()
+                                      .payload().headers().group("grp", fifo=True)
+                                      .available_at().locked_until().attempt().build()}}
+    conn = connect(**options)
+    conn.default_channel.queue_declare("jobs")
+    broker = broker_of(conn)
+    spec = broker.table("jobs").spec
+    table = quoted(broker.engine, spec.table)
+    fill = bulk_insert_sql(database, table, group="g0" if fifo else None)
+    for step in STALE_STATISTICS[statistics]:
+        with broker.engine.begin() as db:
+            db.execute(text(step.format(table=table, fill=fill)))
+    with broker.engine.begin() as db:
+        if fifo:
+            broker.dialect.claim(db, spec, 1, 3600.0)  # the group's head, in work
+        floor = broker.dialect.claim_floor(db, spec)
+        last = list(db.execute(text(f"SELECT id FROM {table} ORDER BY id DESC LIMIT 5"))
+                    .scalars())
+    statements = broker.dialect.statements(spec)
+    assert statements.claim_completing is not None
+    params = {"limit": 8, "lease": 30.0, "floor": floor, "window": 17, "candidates": 16}
+    # the acks the completing claim carries: fenced out behind the FIFO head (its group
+    # stays blocked for the next statements), landing on the default layout
+    acks = {"attempt": 99 if fifo else 0, "ids": last, "channel": "x"}
+    claims = {"the claim": (statements.claim[0], params),
+              "the claim carrying acks": (statements.claim_completing, {**params, **acks})}
+    if statements.claim_heads is not None:
+        claims["the claim of the groups' heads"] = (statements.claim_heads[0], params)
+    if not fifo:
+        with broker.engine.connect() as db, db.begin() as transaction:
+            unset = prepared_rows_read(db, statements.claim[0], params, generic=False)
+            transaction.rollback()
+        assert unset > READY_ROWS // 2, f"these statistics no longer mislead ({unset} rows)"
+    own = OwnSession(broker.database)
+    session = own.connect()
+    try:
+        for name, (statement, values) in claims.items():
+            for generic in (False, True):
+                read = {"its own session": prepared_rows_read(session, statement, values,
+                                                              generic),
+                        "the pool": broker.database.run_fenced(partial(
+                            prepared_rows_read, statement=statement, params=values,
+                            generic=generic))}
+                for where, rows in read.items():
+                    assert rows < 100, (f"{name} on {where} read {rows} rows "
+                                        f"({'generic' if generic else 'custom'} plan)")
+    finally:
+        own.drop()
