@@ -41,6 +41,9 @@ def parser(sections: list[Section], description: str) -> argparse.ArgumentParser
         made.add_argument("--sections", default=names, type=choices(names),
                           help=f"sections to run (default all: {','.join(names)})")
     made.add_argument("--json", type=Path, help="also write every figure as JSON here")
+    made.add_argument("--pg-driver", default="psycopg2", choices=("psycopg2", "psycopg"),
+                      help="PostgreSQL driver of the sqlinbox and sqla brokers (the raw "
+                           "driver loop is psycopg2's either way)")
     for section in sections:
         section.add_arguments(made)
     return made

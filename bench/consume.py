@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> list[Row]:
     rounds = args.consume_rounds or (3 if args.quick else 5)
     rows: list[Row] = []
-    driver = str(getattr(args, "pg_driver", "psycopg2"))
+    driver = str(args.pg_driver)
     with Context(Sizes().quick() if args.quick else Sizes(), driver) as ctx:
         (rabbitmq,) = ctx.server_targets({"rabbitmq"})
         for database in args.databases:
@@ -84,7 +84,7 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
         f"{rounds} rounds per database and prefetch, this transport and RabbitMQ in turn; "
         f"each round publishes {sizes.consume:,} messages, then a kombu Consumer drains "
         "them, acking each (first to last message). PostgreSQL through "
-        f"{getattr(args, 'pg_driver', 'psycopg2')}. The ratio column: each round's pair, "
+        f"{args.pg_driver}. The ratio column: each round's pair, "
         "their median first.",
     ])
 

@@ -39,8 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"default all: {','.join(BROKERS)}")
     group.add_argument("--only", default=list(SCENARIOS), type=choices(list(SCENARIOS)),
                        help=f"core scenarios (default all: {','.join(SCENARIOS)})")
-    group.add_argument("--pg-driver", default="psycopg2", choices=("psycopg2", "psycopg"),
-                       help="PostgreSQL driver of the sqlinbox and sqla brokers")
 
 
 def measure(target: Target, ctx: Context, only: list[str]) -> dict[str, Cell]:

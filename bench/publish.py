@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         rows.append(cell.row(NAME, database, setup, figure))
         progress(f"{NAME} {database or '-'} {setup} {figure}: {cell.text}")
 
-    with Context(pg_driver=pg_driver(args)) as ctx:
+    with Context(pg_driver=args.pg_driver) as ctx:
         servers = {t.broker: t for t in SERVERS}
         for name, cell in single(servers, ctx, count, rounds).items():
             add(None, name, {name: cell}, "publish")
@@ -256,12 +256,6 @@ def label(setup: str, database: str | None) -> str:
         setup, setup + (" *" if database is None else ""))
 
 
-def pg_driver(args: argparse.Namespace) -> str:
-    """The PostgreSQL driver of the sqlinbox and sqla brokers (``--pg-driver``); the raw
-    loop is psycopg2's either way."""
-    return str(getattr(args, "pg_driver", "psycopg2"))
-
-
 def markdown(rows: list[Row], args: argparse.Namespace) -> str:
     order = [None, *args.databases]
     shown = sorted(rows, key=lambda r: order.index(r["database"]))
@@ -278,7 +272,7 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
         f"bulk: one INSERT of {BULK:,} rows and its commit. sqlinbox bulk: {BULK:,} "
         "Producer.publish inside celery_ext.bind(conn), and the commit. apply_async: a "
         "task of two arguments; Producer.publish: a JSON body of the task body's size. "
-        f"PostgreSQL: sqlinbox and kombu sqla through {pg_driver(args)}, the raw loop "
+        f"PostgreSQL: sqlinbox and kombu sqla through {args.pg_driver}, the raw loop "
         "through psycopg2.",
     ])
 
