@@ -407,6 +407,11 @@ SETTLE_LIMIT = 10.0
 #: arrive one by one (a Celery worker's, one per task) then share a commit, or ride on
 #: the consumer's next claim
 SETTLE_GATHER = 0.005
+#: how long after the last settlement the settling thread keeps looking every
+#: SETTLE_GATHER instead of sleeping until the next one wakes it: a busy consumer's
+#: claims carry most of its acks, and waking the thread for each batch cost the consumer
+#: a thread switch per claim (the driver lets go of the GIL while it sends a statement)
+SETTLE_ACTIVE = 0.1
 #: the first and the longest wait before a failed settlement group or extension is retried
 BACKOFF_FIRST = 0.2
 BACKOFF_MAX = 5.0
@@ -558,10 +563,13 @@ class LeaseKeeper:
         #: the running threads by name (each takes itself out as it ends), of process _pid
         self._threads: dict[str, threading.Thread] = {}
         self._pid = os.getpid()
-        #: the settling thread waits for ``_settle_wake`` (or may be about to): a
-        #: settlement queued meanwhile sets it; one queued while it gathers or writes
-        #: does not, sparing the consumer a thread switch per ack
+        #: the settling thread waits for ``_settle_wake`` (or may be about to) with no
+        #: timeout: a settlement queued meanwhile sets it; one queued while it gathers,
+        #: writes or looks every SETTLE_GATHER (settlements came in the last
+        #: SETTLE_ACTIVE) does not, sparing the consumer a thread switch per ack
         self._settler_idle = True
+        #: when the last settlement was queued (monotonic)
+        self._last_queued = -math.inf
         #: when the leases held are next extended (never while nothing is held)
         self._next_extension = math.inf
 
@@ -588,7 +596,8 @@ class LeaseKeeper:
         """Queue a settlement; the settling thread writes it with whatever else is due."""
         with self._lock:
             self._queued += 1
-            self._pending.append(Queued(self._queued, how, held, delay, time.monotonic()))
+            self._last_queued = now = time.monotonic()
+            self._pending.append(Queued(self._queued, how, held, delay, now))
             self._ensure_threads()
             wake, self._settler_idle = self._settler_idle, False
         if wake:
@@ -679,13 +688,16 @@ class LeaseKeeper:
                 due, wait = ([], None) if gather else self._take_due()
                 if not self._pending and not self._writing:
                     self._hurry.clear()
-                self._settler_idle = not gather and not due
+                looking = time.monotonic() - self._last_queued < SETTLE_ACTIVE
+                self._settler_idle = not gather and not due and not looking
             if gather:
                 self._hurry.wait(gather)
                 continue
             if due:
                 self._write(due)
                 continue
+            if looking:  # a settlement queued meanwhile is found within SETTLE_GATHER
+                wait = SETTLE_GATHER if wait is None else min(wait, SETTLE_GATHER)
             self._settle_wake.wait(wait)
             self._settle_wake.clear()
         if self._own is not None:

@@ -11,6 +11,7 @@ from kombu import Connection
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
+from kombu_sqlinbox import claims
 from kombu_sqlinbox.claims import LeaseKeeper
 from kombu_sqlinbox.codec import ROW_KEY
 from tests.tcp_proxy import Proxy
@@ -258,3 +259,20 @@ def test_an_ack_the_database_refuses_keeps_the_keepers_own_connection(
     assert count_rows(engine, table) == 0
     assert own_pid(keeper) == pid
     assert "settling on the pool" not in caplog.text
+
+
+def test_acks_that_keep_coming_do_not_wake_the_writing_thread_and_still_land_soon(
+    connect: Connect, engine: Engine, table_prefix: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once an ack was written, the writing thread looks every few milliseconds for a while
+    instead of waiting to be woken: the next ack wakes no thread (a consumer acking in
+    bursts pays no thread switch per burst) and is written as soon, with no claim or flush
+    to carry it."""
+    monkeypatch.setattr(claims, "SETTLE_ACTIVE", 30.0)  # looking, however slow this machine
+    conn, keeper, table = jobs_published(connect, table_prefix, 2)
+    first, second = get_within(conn, "jobs"), get_within(conn, "jobs")
+    first.ack()
+    wait_for(lambda: count_rows(engine, table) == 1 or None, "the first ack written")
+    second.ack()
+    assert not keeper._settle_wake.is_set(), "the second ack woke the writing thread"
+    wait_for(lambda: count_rows(engine, table) == 0 or None, "the second ack written", 2.0)
