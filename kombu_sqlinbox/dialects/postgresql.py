@@ -23,6 +23,8 @@ WAKE = text("SELECT pg_notify(:channel, '')")
 #: Priced out of those scans, a plan gets a cost that would have it compiled (JIT),
 #: which statements this small never repay.
 INDEX_PLANS = {"enable_seqscan": "off", "enable_bitmapscan": "off", "jit": "off"}
+#: fenced work's settings: its commits need not wait for the disk, and its plans
+FENCED = {"synchronous_commit": "off", **INDEX_PLANS}
 
 
 def set_config(settings: Mapping[str, str], local: bool) -> str:
@@ -44,8 +46,8 @@ class PostgreSQLDialect(Dialect):
     capabilities = Capabilities(row_locks=True, skip_locked=True, key_locks=True, wakeups=True,
                                 returning=True)
     lock_clause = "FOR UPDATE OF r SKIP LOCKED"
-    relaxed_commit = set_config({"synchronous_commit": "off", **INDEX_PLANS}, local=True)
-    relaxed_session = set_config({"synchronous_commit": "off", **INDEX_PLANS}, local=False)
+    relaxed_commit = set_config(FENCED, local=True)
+    relaxed_session = set_config(FENCED, local=False)
     #: psycopg2 and psycopg switch to autocommit without a round trip; the server commits
     #: a lone statement (NOTIFY included) before its reply
     autocommit_switch = True
