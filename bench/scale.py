@@ -10,9 +10,8 @@
   taken; and the first 8), the claims of 8 with the table's statistics taken while it
   was empty (what autovacuum leaves a queue that is empty more often than not with:
   PostgreSQL used to plan such claims as a read of the whole backlog), and on a FIFO
-  table whose rows all belong to one group
-  whose head is in work (every row waits behind it, the claim finds nothing: the case
-  that used to read the whole backlog).
+  table whose rows all belong to one group whose head is in work (every row waits
+  behind it, the claim finds nothing: the case that used to read the whole backlog).
 * Drain rates: one kombu consumer at prefetch 1 acking each message, on a plain
   table, one FIFO group, and 1,000 FIFO groups; the ratios to the plain table are
   the targets (one group at least 0.5, 1,000 groups at least 0.8). Beside them the
