@@ -265,7 +265,7 @@ class Operations:
 
     def _read(self, table: QueueTable, row: Any) -> DeadLetter:
         stored = ClaimedRow(id=int(row.id), attempt=int(row.attempt), payload=row.payload,
-                            headers=row.headers, group=None, partition_key=None, sort_key=())
+                            headers=row.headers, group=None, partition_key=None)
         try:
             message = decode_row(stored, table, 0)
             message.pop(EXPIRES_KEY, None)

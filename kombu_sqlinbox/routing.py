@@ -320,8 +320,8 @@ class Routes:
 
         rows = self.database.run_fenced(take)
         return sorted((ClaimedRow(id=row[0], attempt=1, payload=plain_payload(row[1]),
-                                  headers=row[2], group=None, partition_key=None,
-                                  sort_key=(row[0],)) for row in rows),
+                                  headers=row[2], group=None, partition_key=None)
+                       for row in rows),
                       key=lambda row: row.id)
 
     def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:

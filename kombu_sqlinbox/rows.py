@@ -29,7 +29,6 @@ class ClaimedRow(NamedTuple):
     headers: str | None
     group: Any
     partition_key: Any
-    sort_key: tuple[Any, ...]
     #: the values of the declaration's row columns (row mode: task and arguments)
     columns: tuple[Any, ...] = ()
 

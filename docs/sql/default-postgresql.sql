@@ -6,5 +6,5 @@ CREATE TABLE IF NOT EXISTS "sqlinbox_celery" (
     "available_at" TIMESTAMPTZ NOT NULL DEFAULT now(),
     "locked_until" TIMESTAMPTZ,
     "attempt" INTEGER NOT NULL DEFAULT 0
-);
+) WITH (fillfactor = 50);
 CREATE INDEX IF NOT EXISTS "sqlinbox_celery_claim" ON "sqlinbox_celery" ("priority" DESC, "available_at", "id");

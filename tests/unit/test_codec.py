@@ -67,7 +67,7 @@ def stored(table: QueueTable, payload: bytes | str, headers: str | None,
            attempt: int = 1, row_id: int = 41) -> ClaimedRow:
     """The row a claim reads back: a text column returns text, a binary one bytes."""
     return ClaimedRow(row_id, attempt, convert_payload(payload, table.payload_is_text),
-                      headers, None, None, (row_id,))
+                      headers, None, None)
 
 
 def round_trip(message: dict[str, Any], table: QueueTable, attempt: int = 1) -> dict[str, Any]:
@@ -206,6 +206,11 @@ def test_encoding_leaves_the_message_as_it_was() -> None:
     ('{"content-encoding": {}}', "content-type and content-encoding must be strings"),
     ('{"properties": {"body_encoding": "rot13"}}', "unknown body_encoding 'rot13'"),
     ('{"properties": {"body_encoding": "base64"}}', "cannot decode stored message"),
+    ('{} {}', "cannot decode stored message"),
+    ('{}]', "cannot decode stored message"),
+    (' {"a": }', "cannot decode stored message"),
+    ('{"headers": {}}\x00', "cannot decode stored message"),
+    ('\ufeff{"headers": {}}', "cannot decode stored message"),
 ])
 def test_a_malformed_envelope_is_undecodable(envelope: str, error: str) -> None:
     table = queue_table()
@@ -229,6 +234,16 @@ def test_a_malformed_payload_without_a_headers_column_is_undecodable(
     table = queue_table(headers=False)
     with pytest.raises(Undecodable, match=error):
         decode_row(stored(table, payload, None), table, 1)
+
+
+@pytest.mark.parametrize("before, after", [(" ", ""), ("", "\n"), ("\t\r\n", "  ")])
+def test_an_envelope_with_space_around_it_decodes_as_without(before: str, after: str) -> None:
+    """Rows other code wrote may pad their JSON, as json.loads allows."""
+    table = queue_table()
+    payload, headers = encode_message(kombu_message(b"{}", task="app.send"), table)
+    assert headers is not None
+    padded = stored(table, payload, before + headers + after)
+    assert decode_row(padded, table, 5) == decode_row(stored(table, payload, headers), table, 5)
 
 
 def test_undecodable_is_a_value_error() -> None:

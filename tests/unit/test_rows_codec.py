@@ -51,7 +51,7 @@ def queue_table(spec: TableSpec, text: bool = True) -> QueueTable:
 
 def row(columns: tuple[Any, ...] = (), payload: Any = None, headers: str | None = None,
         attempt: int = 1, row_id: int = 7) -> ClaimedRow:
-    return ClaimedRow(row_id, attempt, payload, headers, None, None, (row_id,), columns)
+    return ClaimedRow(row_id, attempt, payload, headers, None, None, columns)
 
 
 def task_message(name: str, args: Any = (), kwargs: Any = None) -> dict[str, Any]:
