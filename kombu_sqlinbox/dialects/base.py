@@ -1029,8 +1029,8 @@ class Dialect:
             at = position.get(label)
             return (lambda row: None) if at is None else itemgetter(at)
 
-        ordered = sorted(rows, key=itemgetter(*[
-            position[role.value] for role in (Role.AVAILABLE_AT, Role.ID) if spec.has(role)]))
+        ready = [position[Role.AVAILABLE_AT.value]] if spec.has(Role.AVAILABLE_AT) else []
+        ordered = sorted(rows, key=itemgetter(*ready, position[Role.ID.value]))
         if spec.has(Role.PRIORITY):
             ordered.sort(key=itemgetter(position[Role.PRIORITY.value]), reverse=True)
         row_id, attempt, payload, headers, group, partition_key = (read(label) for label in (

@@ -19,6 +19,7 @@ from .support import DEAD_LETTERS, count_rows, death, get_within, publish, quote
 #: a headers column that does not hold a message envelope, and the reason it is parked with
 BAD_ENVELOPES = {
     "not-json": ("not json {", "cannot decode"),
+    "json-then-more": ('{"properties": {}, "headers": {}} {}', "cannot decode"),
     "json-array": ("[1, 2]", "not a JSON object"),
     "properties-not-object": ('{"properties": "x", "headers": {}}', "JSON objects"),
     "routing-not-object": ('{"properties": {"routing": "x"}, "headers": {}}', "routing"),
