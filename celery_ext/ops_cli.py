@@ -75,6 +75,8 @@ def operations(ctx: click.Context) -> Iterator[Operations]:
         raise click.UsageError(str(exc)) from None
     try:
         yield made
+    except ConfigurationError as exc:  # a queue that is not a dead-letter queue...
+        raise click.UsageError(str(exc)) from None
     finally:
         made.close()
 
@@ -164,10 +166,11 @@ def sqlinbox(ctx: click.Context, url: str | None, transport_options: str | None)
               default="text", cls=CeleryOption, help_group="Output", help="how to print")
 @click.option("--json", "as_json", is_flag=True, cls=CeleryOption, help_group="Output",
               help="same as --format json")
-@click.option("--watch", type=float, default=None, metavar="SECONDS", cls=CeleryOption,
-              help_group="Output", help="print again every SECONDS")
-@click.option("--times", type=int, default=None, cls=CeleryOption, help_group="Output",
-              help="with --watch: stop after this many prints")
+@click.option("--watch", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="SECONDS", cls=CeleryOption, help_group="Output",
+              help="print again every SECONDS")
+@click.option("--times", type=click.IntRange(min=1), default=None, cls=CeleryOption,
+              help_group="Output", help="with --watch: stop after this many prints")
 @click.pass_context
 def queues(ctx: click.Context, form: str, as_json: bool, watch: float | None,
            times: int | None) -> None:
@@ -194,21 +197,25 @@ def queues(ctx: click.Context, form: str, as_json: bool, watch: float | None,
 
 
 # -- dead letters ------------------------------------------------------------------
+SECONDS_AGO = click.FloatRange(min=0)
+DLQ_HELP = ("the dead-letter queue(s) to look in (default: every one configured; any other "
+            "queue is refused)")
+
+
 def dead_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """The filters every ``dead`` command takes."""
     for option in reversed([
         click.option("--dead-letter-queue", "-D", "dlq", multiple=True, cls=CeleryOption,
-                     help_group="Filters",
-                     help="the dead-letter queue(s) to look in (default: every one configured)"),
+                     help_group="Filters", help=DLQ_HELP),
         click.option("--queue", "-Q", default=None, cls=CeleryOption, help_group="Filters",
                      help="only dead letters of this queue"),
         click.option("--task", "-T", default=None, cls=CeleryOption, help_group="Filters",
                      help="only tasks of this name (a glob: 'billing.*')"),
         click.option("--reason", default=None, cls=CeleryOption, help_group="Filters",
                      help="only those whose reason contains this text"),
-        click.option("--older-than", type=float, default=None, cls=CeleryOption,
+        click.option("--older-than", type=SECONDS_AGO, default=None, cls=CeleryOption,
                      help_group="Filters", help="only those dead for at least SECONDS"),
-        click.option("--newer-than", type=float, default=None, cls=CeleryOption,
+        click.option("--newer-than", type=SECONDS_AGO, default=None, cls=CeleryOption,
                      help_group="Filters", help="only those dead for at most SECONDS"),
     ]):
         command = option(command)
@@ -222,8 +229,8 @@ def _filter(queue: str | None, task: str | None, reason: str | None,
 
 def _dead_row(dead: DeadLetter) -> dict[str, Any]:
     return {"dead_letter_queue": dead.dead_letter_queue, "id": dead.id, "queue": dead.queue,
-            "task": dead.task, "task_id": dead.task_id, "reason": dead.reason or dead.undecodable,
-            "attempts": dead.attempts, "at": dead.at}
+            "origin": dead.origin, "task": dead.task, "task_id": dead.task_id,
+            "reason": dead.why, "attempts": dead.attempts, "at": dead.at}
 
 
 @sqlinbox.group()
@@ -233,7 +240,7 @@ def dead() -> None:
 
 @dead.command(name="list", cls=CeleryCommand)
 @dead_options
-@click.option("--limit", type=int, default=None, help="at most this many")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="at most this many")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 @click.pass_context
 def dead_list(ctx: click.Context, /, dlq: tuple[str, ...], limit: int | None, as_json: bool,
@@ -249,7 +256,7 @@ def dead_list(ctx: click.Context, /, dlq: tuple[str, ...], limit: int | None, as
         ("id", "dead-letter queue", "queue", "task", "attempts", "age", "reason"),
         [(d.id, d.dead_letter_queue, d.queue or "-", d.task or "-",
           "-" if d.attempts is None else d.attempts,
-          _age(None if d.at is None else now - d.at), d.reason or d.undecodable or "-")
+          _age(None if d.at is None else now - d.at), d.why)
          for d in found], align="><<<>><"))
 
 
@@ -269,8 +276,7 @@ def decoded_arguments(message: dict[str, Any]) -> str:
 
 @dead.command(name="show", cls=CeleryCommand)
 @click.argument("row_id", type=int)
-@click.option("--dead-letter-queue", "-D", "dlq", multiple=True,
-              help="the dead-letter queue(s) to look in (default: every one configured)")
+@click.option("--dead-letter-queue", "-D", "dlq", multiple=True, help=DLQ_HELP)
 @click.pass_context
 def dead_show(ctx: click.Context, row_id: int, dlq: tuple[str, ...]) -> None:
     """One dead letter: its message, its death record and its decoded arguments."""
@@ -301,8 +307,8 @@ def dead_show(ctx: click.Context, row_id: int, dlq: tuple[str, ...]) -> None:
               help_group="Requeue",
               help="keep each message's delivery count (it may then die again at once when "
                    "it reached max_attempts), or start it from 0 (the default)")
-@click.option("--batch", type=int, default=500, cls=CeleryOption, help_group="Requeue",
-              help="messages moved per transaction")
+@click.option("--batch", type=click.IntRange(min=1), default=500, cls=CeleryOption,
+              help_group="Requeue", help="messages moved per transaction")
 @click.pass_context
 def dead_requeue(ctx: click.Context, /, dlq: tuple[str, ...], keep_attempts: bool, batch: int,
                  **filters: Any) -> None:
@@ -311,10 +317,11 @@ def dead_requeue(ctx: click.Context, /, dlq: tuple[str, ...], keep_attempts: boo
     chosen = _filter(**filters)
     with operations(ctx) as ops:
         ops.batch = batch
-        total = sum(1 for _ in ops.dead_letters(chosen, dlq))
+        total, left = _survey(ops, chosen, dlq, requeue=True)
         with progress("requeue", total) as bar:
             moved = ops.requeue(chosen, dlq, keep_attempts, progress=bar.update)
     click.echo(f"requeued: {moved}")
+    _refuse_left(ctx, left)
 
 
 @dead.command(name="purge", cls=CeleryCommand)
@@ -325,12 +332,37 @@ def dead_purge(ctx: click.Context, /, dlq: tuple[str, ...], yes: bool, **filters
     """Delete dead letters (there is no undo)."""
     chosen = _filter(**filters)
     with operations(ctx) as ops:
-        total = sum(1 for _ in ops.dead_letters(chosen, dlq))
+        total, left = _survey(ops, chosen, dlq, requeue=False)
         if not yes:
             click.confirm(f"delete {total} dead letter(s)? There is no undo", abort=True)
         with progress("purge", total) as bar:
             removed = ops.purge(chosen, dlq, progress=bar.update)
     click.echo(f"purged: {removed}")
+    _refuse_left(ctx, left)
+
+
+def _survey(ops: Operations, chosen: DeadFilter, dlq: Sequence[str], requeue: bool
+            ) -> tuple[int, dict[tuple[str, str], list[int]]]:
+    """How many chosen rows the command takes, and the ids of those it leaves alone (by
+    dead-letter queue and why)."""
+    total, left = 0, dict[tuple[str, str], list[int]]()
+    for dead in ops.dead_letters(chosen, dlq):
+        why = dead.left(requeue)
+        if why is None:
+            total += 1
+        else:
+            left.setdefault((dead.dead_letter_queue, why), []).append(dead.id)
+    return total, left
+
+
+def _refuse_left(ctx: click.Context, left: dict[tuple[str, str], list[int]]) -> None:
+    """Say which chosen rows were left alone, and exit 1 if any were."""
+    for (queue, why), ids in left.items():
+        shown = ", ".join(map(str, ids[:10])) + (", ..." if len(ids) > 10 else "")
+        click.echo(f"left {len(ids)} row(s) of {queue} {why} (ids {shown}): not dead "
+                   "letters this command can take; look at them with dead list", err=True)
+    if left:
+        ctx.exit(1)
 
 
 # -- schema ---------------------------------------------------------------------------

@@ -203,7 +203,9 @@ def eta_epoch(headers: dict[str, Any]) -> float | None:
 
 def dead_letter_headers(headers: str | None, death: dict[str, Any]) -> str:
     """The envelope of a dead-lettered message: the original one plus the death record;
-    an envelope that does not parse is kept verbatim inside the record."""
+    an envelope that does not parse is kept verbatim inside the record. A message that
+    dies again in a dead-letter queue keeps its earlier record under ``previous``: a
+    requeue puts that one back, so the message can go on to where it first died."""
     try:
         envelope = json.loads(headers) if headers else {}
         parts = (envelope.get("headers", {}), envelope.get("properties", {}))
@@ -212,7 +214,10 @@ def dead_letter_headers(headers: str | None, death: dict[str, Any]) -> str:
     except (ValueError, AttributeError):
         envelope = {}
         death["original_headers"] = headers
-    envelope.setdefault("headers", {})[DEATH_HEADER] = death
+    earlier = envelope.setdefault("headers", {}).get(DEATH_HEADER)
+    if isinstance(earlier, dict):
+        death["previous"] = earlier
+    envelope["headers"][DEATH_HEADER] = death
     envelope.pop(EXPIRES_KEY, None)  # a dead letter is kept until someone looks at it
     return json.dumps(envelope)
 
@@ -370,7 +375,10 @@ def _row_task(row: ClaimedRow, table: QueueTable) -> dict[str, Any]:
 
 def parked_row(row: ClaimedRow, table: QueueTable, death: dict[str, Any]) -> tuple[str, str]:
     """The dead letter of a row without an envelope: its raw columns, as a JSON object by
-    column name, and an envelope with the death record, so it reads as a JSON message."""
+    column name, and an envelope with the death record, so it reads as a JSON message.
+    The record's ``columns`` names them, with how each bytes value was written as text
+    (``utf-8``, or ``base64`` where it is not UTF-8; None for other values), so that a
+    requeue writes the row back as it was."""
     spec = table.spec
     values: dict[str, Any] = {}
     for role, value in ((Role.PAYLOAD, row.payload), (Role.GROUP, row.group),
@@ -378,5 +386,36 @@ def parked_row(row: ClaimedRow, table: QueueTable, death: dict[str, Any]) -> tup
         if spec.has(role):
             values[spec.name_of(role)] = value
     values.update(zip(spec.row_columns, row.columns, strict=True))
+    death["columns"] = dict.fromkeys(values)
+    for name, value in values.items():
+        if isinstance(value, (bytes, memoryview)):
+            try:
+                values[name] = bytes(value).decode("utf-8")
+                death["columns"][name] = "utf-8"
+            except UnicodeDecodeError:
+                values[name] = base64.b64encode(value).decode("ascii")
+                death["columns"][name] = "base64"
     envelope = json.dumps({"content-type": "application/json", "content-encoding": "utf-8"})
     return _dumps(values), dead_letter_headers(envelope, death)
+
+
+def unparked_row(body: bytes | str, columns: dict[str, Any]) -> dict[str, Any]:
+    """The raw columns of a row :func:`parked_row` parked, by name, as they were written:
+    bytes where they were bytes; a JSON value the driver had parsed (a JSON column) as
+    its text."""
+    try:
+        values = json.loads(body)
+        if not isinstance(values, dict) or set(values) != set(columns):
+            raise ValueError(f"the parked row holds columns {sorted(values)}, its death "
+                             f"record names {sorted(columns)}")
+        for name, written in columns.items():
+            value = values[name]
+            if written == "base64":
+                values[name] = base64.b64decode(value, validate=True)
+            elif written == "utf-8":
+                values[name] = value.encode("utf-8")
+            elif isinstance(value, (dict, list)):
+                values[name] = json.dumps(value)
+    except (ValueError, TypeError, AttributeError, binascii.Error) as exc:
+        raise Undecodable(f"cannot read the parked row back: {exc}") from exc
+    return values

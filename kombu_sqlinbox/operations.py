@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -25,15 +26,21 @@ from .codec import (
     EXPIRES_KEY,
     GROUP_HEADER,
     PARTITION_HEADER,
+    ROW_TASK_NAMESPACE,
     Undecodable,
+    convert_payload,
     decode_row,
     encode_message,
+    encode_plain,
     eta_epoch,
+    stores_plain,
+    unparked_row,
 )
-from .errors import SchemaMismatch
+from .dialects.base import json_text, plain_payload
+from .errors import ConfigurationError, SchemaMismatch
 from .options import TransportOptions
 from .rows import ClaimedRow
-from .tables import TableSpec, default_table, table_name_for_queue
+from .tables import Role, TableSpec, default_table, table_name_for_queue
 
 #: the columns that make a table under the prefix a queue table of the default layout
 #: (other tables sharing the prefix are left alone)
@@ -45,6 +52,8 @@ PLAN_PARAMS: Mapping[str, Any] = {
     "partition_key": None, "after": 0, "upto": 0, "floor": 0.0, "candidates": 2, "window": 1,
     "channel": "sqlinbox_check",
 }
+#: why a row of a dead-letter queue without a death record is left alone
+NO_RECORD = "no death record: not a dead letter"
 
 
 @dataclass(frozen=True)
@@ -77,7 +86,8 @@ class QueueFigures:
 
 @dataclass(frozen=True)
 class DeadLetter:
-    """A message in a dead-letter queue, read from its death record."""
+    """A row of a dead-letter queue, read from its death record (a row without one, which
+    other code wrote there, is not a dead letter: no command moves or deletes it)."""
 
     dead_letter_queue: str
     id: int
@@ -98,6 +108,28 @@ class DeadLetter:
         found = headers.get(DEATH_HEADER)
         return found if isinstance(found, dict) else {}
 
+    @property
+    def origin(self) -> str | None:
+        """The queue it first died in (it may have died again in dead-letter queues)."""
+        record: Any = self.death
+        origin = self.queue
+        while isinstance(record := record.get("previous"), dict):
+            origin = record.get("queue", origin)
+        return origin
+
+    @property
+    def why(self) -> str:
+        """Why it died, or why it is not a dead letter."""
+        return self.reason or self.undecodable or ("-" if self.death else NO_RECORD)
+
+    def left(self, requeue: bool) -> str | None:
+        """Why a purge (a requeue, ``requeue``) leaves it alone; None: it takes it."""
+        if not self.death:
+            return "without a death record"
+        if requeue and not isinstance(self.queue, str):
+            return "whose death record names no queue"
+        return None
+
 
 @dataclass(frozen=True)
 class DeadFilter:
@@ -114,8 +146,7 @@ class DeadFilter:
         age = None if dead.at is None else now - dead.at
         return ((self.queue is None or dead.queue == self.queue)
                 and (self.task is None or fnmatch.fnmatchcase(dead.task or "", self.task))
-                and (self.reason is None
-                     or self.reason.lower() in (dead.reason or dead.undecodable or "").lower())
+                and (self.reason is None or self.reason.lower() in dead.why.lower())
                 and (self.older_than is None or (age is not None and age >= self.older_than))
                 and (self.newer_than is None or (age is not None and age <= self.newer_than)))
 
@@ -215,17 +246,30 @@ class Operations:
             None if lease_left is None else max(0.0, lease - float(lease_left)))
 
     # -- dead letters ----------------------------------------------------------------
+    def configured_dead_letter_queues(self) -> list[str]:
+        """Every dead-letter queue the options configure (for the known queues)."""
+        names = [self.options.for_queue(name).dead_letter_queue for name in self.names]
+        return list(dict.fromkeys(
+            name for name in (*names, self.options.defaults.dead_letter_queue)
+            if name is not None))
+
     def dead_letter_queues(self, only: Sequence[str] = ()) -> list[QueueTable]:
         """The dead-letter queues named (default: every one the options configure) whose
-        tables exist."""
-        names = list(only) or list(dict.fromkeys(
-            dead for name in self.names
-            if (dead := self.options.for_queue(name).dead_letter_queue) is not None))
+        tables exist. A name that is not a configured dead-letter queue is refused: the
+        commands would act on live messages."""
+        configured = self.configured_dead_letter_queues()
+        for name in only:
+            if name not in configured:
+                raise ConfigurationError(
+                    f"{name!r} is not a dead-letter queue (these are: "
+                    f"{', '.join(configured) or 'none configured'})")
+        names = list(only) or configured
         return [self.broker.table(name) for name in names if self.broker.known_table(name)]
 
     def dead_letters(self, chosen: DeadFilter = DeadFilter(), only: Sequence[str] = (),
                      limit: int | None = None) -> Iterator[DeadLetter]:
-        """The dead letters that ``chosen`` takes, by dead-letter queue, oldest first."""
+        """The rows of dead-letter queues that ``chosen`` takes, by dead-letter queue,
+        oldest first."""
         now, given = time.time(), 0
         for table in self.dead_letter_queues(only):
             for page in self._pages(table):
@@ -247,7 +291,7 @@ class Operations:
 
     def _pages(self, table: QueueTable) -> Iterator[list[DeadLetter]]:
         """The table's stored messages not in work, a page at a time, by id."""
-        statement = self.dialect.stored_page(table.spec, lock=False)
+        statement = self.dialect.stored_page(table.spec)
         upto = self._last_id(table)
         after = 0
         while True:
@@ -264,8 +308,11 @@ class Operations:
         return int(found or 0)
 
     def _read(self, table: QueueTable, row: Any) -> DeadLetter:
-        stored = ClaimedRow(id=int(row.id), attempt=int(row.attempt), payload=row.payload,
-                            headers=row.headers, group=None, partition_key=None)
+        """A stored row as a dead letter, whichever driver read it (psycopg2's BYTEA is a
+        memoryview, psycopg's JSON parsed)."""
+        stored = ClaimedRow(id=int(row.id), attempt=int(row.attempt),
+                            payload=plain_payload(row.payload), headers=json_text(row.headers),
+                            group=None, partition_key=None)
         try:
             message = decode_row(stored, table, 0)
             message.pop(EXPIRES_KEY, None)
@@ -275,56 +322,88 @@ class Operations:
         headers = message["headers"]
         death = headers.get(DEATH_HEADER)
         death = death if isinstance(death, dict) else {}
+        queue = death.get("queue")
+        task, task_id = headers.get("task"), headers.get("id")
+        if isinstance(death.get("columns"), dict) and isinstance(queue, str):
+            task, task_id = self._row_task(queue, death, message)
         return DeadLetter(
-            table.queue, stored.id, death.get("queue"), death.get("reason"),
-            death.get("attempts"), death.get("at"), headers.get("task"), headers.get("id"),
-            message)
+            table.queue, stored.id, queue, death.get("reason"), death.get("attempts"),
+            death.get("at"), task, task_id, message)
+
+    def _row_task(self, queue: str, death: dict[str, Any], message: dict[str, Any]
+                  ) -> tuple[str | None, str | None]:
+        """The task a parked row of a queue in row mode ran as: its name (the declared
+        one, or its task column's) and the task id its worker saw."""
+        rows = self.broker.spec_for(queue).rows
+        if rows is None:
+            return None, None
+        name = rows.name
+        if rows.column is not None:
+            try:
+                name = unparked_row(message["body"], death["columns"]).get(rows.column)
+            except Undecodable:
+                name = None
+        return (name if isinstance(name, str) else None,
+                str(uuid.uuid5(ROW_TASK_NAMESPACE, f"{queue}/{death.get('id')}")))
 
     def requeue(self, chosen: DeadFilter = DeadFilter(), only: Sequence[str] = (),
                 keep_attempts: bool = False, progress: Progress | None = None) -> int:
         """Move the chosen dead letters back to the queues they died in, a batch per
-        transaction, in their order; their attempts start again from 0 unless
-        ``keep_attempts``. Dead letters whose death record names no queue stay. Returns
-        how many moved."""
+        transaction, in their order, each written as its queue writes rows (through its
+        declared publish statement; a parked row of a queue in row mode as the row it
+        was), with the death record it had before it died (if it died in a dead-letter
+        queue); their attempts start again from 0 unless ``keep_attempts`` (refused for a
+        queue whose declared statement writes its rows). Rows without a death record, or
+        one naming no queue, stay. Returns how many moved."""
+        if keep_attempts:
+            for dead in self.dead_letters(chosen, only):
+                if (dead.left(requeue=True) is None and not _parked(dead)
+                        and self.broker.spec_for(str(dead.queue)).publish is not None):
+                    raise ConfigurationError(
+                        f"queue {dead.queue!r} has a declared publish statement: a requeue "
+                        "runs it as a publish does, and its deliveries start from 0 (leave "
+                        "out --keep-attempts)")
         return self._move(chosen, only, progress, requeue=True, keep_attempts=keep_attempts)
 
     def purge(self, chosen: DeadFilter = DeadFilter(), only: Sequence[str] = (),
               progress: Progress | None = None) -> int:
-        """Delete the chosen dead letters, a batch per transaction; how many went."""
+        """Delete the chosen dead letters (rows without a death record stay), a batch per
+        transaction; how many went."""
         return self._move(chosen, only, progress, requeue=False)
 
     def _move(self, chosen: DeadFilter, only: Sequence[str], progress: Progress | None,
               requeue: bool, keep_attempts: bool = False) -> int:
         """Each page is read first (the origin tables are resolved then, outside the
-        move's transaction), then locked again and moved in one transaction: a row
-        another run moved or purged meanwhile is simply not found."""
+        move's transaction), then the rows chosen on it locked again by id and moved in
+        one transaction: a row another run moved or purged meanwhile is simply not found,
+        and a row that committed meanwhile between two of the page's ids waits for the
+        next run."""
         moved = 0
         now = time.time()
         for table in self.dead_letter_queues(only):
-            locked = self.dialect.stored_page(table.spec, lock=True)
+            locked = self.dialect.stored_locked(table.spec)
             for page in self._pages(table):
-                wanted = {dead.id for dead in page if chosen(dead, now)
-                          and (not requeue or dead.queue is not None)}
+                wanted = {dead.id for dead in page
+                          if dead.left(requeue) is None and chosen(dead, now)}
                 if not wanted:
                     continue
-                targets = {dead.queue: self.broker.table(dead.queue) for dead in page
-                           if requeue and dead.id in wanted and dead.queue is not None}
-                bounds = {"after": page[0].id - 1, "upto": page[-1].id, "limit": len(page)}
+                targets = {str(dead.queue): self.broker.table(str(dead.queue))
+                           for dead in page if requeue and dead.id in wanted}
                 done = self.broker.run(partial(
-                    self._move_page, table, locked, bounds, wanted, targets if requeue else None,
+                    self._move_page, table, locked, wanted, targets if requeue else None,
                     keep_attempts))
                 moved += done
                 if progress is not None:
                     progress(done)
         return moved
 
-    def _move_page(self, table: QueueTable, locked: TextClause, bounds: dict[str, int],
-                   wanted: set[int], targets: Mapping[str, QueueTable] | None,
-                   keep_attempts: bool, conn: Connection) -> int:
-        """One transaction of a move: the page's rows locked again, those still wanted
+    def _move_page(self, table: QueueTable, locked: TextClause, wanted: set[int],
+                   targets: Mapping[str, QueueTable] | None, keep_attempts: bool,
+                   conn: Connection) -> int:
+        """One transaction of a move: the wanted rows locked again, those still there
         deleted and (``targets`` given) inserted into their queues."""
-        rows = [self._read(table, row) for row in conn.execute(locked, bounds)]
-        taken = [dead for dead in rows if dead.id in wanted]
+        taken = [self._read(table, row)
+                 for row in conn.execute(locked, {"ids": sorted(wanted)})]
         if not taken:
             return 0
         conn.execute(self.dialect.remove(table.spec), {"ids": [dead.id for dead in taken]})
@@ -334,26 +413,60 @@ class Operations:
 
     def _restore(self, conn: Connection, taken: list[DeadLetter],
                  targets: Mapping[str, QueueTable], keep_attempts: bool) -> None:
-        """Insert the dead letters into their queues, in order, without their death
-        record; a PostgreSQL queue's idle consumers are woken at the commit."""
-        by_target: dict[str, list[dict[str, Any]]] = {}
+        """Insert the dead letters into their queues, in order, with the death record
+        they had before (if any); a PostgreSQL queue's idle consumers are woken at the
+        commit. Consecutive rows of one statement go in one execution."""
+        runs: list[tuple[TextClause, list[dict[str, Any]]]] = []
         for dead in taken:
-            assert dead.message is not None and dead.queue is not None
-            target = targets[dead.queue]
-            message = dead.message
-            headers = message["headers"]
-            headers.pop(DEATH_HEADER, None)
-            payload, envelope = encode_message(message, target)
-            properties = message["properties"]
-            params = self.dialect.insert_params(
-                payload, envelope, _priority(properties.get("priority")), eta_epoch(headers),
-                _key(headers.get(GROUP_HEADER)), _key(headers.get(PARTITION_HEADER)))
+            target = targets[str(dead.queue)]
+            statement, params = self._restored(dead, target)
             params["attempt"] = int(dead.attempts or 0) if keep_attempts else 0
-            by_target.setdefault(dead.queue, []).append(params)
-        for name, rows in by_target.items():
-            target = targets[name]
-            conn.execute(self.dialect.restore(target.spec), rows)
-            self.dialect.wake(conn, target.spec)
+            if runs and runs[-1][0].text == statement.text:
+                runs[-1][1].append(params)
+            else:
+                runs.append((statement, [params]))
+        for statement, rows in runs:
+            conn.execute(statement, rows)
+        for spec in {targets[str(dead.queue)].spec for dead in taken}:
+            self.dialect.wake(conn, spec)
+
+    def _restored(self, dead: DeadLetter, target: QueueTable
+                  ) -> tuple[TextClause, dict[str, Any]]:
+        """The statement and values that write ``dead`` back into ``target``."""
+        assert dead.message is not None
+        message, death, spec = dead.message, dead.death, target.spec
+        if _parked(dead):
+            values = unparked_row(message["body"], death["columns"])
+            declared = {spec.name_of(role) for role in (
+                Role.PAYLOAD, Role.GROUP, Role.PARTITION_KEY) if spec.has(role)}
+            unknown = sorted(set(values) - declared - set(spec.row_columns))
+            if unknown:
+                raise ConfigurationError(
+                    f"dead letter {dead.id} of {dead.dead_letter_queue!r}: its row has "
+                    f"columns {', '.join(unknown)} that queue {dead.queue!r} does not declare")
+            if spec.has(Role.PAYLOAD) and isinstance(
+                    payload := values.get(spec.name_of(Role.PAYLOAD)), (bytes, str)):
+                values[spec.name_of(Role.PAYLOAD)] = convert_payload(
+                    payload, target.payload_is_text)
+            return (self.dialect.restore_row(spec, list(values)),
+                    {f"c{at}": value for at, value in enumerate(values.values())})
+        headers = message["headers"]
+        if isinstance(death.get("previous"), dict):
+            headers[DEATH_HEADER] = death["previous"]
+        else:
+            headers.pop(DEATH_HEADER, None)
+        columns: tuple[Any, ...] = ()
+        if stores_plain(spec):
+            payload, columns, envelope = (*encode_plain(message, target), None)
+        else:
+            payload, envelope = encode_message(message, target)
+        params = self.dialect.publish_params(
+            spec, payload, envelope, _priority(message["properties"].get("priority")),
+            eta_epoch(headers), _key(headers.get(GROUP_HEADER)),
+            _key(headers.get(PARTITION_HEADER)), (headers.get("task"), headers.get("id")),
+            columns)
+        restore = self.dialect.restore(spec)
+        return (self.dialect.insert_statement(spec) if restore is None else restore), params
 
     # -- the schema check --------------------------------------------------------------
     def check(self) -> tuple[int, list[Problem]]:
@@ -384,11 +497,13 @@ class Operations:
                 # the transport's own tables) cannot be planned
                 problem(plan)
                 continue
+            # a publish's values too: a declared statement binds :task_name, row columns...
+            params = {**PLAN_PARAMS, **self.dialect.publish_params(spec, b"", "{}")}
             for _, statement in self.statements(spec):
                 explained = self.dialect.explained(statement)
                 # the columns and their types passed: a statement that still does not
                 # plan is a bug of the dialect, raised with its SQL
-                self.broker.run(partial(_rows, explained, PLAN_PARAMS), attempts=1,
+                self.broker.run(partial(_rows, explained, params), attempts=1,
                                 read_only=True)
                 planned += 1
         return planned, problems
@@ -410,12 +525,13 @@ class Operations:
                       for n, part in enumerate(parts)]
         found += [
             ("queue_stats", self.dialect.queue_stats(spec)),
-            ("stored_page", self.dialect.stored_page(spec, lock=True)),
+            ("stored_page", self.dialect.stored_page(spec)),
+            ("stored_locked", self.dialect.stored_locked(spec)),
             ("stored_one", self.dialect.stored_one(spec)),
             ("remove", self.dialect.remove(spec)),
-            ("restore", self.dialect.restore(spec)),
         ]
-        return found
+        restore = self.dialect.restore(spec)  # None: the declared publish statement
+        return found if restore is None else [*found, ("restore", restore)]
 
 
 def _rows(statement: TextClause, params: Mapping[str, Any], conn: Connection) -> list[Any]:
@@ -424,6 +540,11 @@ def _rows(statement: TextClause, params: Mapping[str, Any], conn: Connection) ->
 
 def _seconds(value: Any) -> float | None:
     return None if value is None else max(0.0, float(value))
+
+
+def _parked(dead: DeadLetter) -> bool:
+    """Whether ``dead`` is a row of a queue in row mode, parked as its raw columns."""
+    return isinstance(dead.death.get("columns"), dict)
 
 
 def _key(value: Any) -> str | None:

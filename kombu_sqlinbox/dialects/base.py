@@ -258,7 +258,7 @@ def plain_payload(payload: Any) -> bytes | str:
     return bytes(payload) if isinstance(payload, memoryview) else payload  # type: ignore[no-any-return]
 
 
-def _json_text(headers: Any) -> str | None:
+def json_text(headers: Any) -> str | None:
     """A JSON/JSONB headers column comes back from some drivers (psycopg) already parsed:
     hand on its text, as from a text column."""
     return headers if headers is None or isinstance(headers, str) else json.dumps(headers)
@@ -790,6 +790,10 @@ class Dialect:
         row mode's columns), the rest by default."""
         if spec.publish is not None:
             return spec.publish
+        return self._insert(spec, self._publish_values(spec))
+
+    def _publish_values(self, spec: TableSpec) -> list[tuple[str, str]]:
+        """The default publish statement's (column, value) pairs."""
         f = self.fields(spec)
         values = {
             Role.PAYLOAD: ":payload",
@@ -803,11 +807,13 @@ class Dialect:
         # value
         roles = [role for role in values
                  if spec.has(role) and spec.name_of(role) not in spec.row_columns]
-        columns = ", ".join([*(f[role.value] for role in roles),
-                             *(self.quote(name) for name in spec.row_columns)])
-        placeholders = ", ".join([*(values[role] for role in roles),
-                                  *(f":x{at}" for at in range(len(spec.row_columns)))])
-        return f"INSERT INTO {f['table']} ({columns}) VALUES ({placeholders})"
+        return [*((f[role.value], values[role]) for role in roles),
+                *((self.quote(name), f":x{at}") for at, name in enumerate(spec.row_columns))]
+
+    def _insert(self, spec: TableSpec, pairs: Sequence[tuple[str, str]]) -> str:
+        columns = ", ".join(column for column, _ in pairs)
+        placeholders = ", ".join(value for _, value in pairs)
+        return f"INSERT INTO {self.fields(spec)['table']} ({columns}) VALUES ({placeholders})"
 
     def index_name(self, spec: TableSpec, suffix: str = "claim") -> str:
         name = f"{spec.table}_{suffix}"
@@ -1039,7 +1045,7 @@ class Dialect:
         raised = 0 if leased else 1
         return [ClaimedRow(
             id=row_id(row), attempt=attempt(row) + raised, payload=plain_payload(payload(row)),
-            headers=_json_text(headers(row)), group=group(row),
+            headers=json_text(headers(row)), group=group(row),
             partition_key=partition_key(row),
             columns=tuple(plain_payload(value(row)) for value in extra) if extra else ())
             for row in ordered]
@@ -1323,17 +1329,32 @@ class Dialect:
         return (f"r.{f['id']} AS id, r.{f['payload']} AS payload, {headers} AS headers, "
                 f"r.{f['attempt']} AS attempt")
 
-    def stored_page(self, spec: TableSpec, lock: bool) -> TextClause:
+    def stored_page(self, spec: TableSpec) -> TextClause:
         """Up to ``:limit`` stored messages not in work, by id, after ``:after`` and up to
-        ``:upto``; ``lock`` locks them for a move (skipping rows another move holds)."""
+        ``:upto``."""
+        f = self.fields(spec)
+        return text(
+            f"SELECT {self.stored_columns(spec)} FROM {f['table']} AS r "
+            f"WHERE r.{f['id']} > :after AND r.{f['id']} <= :upto AND {self._stored(spec)} "
+            f"ORDER BY r.{f['id']} LIMIT :limit")
+
+    def stored_locked(self, spec: TableSpec) -> TextClause:
+        """The stored messages ``:ids`` still not in work, by id, locked for a move
+        (skipping rows another move holds): exactly the rows a page showed, whatever
+        committed between them meanwhile."""
+        f = self.fields(spec)
+        return _expanding(
+            f"SELECT {self.stored_columns(spec)} FROM {f['table']} AS r "
+            f"WHERE r.{f['id']} IN :ids AND {self._stored(spec)} "
+            f"ORDER BY r.{f['id']} {self.lock_clause}")
+
+    def _stored(self, spec: TableSpec) -> str:
+        """A stored message not in work (nor processed)."""
         f = self.fields(spec)
         unfinished = (f" AND r.{f['processed_at']} IS NULL" if spec.has(Role.PROCESSED_AT)
                       else "")
-        return text(
-            f"SELECT {self.stored_columns(spec)} FROM {f['table']} AS r "
-            f"WHERE r.{f['id']} > :after AND r.{f['id']} <= :upto "
-            f"AND (r.{f['locked_until']} IS NULL OR r.{f['locked_until']} < {self.now})"
-            f"{unfinished} ORDER BY r.{f['id']} LIMIT :limit {self.lock_clause if lock else ''}")
+        return (f"(r.{f['locked_until']} IS NULL OR r.{f['locked_until']} < {self.now})"
+                f"{unfinished}")
 
     def stored_one(self, spec: TableSpec) -> TextClause:
         """The stored message with id ``:id``, whatever its state."""
@@ -1350,15 +1371,23 @@ class Dialect:
         f = self.fields(spec)
         return _expanding(f"DELETE FROM {f['table']} WHERE {f['id']} IN :ids")
 
-    def restore(self, spec: TableSpec) -> TextClause:
-        """The publish statement with the attempt count bound too (``:attempt``): a dead
-        letter put back keeps its deliveries, or starts again from 0."""
-        sql = self.insert_sql(spec)
-        if not spec.has(Role.ATTEMPT):
-            return text(sql)
-        columns, _, values = sql.partition(") VALUES (")
-        return text(f"{columns}, {self.quote(spec.name_of(Role.ATTEMPT))}) VALUES ("
-                    f"{values[:-1]}, :attempt)")
+    def restore(self, spec: TableSpec) -> TextClause | None:
+        """The default publish statement with the attempt count bound too (``:attempt``):
+        a dead letter put back keeps its deliveries, or starts again from 0. None for a
+        declared publish statement: a requeue runs it as a publish does."""
+        if spec.publish is not None:
+            return None
+        return text(self._insert(spec, self._publish_values(spec) + self._attempt(spec)))
+
+    def restore_row(self, spec: TableSpec, columns: Sequence[str]) -> TextClause:
+        """The insert of a row as other code wrote it: ``columns`` (bound as ``:c0``,
+        ``:c1``...) and the attempt count (``:attempt``)."""
+        pairs = [(self.quote(name), f":c{at}") for at, name in enumerate(columns)]
+        return text(self._insert(spec, pairs + self._attempt(spec)))
+
+    def _attempt(self, spec: TableSpec) -> list[tuple[str, str]]:
+        return [(self.quote(spec.name_of(Role.ATTEMPT)), ":attempt")] if spec.has(
+            Role.ATTEMPT) else []
 
     # -- wake-ups and advisory locks (databases that declare them override) ----
     def channel(self, spec: TableSpec) -> str:

@@ -507,7 +507,7 @@ def check_outbox(suite: Suite) -> None:
 
 def check_operations(suite: Suite) -> None:
     """The operations' statements: queue_stats counts each row in one state, and a dead
-    letter's move (stored_page locking, remove, restore with its attempt) is one
+    letter's move (stored_locked, remove, restore with its attempt) is one
     transaction."""
     dialect = suite.dialect
     spec = suite.table("operations", lambda b: b.group("grp", fifo=True).available_at())
@@ -526,13 +526,18 @@ def check_operations(suite: Suite) -> None:
     expect(LONG - 60 < float(stats["lease_left"]) <= LONG,
            f"queue_stats: lease_left {stats['lease_left']}, expected about {LONG:.0f}")
     with suite.engine.begin() as conn:
-        waiting = [row.id for row in conn.execute(dialect.stored_page(spec, lock=True), {
+        page = [row.id for row in conn.execute(dialect.stored_page(spec), {
             "after": 0, "upto": later, "limit": 10})]
-        expect(waiting == [behind, ready, later], f"stored_page gave ids {waiting}, expected "
+        expect(page == [behind, ready, later], f"stored_page gave ids {page}, expected "
                f"those not in work {[behind, ready, later]}")
+        waiting = [row.id for row in conn.execute(dialect.stored_locked(spec), {
+            "ids": [later, head, ready]})]
+        expect(waiting == [ready, later], f"stored_locked gave ids {waiting}, expected "
+               f"those asked for not in work {[ready, later]}")
         conn.execute(dialect.remove(spec), {"ids": [ready]})
-        conn.execute(dialect.restore(spec), dialect.insert_params(b"body", None, 0, None) | {
-            "attempt": 7})
+        restore = dialect.restore(spec)
+        assert restore is not None  # a table of the default statement
+        conn.execute(restore, dialect.insert_params(b"body", None, 0, None) | {"attempt": 7})
     with suite.engine.begin() as conn:
         ids = suite.ids(conn, spec)
         rows = conn.execute(dialect.stored_one(spec), {"id": max(ids)}).all()
@@ -584,7 +589,8 @@ CHECKS: tuple[tuple[str, str | None, Check], ...] = (
     ("key locks (try_key_locks, release_key_locks)", "key_locks", check_key_locks),
     ("wake-ups (wake, listen, take_notifications)", "wakeups", check_wakeups),
     ("outbox statements", None, check_outbox),
-    ("operations (queue_stats, stored_page, remove, restore)", None, check_operations),
+    ("operations (queue_stats, stored_page, stored_locked, remove, restore)", None,
+     check_operations),
     ("a pinned clock (now, eta_value, later)", None, check_clock),
 )
 

@@ -29,6 +29,34 @@ def fifo_table(prefix: str) -> TableSpec:
             .priority().available_at().locked_until().attempt().build())
 
 
+def audit_table(prefix: str, broker_url: str, form: str | None = "canonical") -> TableSpec:
+    """Queue ``audit``'s declared table: the default layout plus ``task_name`` and
+    ``task_id``, which its publish statement fills (``form``): written as the guide
+    writes it (``canonical``), or in lower case with a conflict clause (``free``), or
+    none (None: the default statement, to create the table with)."""
+    table = f"{prefix}audit"
+    builder = (TableBuilder(table).id().payload().headers().priority().available_at()
+               .locked_until().attempt())
+    if form == "canonical":
+        builder.publish_statement(
+            f"INSERT INTO {table} (payload, headers, task_name, task_id) "
+            "VALUES (:payload, :headers, :task_name, :task_id)")
+    elif form == "free":
+        mysql = broker_url.startswith(("sqlinbox+mysql", "sqlinbox+mariadb"))
+        builder.publish_statement(
+            f"insert {'ignore ' if mysql else ''}into {table} (task_id, headers, payload, "
+            f"task_name) values (:task_id, :headers, :payload, :task_name)"
+            + ("" if mysql else " on conflict do nothing"))
+    return builder.build()
+
+
+def events_table(prefix: str) -> TableSpec:
+    """Queue ``events`` in row mode: rows written with SQL name their task and hold their
+    keyword arguments as JSON."""
+    return (TableBuilder(f"{prefix}events").id().payload().available_at().locked_until()
+            .attempt().task(column="task").build())
+
+
 def transport_options(prefix: str) -> dict[str, Any]:
     """``jobs`` and ``fifo`` park their dead letters in ``jobs.dead``."""
     return {
@@ -80,5 +108,9 @@ def record(key: int, poisoned: str) -> None:
 
 app = make_app(os.environ.get(BROKER_ENV, "memory://"), os.environ.get(PREFIX_ENV, "ops_"))
 
-#: the FIFO table of this process's prefix, for ``--transport-options`` given as JSON
+#: the declared tables of this process's prefix, for ``--transport-options`` given as JSON
 FIFO = fifo_table(os.environ.get(PREFIX_ENV, "ops_"))
+AUDIT = audit_table(os.environ.get(PREFIX_ENV, "ops_"), os.environ.get(BROKER_ENV, ""))
+AUDIT_FREE = audit_table(os.environ.get(PREFIX_ENV, "ops_"), os.environ.get(BROKER_ENV, ""),
+                         "free")
+EVENTS = events_table(os.environ.get(PREFIX_ENV, "ops_"))

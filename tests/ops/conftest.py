@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 from celery import Celery
+from sqlalchemy.engine import make_url
 
 from kombu_sqlinbox.broker import Broker
 from kombu_sqlinbox.rows import Held
+from tests.databases import database_url
 from tests.ops.apps import BROKER_ENV, PREFIX_ENV, RUNS_ENV, make_app, transport_options
 from tests.processes import ROOT
 
@@ -25,6 +27,29 @@ CLI_LIMIT = 120.0
 SQLINBOX = str(Path(sys.executable).with_name("sqlinbox"))
 
 Cli = Callable[..., subprocess.CompletedProcess[str]]
+#: each database with each driver whose values come back differently (PostgreSQL's
+#: BYTEA: bytes from psycopg, a memoryview from psycopg2; JSON: parsed or text): the
+#: tests of what reads or writes stored messages run on each, the others on the default
+DRIVERS = [("postgresql", "psycopg"), ("postgresql", "psycopg2"), ("mysql", "pymysql"),
+           ("sqlite", "pysqlite")]
+
+
+@pytest.fixture
+def driver() -> str | None:
+    """The driver of the URL (None: the one a bare URL takes); tests parametrised over
+    :data:`DRIVERS` name it."""
+    return None
+
+
+@pytest.fixture
+def db_url(database: str, driver: str | None, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The database under test, through ``driver`` when one is named."""
+    url = database_url(database, tmp_path_factory.mktemp("sqlite"))
+    if driver is None:
+        return url
+    parsed = make_url(url)
+    return parsed.set(drivername=f"{parsed.get_backend_name()}+{driver}").render_as_string(
+        hide_password=False)
 
 
 @pytest.fixture
@@ -50,14 +75,17 @@ def standalone_options(prefix: str) -> str:
 @pytest.fixture
 def cli(ops_env: dict[str, str], db_url: str, table_prefix: str) -> Cli:
     """Run ``celery -A tests.ops.apps sqlinbox ARGS`` (or, ``standalone``, the ``sqlinbox``
-    console script with ``--url`` and ``--transport-options``) and return what it did;
-    ``check`` (the default) fails the test on a non-zero exit."""
+    console script with ``--url`` and ``--transport-options``: the app's, or ``options``
+    under this test's prefix) and return what it did; ``check`` (the default) fails the
+    test on a non-zero exit."""
 
     def run(*args: str, standalone: bool = False, stdin: str | None = None,
-            check: bool = True) -> subprocess.CompletedProcess[str]:
-        if standalone:
-            argv = [SQLINBOX, "--url", db_url, "--transport-options",
-                    standalone_options(table_prefix), *args]
+            check: bool = True, options: dict[str, object] | None = None
+            ) -> subprocess.CompletedProcess[str]:
+        if standalone or options is not None:
+            given = standalone_options(table_prefix) if options is None else json.dumps(
+                {"table_prefix": table_prefix, **options})
+            argv = [SQLINBOX, "--url", db_url, "--transport-options", given, *args]
         else:
             argv = [sys.executable, "-m", "celery", "-A", "tests.ops.apps", "sqlinbox", *args]
         env = {**os.environ, **ops_env, "PYTHONPATH": str(ROOT)}

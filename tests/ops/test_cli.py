@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox.codec import DEATH_HEADER
 from tests.integration.support import quoted, rows
-from tests.ops.conftest import Cli, Seeded
+from tests.ops.conftest import DRIVERS, Cli, Seeded
 
 FIGURES = ("ready", "delayed", "in_work", "blocked", "blocked_groups", "lapsed")
 
@@ -66,6 +67,7 @@ def test_queues_as_prometheus_and_watched(cli: Cli, seeded: Seeded,
     assert len(re.findall(r"^jobs +4 +2 +2 ", watched, re.M)) == 2, watched
 
 
+@pytest.mark.parametrize(("database", "driver"), DRIVERS)
 def test_dead_letters_listed_shown_requeued_purged(cli: Cli, seeded: Seeded, engine: Engine,
                                                    table_prefix: str) -> None:
     listed = json.loads(cli("dead", "list", "--json").stdout)
@@ -111,16 +113,44 @@ def test_dead_letters_listed_shown_requeued_purged(cli: Cli, seeded: Seeded, eng
     after = figures(cli)
     assert (after["jobs.dead"]["ready"], after["jobs"]["ready"]) == (0, 4 + 3)
 
-    # a row written by other code, which does not decode: listed with why, never
-    # requeued (no death record says where from), purged by that reason
+    # rows written by other code carry no death record: listed with why, never requeued
+    # nor purged (they are not dead letters), and a command that chose them says so
     dead_table = str(after["jobs.dead"]["table"])
     with engine.begin() as conn:
         conn.execute(text(f"INSERT INTO {quoted(engine, dead_table)} (payload, headers) "
                           "VALUES (:payload, 'not json')"), {"payload": b"x"})
-    (odd,) = json.loads(cli("dead", "list", "--json").stdout)
+        conn.execute(text(f"INSERT INTO {quoted(engine, dead_table)} (payload, headers) "
+                          "VALUES (:payload, :headers)"),
+                     {"payload": b"{}", "headers": json.dumps({"headers": {"task": "ops.add"}})})
+    odd, plain = json.loads(cli("dead", "list", "--json").stdout)
     assert odd["queue"] is None and odd["reason"].startswith("cannot decode stored message")
+    assert (plain["queue"], plain["task"]) == (None, "ops.add")
+    assert plain["reason"] == "no death record: not a dead letter"
     assert cli("dead", "show", str(odd["id"])).stdout.startswith(
         f"dead letter {odd['id']} in jobs.dead\nundecodable: cannot decode stored message")
-    assert cli("dead", "requeue").stdout.strip() == "requeued: 0"
-    assert cli("dead", "purge", "--reason", "cannot decode", "--yes").stdout.strip() == (
-        "purged: 1")
+    for command in (["requeue"], ["purge", "--yes"], ["purge", "--reason", "cannot", "--yes"]):
+        refused = cli("dead", *command, check=False)
+        assert refused.returncode == 1, (command, refused.stdout, refused.stderr)
+        assert f"left {2 if len(command) < 3 else 1} row(s) of jobs.dead without a death " \
+            "record" in refused.stderr, refused.stderr
+    assert [dead["id"] for dead in json.loads(cli("dead", "list", "--json").stdout)] == [
+        odd["id"], plain["id"]]
+
+
+def test_dead_commands_refuse_a_queue_that_is_not_a_dead_letter_queue(
+        cli: Cli, seeded: Seeded, engine: Engine, table_prefix: str) -> None:
+    jobs = f"{table_prefix}jobs"
+
+    def live() -> list[tuple[int, bytes]]:  # (leases are extended meanwhile)
+        return [(row["id"], bytes(row["payload"])) for row in rows(engine, jobs)]
+
+    before = live()
+    for command in (["purge", "-D", "jobs", "--task", "ops.*", "--yes"],
+                    ["requeue", "-D", "jobs"], ["list", "-D", "jobs"], ["show", "1", "-D", "jobs"],
+                    ["purge", "-D", "jobs.dead", "-D", "nowhere", "--yes"]):
+        refused = cli("dead", *command, check=False)
+        assert refused.returncode == 2, (command, refused.stdout, refused.stderr)
+        assert "is not a dead-letter queue (these are: jobs.dead)" in refused.stderr, (
+            command, refused.stderr)
+    assert live() == before
+    assert len(json.loads(cli("dead", "list", "-D", "jobs.dead", "--json").stdout)) == 4

@@ -51,6 +51,16 @@ def test_bad_input_is_refused_naming_it(tmp_path: Path) -> None:
         "no sqlinbox database": ["queues"],
         "the outbox commands need the app": [*url, "outbox", "status"],
         "no dead letter 7": [*url, "dead", "show", "7"],
+        "Invalid value for '--batch': 0 is not in the range x>=1": [
+            *url, "dead", "requeue", "--batch", "0"],
+        "Invalid value for '--watch': -1.0 is not in the range x>0": [
+            *url, "queues", "--watch", "-1"],
+        "Invalid value for '--times': 0 is not in the range x>=1": [
+            *url, "queues", "--watch", "1", "--times", "0"],
+        "Invalid value for '--limit': 0 is not in the range x>=1": [
+            *url, "dead", "list", "--limit", "0"],
+        "Invalid value for '--older-than': -5.0 is not in the range x>=0": [
+            *url, "dead", "purge", "--older-than", "-5"],
     }
     for message, argv in refusals.items():
         done = run([SQLINBOX, *argv], {})

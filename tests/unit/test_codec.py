@@ -292,6 +292,14 @@ def test_the_death_record_joins_the_original_envelope() -> None:
     assert dead["content-type"] == original["content-type"]
 
 
+def test_a_second_death_keeps_the_first_record_under_previous() -> None:
+    _, envelope = encode_message(kombu_message(b"{}", task="app.send"), queue_table())
+    once = dead_letter_headers(envelope, dict(DEATH))
+    again = {**DEATH, "queue": f"{QUEUE}.dead", "id": 7}
+    twice = json.loads(dead_letter_headers(once, dict(again)))
+    assert twice["headers"][DEATH_HEADER] == {**again, "previous": DEATH}
+
+
 @pytest.mark.parametrize("headers", [None, ""])
 def test_a_message_without_an_envelope_gets_one_for_its_death_record(
         headers: str | None) -> None:

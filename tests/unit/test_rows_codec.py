@@ -24,6 +24,7 @@ from kombu_sqlinbox.codec import (
     encode_plain,
     parked_row,
     stores_plain,
+    unparked_row,
 )
 from kombu_sqlinbox.dialects import ClaimedRow
 from kombu_sqlinbox.options import QueueOptions
@@ -185,9 +186,22 @@ def test_a_parked_row_keeps_its_raw_columns_and_reads_as_json() -> None:
     assert json.loads(payload) == {"order_id": 5, "kind": "paid"}
     envelope = json.loads(headers)
     assert envelope["content-type"] == "application/json"
-    assert envelope["headers"][DEATH_HEADER] == {"reason": "why"}
-    payload, _ = parked_row(row(("report",), b"{oops"), queue_table(BY_KWARGS), {})
+    assert envelope["headers"][DEATH_HEADER] == {
+        "reason": "why", "columns": {"order_id": None, "kind": None}}
+    payload, headers = parked_row(row(("report",), b"{oops"), queue_table(BY_KWARGS), {})
     assert json.loads(payload) == {"payload": "{oops", "task": "report"}
+    columns = json.loads(headers)["headers"][DEATH_HEADER]["columns"]
+    assert columns == {"payload": "utf-8", "task": None}
+    assert unparked_row(payload, columns) == {"payload": b"{oops", "task": "report"}
+
+
+def test_a_parked_row_that_is_not_utf8_reads_back_byte_for_byte() -> None:
+    payload, headers = parked_row(row(("report",), b"\xff{"), queue_table(BY_KWARGS), {})
+    columns = json.loads(headers)["headers"][DEATH_HEADER]["columns"]
+    assert columns == {"payload": "base64", "task": None}
+    assert unparked_row(payload, columns) == {"payload": b"\xff{", "task": "report"}
+    with pytest.raises(Undecodable, match="cannot read the parked row back"):
+        unparked_row(payload, {"payload": "base64"})
 
 
 @pytest.mark.parametrize(("arguments", "refusal"), [
