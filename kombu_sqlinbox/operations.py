@@ -10,9 +10,7 @@ top of the layers; nothing in the core imports it.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -21,26 +19,15 @@ from typing import Any
 from sqlalchemy import Connection, TextClause, inspect
 
 from .broker import Broker, QueueTable
-from .codec import (
-    DEATH_HEADER,
-    EXPIRES_KEY,
-    GROUP_HEADER,
-    PARTITION_HEADER,
-    ROW_TASK_NAMESPACE,
-    Undecodable,
-    convert_payload,
-    decode_row,
-    encode_message,
-    encode_plain,
-    eta_epoch,
-    stores_plain,
-    unparked_row,
-)
+from .codec import DEATH_HEADER, EXPIRES_KEY, Undecodable, decode_row
+from .dead_letters import EVERY, DeadFilter, DeadLetter, restored, row_task
 from .dialects.base import json_text, plain_payload
 from .errors import ConfigurationError, SchemaMismatch
 from .options import TransportOptions
 from .rows import ClaimedRow
-from .tables import Role, TableSpec, default_table, table_name_for_queue
+from .tables import TableSpec, default_table, table_name_for_queue
+
+__all__ = ["DeadFilter", "DeadLetter", "Operations", "Problem", "QueueFigures"]
 
 #: the columns that make a table under the prefix a queue table of the default layout
 #: (other tables sharing the prefix are left alone)
@@ -52,8 +39,6 @@ PLAN_PARAMS: Mapping[str, Any] = {
     "partition_key": None, "after": 0, "upto": 0, "floor": 0.0, "candidates": 2, "window": 1,
     "channel": "sqlinbox_check",
 }
-#: why a row of a dead-letter queue without a death record is left alone
-NO_RECORD = "no death record: not a dead letter"
 
 
 @dataclass(frozen=True)
@@ -82,73 +67,6 @@ class QueueFigures:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
-class DeadLetter:
-    """A row of a dead-letter queue, read from its death record (a row without one, which
-    other code wrote there, is not a dead letter: no command moves or deletes it)."""
-
-    dead_letter_queue: str
-    id: int
-    #: the queue it died in, and why
-    queue: str | None
-    reason: str | None
-    attempts: int | None
-    at: float | None
-    task: str | None
-    task_id: str | None
-    #: the kombu message as a consumer would get it; None when it does not decode
-    message: dict[str, Any] | None
-    undecodable: str | None = None
-
-    @property
-    def death(self) -> dict[str, Any]:
-        headers = (self.message or {}).get("headers") or {}
-        found = headers.get(DEATH_HEADER)
-        return found if isinstance(found, dict) else {}
-
-    @property
-    def origin(self) -> str | None:
-        """The queue it first died in (it may have died again in dead-letter queues)."""
-        record: Any = self.death
-        origin = self.queue
-        while isinstance(record := record.get("previous"), dict):
-            origin = record.get("queue", origin)
-        return origin
-
-    @property
-    def why(self) -> str:
-        """Why it died, or why it is not a dead letter."""
-        return self.reason or self.undecodable or ("-" if self.death else NO_RECORD)
-
-    def left(self, requeue: bool) -> str | None:
-        """Why a purge (a requeue, ``requeue``) leaves it alone; None: it takes it."""
-        if not self.death:
-            return "without a death record"
-        if requeue and not isinstance(self.queue, str):
-            return "whose death record names no queue"
-        return None
-
-
-@dataclass(frozen=True)
-class DeadFilter:
-    """Which dead letters an operation takes: by origin queue, task name (a glob),
-    reason (a substring, any case) and age of the death in seconds."""
-
-    queue: str | None = None
-    task: str | None = None
-    reason: str | None = None
-    older_than: float | None = None
-    newer_than: float | None = None
-
-    def __call__(self, dead: DeadLetter, now: float) -> bool:
-        age = None if dead.at is None else now - dead.at
-        return ((self.queue is None or dead.queue == self.queue)
-                and (self.task is None or fnmatch.fnmatchcase(dead.task or "", self.task))
-                and (self.reason is None or self.reason.lower() in dead.why.lower())
-                and (self.older_than is None or (age is not None and age >= self.older_than))
-                and (self.newer_than is None or (age is not None and age <= self.newer_than)))
 
 
 @dataclass(frozen=True)
@@ -266,7 +184,7 @@ class Operations:
         names = list(only) or configured
         return [self.broker.table(name) for name in names if self.broker.known_table(name)]
 
-    def dead_letters(self, chosen: DeadFilter = DeadFilter(), only: Sequence[str] = (),
+    def dead_letters(self, chosen: DeadFilter = EVERY, only: Sequence[str] = (),
                      limit: int | None = None) -> Iterator[DeadLetter]:
         """The rows of dead-letter queues that ``chosen`` takes, by dead-letter queue,
         oldest first."""
@@ -325,28 +243,12 @@ class Operations:
         queue = death.get("queue")
         task, task_id = headers.get("task"), headers.get("id")
         if isinstance(death.get("columns"), dict) and isinstance(queue, str):
-            task, task_id = self._row_task(queue, death, message)
+            task, task_id = row_task(self.broker.spec_for(queue), queue, death, message)
         return DeadLetter(
             table.queue, stored.id, queue, death.get("reason"), death.get("attempts"),
             death.get("at"), task, task_id, message)
 
-    def _row_task(self, queue: str, death: dict[str, Any], message: dict[str, Any]
-                  ) -> tuple[str | None, str | None]:
-        """The task a parked row of a queue in row mode ran as: its name (the declared
-        one, or its task column's) and the task id its worker saw."""
-        rows = self.broker.spec_for(queue).rows
-        if rows is None:
-            return None, None
-        name = rows.name
-        if rows.column is not None:
-            try:
-                name = unparked_row(message["body"], death["columns"]).get(rows.column)
-            except Undecodable:
-                name = None
-        return (name if isinstance(name, str) else None,
-                str(uuid.uuid5(ROW_TASK_NAMESPACE, f"{queue}/{death.get('id')}")))
-
-    def requeue(self, chosen: DeadFilter = DeadFilter(), only: Sequence[str] = (),
+    def requeue(self, chosen: DeadFilter = EVERY, only: Sequence[str] = (),
                 keep_attempts: bool = False, progress: Progress | None = None) -> int:
         """Move the chosen dead letters back to the queues they died in, a batch per
         transaction, in their order, each written as its queue writes rows (through its
@@ -357,7 +259,7 @@ class Operations:
         one naming no queue, stay. Returns how many moved."""
         if keep_attempts:
             for dead in self.dead_letters(chosen, only):
-                if (dead.left(requeue=True) is None and not _parked(dead)
+                if (dead.left(requeue=True) is None and not dead.parked
                         and self.broker.spec_for(str(dead.queue)).publish is not None):
                     raise ConfigurationError(
                         f"queue {dead.queue!r} has a declared publish statement: a requeue "
@@ -365,7 +267,7 @@ class Operations:
                         "out --keep-attempts)")
         return self._move(chosen, only, progress, requeue=True, keep_attempts=keep_attempts)
 
-    def purge(self, chosen: DeadFilter = DeadFilter(), only: Sequence[str] = (),
+    def purge(self, chosen: DeadFilter = EVERY, only: Sequence[str] = (),
               progress: Progress | None = None) -> int:
         """Delete the chosen dead letters (rows without a death record stay), a batch per
         transaction; how many went."""
@@ -419,7 +321,7 @@ class Operations:
         runs: list[tuple[TextClause, list[dict[str, Any]]]] = []
         for dead in taken:
             target = targets[str(dead.queue)]
-            statement, params = self._restored(dead, target)
+            statement, params = restored(self.dialect, dead, target)
             params["attempt"] = int(dead.attempts or 0) if keep_attempts else 0
             if runs and runs[-1][0].text == statement.text:
                 runs[-1][1].append(params)
@@ -429,44 +331,6 @@ class Operations:
             conn.execute(statement, rows)
         for spec in {targets[str(dead.queue)].spec for dead in taken}:
             self.dialect.wake(conn, spec)
-
-    def _restored(self, dead: DeadLetter, target: QueueTable
-                  ) -> tuple[TextClause, dict[str, Any]]:
-        """The statement and values that write ``dead`` back into ``target``."""
-        assert dead.message is not None
-        message, death, spec = dead.message, dead.death, target.spec
-        if _parked(dead):
-            values = unparked_row(message["body"], death["columns"])
-            declared = {spec.name_of(role) for role in (
-                Role.PAYLOAD, Role.GROUP, Role.PARTITION_KEY) if spec.has(role)}
-            unknown = sorted(set(values) - declared - set(spec.row_columns))
-            if unknown:
-                raise ConfigurationError(
-                    f"dead letter {dead.id} of {dead.dead_letter_queue!r}: its row has "
-                    f"columns {', '.join(unknown)} that queue {dead.queue!r} does not declare")
-            if spec.has(Role.PAYLOAD) and isinstance(
-                    payload := values.get(spec.name_of(Role.PAYLOAD)), (bytes, str)):
-                values[spec.name_of(Role.PAYLOAD)] = convert_payload(
-                    payload, target.payload_is_text)
-            return (self.dialect.restore_row(spec, list(values)),
-                    {f"c{at}": value for at, value in enumerate(values.values())})
-        headers = message["headers"]
-        if isinstance(death.get("previous"), dict):
-            headers[DEATH_HEADER] = death["previous"]
-        else:
-            headers.pop(DEATH_HEADER, None)
-        columns: tuple[Any, ...] = ()
-        if stores_plain(spec):
-            payload, columns, envelope = (*encode_plain(message, target), None)
-        else:
-            payload, envelope = encode_message(message, target)
-        params = self.dialect.publish_params(
-            spec, payload, envelope, _priority(message["properties"].get("priority")),
-            eta_epoch(headers), _key(headers.get(GROUP_HEADER)),
-            _key(headers.get(PARTITION_HEADER)), (headers.get("task"), headers.get("id")),
-            columns)
-        restore = self.dialect.restore(spec)
-        return (self.dialect.insert_statement(spec) if restore is None else restore), params
 
     # -- the schema check --------------------------------------------------------------
     def check(self) -> tuple[int, list[Problem]]:
@@ -540,17 +404,3 @@ def _rows(statement: TextClause, params: Mapping[str, Any], conn: Connection) ->
 
 def _seconds(value: Any) -> float | None:
     return None if value is None else max(0.0, float(value))
-
-
-def _parked(dead: DeadLetter) -> bool:
-    """Whether ``dead`` is a row of a queue in row mode, parked as its raw columns."""
-    return isinstance(dead.death.get("columns"), dict)
-
-
-def _key(value: Any) -> str | None:
-    return None if value is None else str(value)
-
-
-def _priority(value: Any) -> int:
-    """The row's priority from the message's (what the transport stored: 0..255)."""
-    return max(0, min(255, value)) if isinstance(value, int) else 0

@@ -1332,29 +1332,26 @@ class Dialect:
     def stored_page(self, spec: TableSpec) -> TextClause:
         """Up to ``:limit`` stored messages not in work, by id, after ``:after`` and up to
         ``:upto``."""
-        f = self.fields(spec)
-        return text(
-            f"SELECT {self.stored_columns(spec)} FROM {f['table']} AS r "
-            f"WHERE r.{f['id']} > :after AND r.{f['id']} <= :upto AND {self._stored(spec)} "
-            f"ORDER BY r.{f['id']} LIMIT :limit")
+        row_id = f"r.{self.fields(spec)['id']}"
+        return text(self._stored(spec, f"{row_id} > :after AND {row_id} <= :upto",
+                                 "LIMIT :limit"))
 
     def stored_locked(self, spec: TableSpec) -> TextClause:
         """The stored messages ``:ids`` still not in work, by id, locked for a move
         (skipping rows another move holds): exactly the rows a page showed, whatever
         committed between them meanwhile."""
-        f = self.fields(spec)
-        return _expanding(
-            f"SELECT {self.stored_columns(spec)} FROM {f['table']} AS r "
-            f"WHERE r.{f['id']} IN :ids AND {self._stored(spec)} "
-            f"ORDER BY r.{f['id']} {self.lock_clause}")
+        return _expanding(self._stored(spec, f"r.{self.fields(spec)['id']} IN :ids",
+                                       self.lock_clause))
 
-    def _stored(self, spec: TableSpec) -> str:
-        """A stored message not in work (nor processed)."""
+    def _stored(self, spec: TableSpec, where: str, tail: str) -> str:
+        """The stored messages ``where`` picks that are not in work (nor processed), by
+        id, then ``tail``."""
         f = self.fields(spec)
         unfinished = (f" AND r.{f['processed_at']} IS NULL" if spec.has(Role.PROCESSED_AT)
                       else "")
-        return (f"(r.{f['locked_until']} IS NULL OR r.{f['locked_until']} < {self.now})"
-                f"{unfinished}")
+        return (f"SELECT {self.stored_columns(spec)} FROM {f['table']} AS r WHERE {where} "
+                f"AND (r.{f['locked_until']} IS NULL OR r.{f['locked_until']} < {self.now})"
+                f"{unfinished} ORDER BY r.{f['id']} {tail}")
 
     def stored_one(self, spec: TableSpec) -> TextClause:
         """The stored message with id ``:id``, whatever its state."""
