@@ -204,6 +204,19 @@ def test_a_parked_row_that_is_not_utf8_reads_back_byte_for_byte() -> None:
         unparked_row(payload, {"payload": "base64"})
 
 
+@pytest.mark.parametrize(("body", "columns"), [
+    ('{"payload": "x"}', {"payload": "utf-8", "task": None}),  # a column missing
+    ("{oops", {"payload": None}),  # not JSON
+    ('{"payload": "not base64!"}', {"payload": "base64"}),
+    ('{"payload": 5}', {"payload": "utf-8"}),  # a number is no text
+    (None, {"payload": None}),  # no body at all
+])
+def test_a_parked_row_that_does_not_read_back_is_undecodable(
+        body: str | None, columns: dict[str, Any]) -> None:
+    with pytest.raises(Undecodable, match="cannot read the parked row back"):
+        unparked_row(cast(str, body), columns)
+
+
 @pytest.mark.parametrize(("arguments", "refusal"), [
     ({}, "name the task, or the column holding it"),
     ({"name": "t", "column": "c"}, "name the task, or the column holding it"),
