@@ -68,6 +68,20 @@ def _json(text: str) -> Any:
     return value if end == len(text) else json.loads(text)
 
 
+def _text(value: Any, what: str) -> str | None:
+    """A stored column as text: a driver hands a BLOB over as bytes (psycopg2 as a
+    memoryview), and SQLite's dynamic typing lets other code store a number in any
+    column. What is neither text nor UTF-8 is :class:`Undecodable`."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise Undecodable(f"the {what} is not UTF-8: {exc}") from None
+    raise Undecodable(f"the {what} holds {type(value).__name__} {saferepr(value)}, not text")
+
+
 def convert_payload(payload: bytes | str, to_text: bool) -> bytes | str:
     if to_text and isinstance(payload, bytes):
         return payload.decode("utf-8", errors="replace")
@@ -138,10 +152,17 @@ def decode_row(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict[st
     the consumer."""
     try:
         if table.spec.has(Role.HEADERS):
-            envelope = _json(row.headers) if row.headers else {}
+            stored = row.headers
+            if type(stored) is not str:  # checked once: the transport writes text
+                stored = _text(stored, "headers column")
+            envelope = _json(stored) if stored else {}
             body: Any = row.payload
+            if isinstance(body, memoryview):
+                body = bytes(body)
         else:
-            raw = row.payload.decode("utf-8") if isinstance(row.payload, bytes) else row.payload
+            raw = _text(row.payload, "payload column")
+            if raw is None:
+                raise Undecodable("the payload column is NULL")
             envelope = _json(raw)
             body = envelope.get("body") if isinstance(envelope, dict) else None
         if not isinstance(envelope, dict):
@@ -214,7 +235,16 @@ def dead_letter_headers(headers: str | None, death: dict[str, Any]) -> str:
         death["original_headers"] = headers
     envelope.setdefault("headers", {})[DEATH_HEADER] = death
     envelope.pop(EXPIRES_KEY, None)  # a dead letter is kept until someone looks at it
-    return json.dumps(envelope)
+    return _dumps(envelope)  # original headers a BLOB held: as text
+
+
+def parked_payload(payload: Any) -> bytes | str:
+    """The payload a dead letter keeps: text or bytes as stored, a BLOB as its bytes, any
+    other value other code stored there (a number, NULL) as its JSON text, so that the
+    dead letter itself decodes."""
+    if isinstance(payload, (bytes, str)):
+        return payload
+    return bytes(payload) if isinstance(payload, memoryview) else _dumps(payload)
 
 
 # -- queues shared with other services: rows without Celery's envelope -----------------------
@@ -312,6 +342,8 @@ def decode_stored(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict
     spec = table.spec
     if (spec.rows is None and not spec.plain) or row.headers is not None:
         return decode_row(row, table, delivery_tag)
+    if isinstance(row.payload, memoryview):
+        row = row._replace(payload=bytes(row.payload))
     if spec.rows is not None:
         message = _row_task(row, table)
     else:
@@ -337,10 +369,12 @@ def _row_task(row: ClaimedRow, table: QueueTable) -> dict[str, Any]:
     if isinstance(rows.arguments, tuple):
         kwargs = {column: values[column] for column in rows.arguments}
     else:
-        raw = row.payload.decode("utf-8") if isinstance(row.payload, bytes) else row.payload
+        raw = _text(row.payload, "payload column")
+        if raw is None:
+            raise Undecodable("the payload column is NULL")
         try:
             found = json.loads(raw)
-        except (ValueError, TypeError) as exc:
+        except ValueError as exc:
             raise Undecodable(f"the payload column is not JSON: {exc}") from exc
         wanted = dict if rows.arguments == "kwargs" else list
         if not isinstance(found, wanted):

@@ -10,6 +10,8 @@ import random
 import pytest
 from sqlalchemy import text
 
+from kombu_sqlinbox.codec import DEATH_HEADER
+from kombu_sqlinbox.tables import table_name_for_queue
 from tests.ordering.apps.common import any_overlap_across, check_serial_in_order
 from tests.ordering.conftest import Ordering, wait_for_count
 from tests.processes import wait_until
@@ -48,3 +50,30 @@ def test_row_mode_fifo_groups_hold_order_across_racing_workers(ordering: Orderin
     # a worker claims a group's next row in the transaction that settles its head, so a
     # group tends to stay with one worker; requeues and retries hand rows to the others
     assert len({e.pid for e in entries}) >= 2, "no two workers took rows"
+
+
+@pytest.mark.slow
+def test_a_row_that_cannot_be_read_is_parked_and_the_rows_behind_it_run(
+        ordering: Ordering) -> None:
+    """A payload that is not UTF-8 (at its first claim, and past ``max_attempts``) stops no
+    worker: both rows are parked with why, and the rows of their group written after them
+    run, in order."""
+    workers = ordering.workers(["w1"], "jobs", "rows", pool="threads", concurrency=2,
+                               max_attempts=3, dead_letter_queue="jobs.dead")
+    table = ordering.engine.dialect.identifier_preparer.quote(f"{ordering.prefix}rows_jobs")
+    rows = [{"grp": "g0", "payload": b"\xff\xfe{}", "attempt": 0},
+            {"grp": "g0", "payload": b"\xff{}", "attempt": 7}]
+    rows += [{"grp": "g0", "payload": json.dumps({"grp": "g0", "seq": seq}).encode(),
+              "attempt": 0} for seq in range(5)]
+    with ordering.engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {table} (grp, payload, attempt) "
+                          "VALUES (:grp, :payload, :attempt)"), rows)
+    wait_for_count(ordering.log.done, 5, "rows behind the unreadable ones", workers, limit=60)
+    check_serial_in_order(ordering.log.entries(), {"g0": 5})
+    dead = ordering.engine.dialect.identifier_preparer.quote(
+        table_name_for_queue("jobs.dead", ordering.prefix))
+    with ordering.engine.connect() as conn:
+        reasons = conn.execute(text(f"SELECT headers FROM {dead} ORDER BY id")).scalars().all()
+    assert [json.loads(r)["headers"][DEATH_HEADER]["reason"][:28] for r in reasons] == [
+        "the payload column is not UT", "delivered 8 times, max_attem"]
+    assert "Unrecoverable error" not in workers[0].output()
