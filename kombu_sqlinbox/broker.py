@@ -39,6 +39,7 @@ from .database import same_database as same_database
 from .database import sqlalchemy_url as sqlalchemy_url
 from .dialects import RowsInsert
 from .errors import ConfigurationError
+from .exact import row_checks
 from .options import TransportOptions
 from .routing import Declared, Routes
 from .rows import ClaimedRow, Held, Settlement
@@ -141,19 +142,20 @@ class Broker:
                 f"queue {queue!r}: table {spec.table!r} has a non-generated id; the transport "
                 "can only publish into a table whose id the database generates"
             )
-        def ensure(conn: Connection) -> bool:
-            return self.dialect.ensure_table(conn, spec, self.options.create_tables)
+        def ensure(conn: Connection) -> QueueTable:
+            payload_is_text = self.dialect.ensure_table(conn, spec, self.options.create_tables)
+            return QueueTable(queue, spec, options, payload_is_text, created, form,
+                              exact=row_checks(conn, spec))
 
         if (caller is not None and self.dialect.transactional_ddl
                 and not self.database.has_table(spec)):
-            return QueueTable(queue, spec, options, ensure(caller), created, form), False
+            return ensure(caller), False
         try:
-            payload_is_text = self.run(ensure, read_only=True)
+            return self.run(ensure, read_only=True), True
         except DBAPIError:
             # another process created the table at the same moment (PostgreSQL reports
             # a duplicate type); the second look finds and checks it
-            payload_is_text = self.run(ensure, read_only=True)
-        return QueueTable(queue, spec, options, payload_is_text, created, form), True
+            return self.run(ensure, read_only=True), True
 
     def has_own_table(self, queue: str) -> bool:
         """A queue configured in the transport options always has a table of its own."""

@@ -315,6 +315,14 @@ def encode_plain(message: dict[str, Any], table: QueueTable
                 f"kwargs {sorted(kwargs)!r}")
         else:
             body = _dumps(kwargs if rows.arguments == "kwargs" else args)
+        for name, check in table.exact:
+            why = check(columns.get(name))
+            if why is not None:
+                what = "the task name" if name == rows.column else f"argument {name}"
+                raise ConfigurationError(
+                    f"queue {table.queue!r}: {what}={columns.get(name)!r} does not "
+                    f"fit column {name} of table {spec.table!r} exactly: {why}; "
+                    "nothing was written")
     if spec.has(Role.PAYLOAD) and body is None:
         body = b""
     payload = None if body is None else convert_payload(body, table.payload_is_text)
