@@ -289,3 +289,24 @@ def test_the_transports_mariadb_sessions_are_strict_on_a_server_that_is_not(
         publish(conn, "grouped", {"n": 1}, headers={"group_key": "customer-12345"})
     with engine.connect() as sql:
         assert sql.execute(text(f"SELECT COUNT(*) FROM {table}")).scalar_one() == 0
+
+
+@pytest.mark.databases("sqlite")
+@pytest.mark.parametrize("generator", ["INTEGER PRIMARY KEY", "INTEGER PRIMARY KEY AUTOINCREMENT"])
+def test_row_mode_refuses_a_sqlite_id_that_a_new_row_can_take_again(
+        connect: Connect, engine: Engine, table_prefix: str, generator: str) -> None:
+    """Without AUTOINCREMENT, SQLite gives a new row the id of the last one deleted; row
+    mode's task ids come from ids, so two rows would run as one task: refused when the
+    queue is first used, with the fix. With AUTOINCREMENT ids never repeat."""
+    table = quoted(engine, f"{table_prefix}events")
+    with engine.begin() as sql:
+        sql.execute(text(f"CREATE TABLE {table} (id {generator}, attempt INTEGER NOT NULL "
+                         "DEFAULT 0, locked_until REAL, available_at REAL NOT NULL DEFAULT 0, "
+                         "order_id TEXT, kind TEXT)"))
+    conn = connect(queues={"events": {"table": events(table_prefix)}})
+    if "AUTOINCREMENT" in generator:
+        conn.default_channel.queue_declare("events")
+        return
+    with pytest.raises(SchemaMismatch, match=rf"(?s){table_prefix}events.*id INTEGER "
+                                             "PRIMARY KEY without AUTOINCREMENT.*same task id"):
+        conn.default_channel.queue_declare("events")

@@ -10,11 +10,14 @@ import random
 import pytest
 from sqlalchemy import text
 
+from kombu_sqlinbox import Role
 from kombu_sqlinbox.codec import DEATH_HEADER
+from kombu_sqlinbox.dialects import dialect_for
 from kombu_sqlinbox.tables import table_name_for_queue
+from tests.ordering.apps import tasks
 from tests.ordering.apps.common import any_overlap_across, check_serial_in_order
 from tests.ordering.conftest import Ordering, wait_for_count
-from tests.processes import wait_until
+from tests.processes import wait_until, worker_argv
 
 GROUPS, ROWS, ROUNDS = 10, 30, 3
 
@@ -77,3 +80,28 @@ def test_a_row_that_cannot_be_read_is_parked_and_the_rows_behind_it_run(
     assert [json.loads(r)["headers"][DEATH_HEADER]["reason"][:28] for r in reasons] == [
         "the payload column is not UT", "delivered 8 times, max_attem"]
     assert "Unrecoverable error" not in workers[0].output()
+
+
+@pytest.mark.databases("sqlite")
+def test_a_worker_refuses_a_sqlite_row_mode_table_whose_ids_repeat(ordering: Ordering) -> None:
+    """``id INTEGER PRIMARY KEY`` without AUTOINCREMENT: a row written after the last one
+    was deleted takes its id, and so its task id. The worker says so at start-up and
+    exits, running nothing, rather than run two rows as one task."""
+    dialect = dialect_for(ordering.engine)
+    types = dialect.column_types
+    table = dialect.quote(f"{ordering.prefix}rows_jobs")
+    with ordering.engine.begin() as conn:
+        conn.execute(text(
+            f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, payload {types[Role.PAYLOAD]}, "
+            f"grp TEXT, available_at {types[Role.AVAILABLE_AT]}, "
+            f"locked_until {types[Role.LOCKED_UNTIL]}, attempt {types[Role.ATTEMPT]})"))
+        conn.execute(text(f"INSERT INTO {table} (grp, payload) VALUES ('g0', :payload)"),
+                     {"payload": json.dumps({"grp": "g0", "seq": 0}).encode()})
+    worker = ordering.processes.spawn("w1", [
+        *worker_argv("tests.ordering.apps.tasks", "threads", 2), "-n", "w1@%h"],
+        tasks.worker_env(ordering.broker_url, ordering.db_url, ordering.prefix, "jobs", "rows"))
+    wait_until(lambda: worker.popen.poll() is not None or ordering.log.done(), 60,
+               "the worker to refuse the table or run its row")
+    assert ordering.log.done() == 0, "a row of a table whose ids repeat ran"
+    assert worker.wait(30) != 0
+    assert "id INTEGER PRIMARY KEY without AUTOINCREMENT" in worker.output()
