@@ -68,12 +68,15 @@ def _json(text: str) -> Any:
     return value if end == len(text) else json.loads(text)
 
 
-def _text(value: Any, what: str) -> str | None:
+def _text(value: Any, what: str, nullable: bool = False) -> str | None:
     """A stored column as text: a driver hands a BLOB over as bytes (psycopg2 as a
     memoryview), and SQLite's dynamic typing lets other code store a number in any
-    column. What is neither text nor UTF-8 is :class:`Undecodable`."""
-    if value is None or isinstance(value, str):
+    column. What is neither text nor UTF-8 (nor a NULL, when ``nullable``) is
+    :class:`Undecodable`."""
+    if isinstance(value, str) or (value is None and nullable):
         return value
+    if value is None:
+        raise Undecodable(f"the {what} is NULL")
     if isinstance(value, (bytes, bytearray, memoryview)):
         try:
             return bytes(value).decode("utf-8")
@@ -154,16 +157,13 @@ def decode_row(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict[st
         if table.spec.has(Role.HEADERS):
             stored = row.headers
             if type(stored) is not str:  # checked once: the transport writes text
-                stored = _text(stored, "headers column")
+                stored = _text(stored, "headers column", nullable=True)
             envelope = _json(stored) if stored else {}
             body: Any = row.payload
             if isinstance(body, memoryview):
                 body = bytes(body)
         else:
-            raw = _text(row.payload, "payload column")
-            if raw is None:
-                raise Undecodable("the payload column is NULL")
-            envelope = _json(raw)
+            envelope = _json(_text(row.payload, "payload column") or "")  # never None
             body = envelope.get("body") if isinstance(envelope, dict) else None
         if not isinstance(envelope, dict):
             raise Undecodable("the stored envelope is not a JSON object")
@@ -377,9 +377,7 @@ def _row_task(row: ClaimedRow, table: QueueTable) -> dict[str, Any]:
     if isinstance(rows.arguments, tuple):
         kwargs = {column: values[column] for column in rows.arguments}
     else:
-        raw = _text(row.payload, "payload column")
-        if raw is None:
-            raise Undecodable("the payload column is NULL")
+        raw = _text(row.payload, "payload column") or ""  # never None: not nullable
         try:
             found = json.loads(raw)
         except ValueError as exc:
