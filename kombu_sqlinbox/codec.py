@@ -410,7 +410,9 @@ def _row_task(row: ClaimedRow, table: QueueTable) -> dict[str, Any]:
 
 def parked_row(row: ClaimedRow, table: QueueTable, death: dict[str, Any]) -> tuple[str, str]:
     """The dead letter of a row without an envelope: its raw columns, as a JSON object by
-    column name, and an envelope with the death record, so it reads as a JSON message."""
+    column name, and an envelope with the death record, so it reads as a JSON message.
+    Bytes are kept whole: each byte that is not UTF-8 as the lone surrogate Python's
+    ``surrogateescape`` gives it (``"\\udcff"`` in the JSON)."""
     spec = table.spec
     values: dict[str, Any] = {}
     for role, value in ((Role.PAYLOAD, row.payload), (Role.GROUP, row.group),
@@ -418,5 +420,8 @@ def parked_row(row: ClaimedRow, table: QueueTable, death: dict[str, Any]) -> tup
         if spec.has(role):
             values[spec.name_of(role)] = value
     values.update(zip(spec.row_columns, row.columns, strict=True))
+    values = {name: bytes(value).decode("utf-8", "surrogateescape")
+              if isinstance(value, (bytes, memoryview)) else value
+              for name, value in values.items()}
     envelope = json.dumps({"content-type": "application/json", "content-encoding": "utf-8"})
     return _dumps(values), dead_letter_headers(envelope, death)

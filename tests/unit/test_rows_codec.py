@@ -304,3 +304,13 @@ def test_a_column_takes_what_it_holds_exactly(database: str, kind: Any, value: A
                                   sqltypes.Enum("a", "b"), postgresql.ARRAY(sqltypes.INTEGER())])
 def test_types_that_keep_any_value_as_given_have_no_check(kind: Any) -> None:
     assert column_check("postgresql", kind) is None
+
+
+def test_a_parked_row_keeps_bytes_that_are_not_utf8_byte_for_byte() -> None:
+    """The dead letter is JSON text: each byte that is not UTF-8 is kept as the lone
+    surrogate Python's ``surrogateescape`` gives it, so that the row's bytes come back."""
+    raw = b"\xff\xfe{\xc3\xa9}"
+    payload, _ = parked_row(row(("report",), raw), queue_table(BY_KWARGS), {})
+    kept = json.loads(payload)["payload"]
+    assert kept == "\udcff\udcfe{\u00e9}"
+    assert kept.encode("utf-8", "surrogateescape") == raw
