@@ -26,13 +26,20 @@ from sqlalchemy.exc import DBAPIError
 
 from . import binding
 from .claims import LeaseKeeper, Wakeup, claim_forms
-from .codec import convert_payload, dead_letter_headers, parked_row
+from .codec import (
+    Undecodable,
+    convert_payload,
+    dead_letter_headers,
+    parked_payload,
+    parked_row,
+)
 from .database import Database
 from .database import engine_for as engine_for  # re-exported: imported from here
 from .database import same_database as same_database
 from .database import sqlalchemy_url as sqlalchemy_url
 from .dialects import RowsInsert
 from .errors import ConfigurationError
+from .exact import row_checks
 from .options import TransportOptions
 from .routing import Declared, Routes
 from .rows import ClaimedRow, Held, Settlement
@@ -135,19 +142,20 @@ class Broker:
                 f"queue {queue!r}: table {spec.table!r} has a non-generated id; the transport "
                 "can only publish into a table whose id the database generates"
             )
-        def ensure(conn: Connection) -> bool:
-            return self.dialect.ensure_table(conn, spec, self.options.create_tables)
+        def ensure(conn: Connection) -> QueueTable:
+            payload_is_text = self.dialect.ensure_table(conn, spec, self.options.create_tables)
+            return QueueTable(queue, spec, options, payload_is_text, created, form,
+                              exact=row_checks(conn, spec))
 
         if (caller is not None and self.dialect.transactional_ddl
                 and not self.database.has_table(spec)):
-            return QueueTable(queue, spec, options, ensure(caller), created, form), False
+            return ensure(caller), False
         try:
-            payload_is_text = self.run(ensure, read_only=True)
+            return self.run(ensure, read_only=True), True
         except DBAPIError:
             # another process created the table at the same moment (PostgreSQL reports
             # a duplicate type); the second look finds and checks it
-            payload_is_text = self.run(ensure, read_only=True)
-        return QueueTable(queue, spec, options, payload_is_text, created, form), True
+            return self.run(ensure, read_only=True), True
 
     def has_own_table(self, queue: str) -> bool:
         """A queue configured in the transport options always has a table of its own."""
@@ -283,7 +291,7 @@ class Broker:
             if undecodable:  # start a clean envelope so the dead letter itself decodes
                 death["original_headers"] = row.headers
             headers = dead_letter_headers(None if undecodable else row.headers, death)
-            payload = row.payload
+            payload = parked_payload(row.payload)
         if target is not None:
             payload = convert_payload(payload, target.payload_is_text)
         statements = self.dialect.statements(source.spec)
@@ -342,26 +350,32 @@ class Broker:
     def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
         return table.claims.held_for(table, row)
 
-    def admit(self, held: Held, row: ClaimedRow, undecodable: str | None = None) -> bool:
-        """Whether a claimed row may be delivered. One claimed more often than its queue's
-        ``max_attempts`` allows, or whose message does not decode (``undecodable`` says
-        why), goes to its dead-letter queue instead."""
-        if held.table.transient:  # taken out of its table already: nothing to park
-            if undecodable is not None:
-                logger.warning("sqlinbox: transient message of queue %r dropped: %s",
-                               held.table.queue, undecodable)
-            return undecodable is None
-        reason = undecodable
+    def admit(self, held: Held, row: ClaimedRow,
+              decode: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        """The message of a claimed row (``decode`` reads it), or None when the row went to
+        its dead-letter queue instead: one claimed more often than its queue's
+        ``max_attempts`` allows, checked before anything is read from the row, or one
+        whose message does not decode (:class:`~.codec.Undecodable` says why)."""
         limit = held.table.options.max_attempts
-        if limit is not None and row.attempt > limit:
-            # the limit's reason stands whether or not the row decodes; decoding only tells
-            # whether the parked copy needs a fresh envelope
-            reason = (f"delivered {row.attempt} times, max_attempts is {limit} "
-                      "(earlier deliveries crashed, expired or were requeued)")
-        if reason is None:
-            return True
-        self.dead_letter(held, row, reason, undecodable=undecodable is not None)
-        return False
+        if limit is not None and row.attempt > limit and not held.table.transient:
+            try:  # decoded only to know whether the parked copy needs a fresh envelope
+                decode()
+                undecodable = False
+            except Undecodable:
+                undecodable = True
+            self.dead_letter(held, row, f"delivered {row.attempt} times, max_attempts is "
+                             f"{limit} (earlier deliveries crashed, expired or were requeued)",
+                             undecodable=undecodable)
+            return None
+        try:
+            return decode()
+        except Undecodable as exc:
+            if held.table.transient:  # taken out of its table already: nothing to park
+                logger.warning("sqlinbox: transient message of queue %r dropped: %s",
+                               held.table.queue, exc)
+            else:
+                self.dead_letter(held, row, str(exc), undecodable=True)
+            return None
 
     def reject(self, held: Held, row: ClaimedRow, requeue: bool) -> None:
         """A consumer's reject: back in place (the delivery counts towards

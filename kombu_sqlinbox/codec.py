@@ -68,6 +68,23 @@ def _json(text: str) -> Any:
     return value if end == len(text) else json.loads(text)
 
 
+def _text(value: Any, what: str, nullable: bool = False) -> str | None:
+    """A stored column as text: a driver hands a BLOB over as bytes (psycopg2 as a
+    memoryview), and SQLite's dynamic typing lets other code store a number in any
+    column. What is neither text nor UTF-8 (nor a NULL, when ``nullable``) is
+    :class:`Undecodable`."""
+    if isinstance(value, str) or (value is None and nullable):
+        return value
+    if value is None:
+        raise Undecodable(f"the {what} is NULL")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise Undecodable(f"the {what} is not UTF-8: {exc}") from None
+    raise Undecodable(f"the {what} holds {type(value).__name__} {saferepr(value)}, not text")
+
+
 def convert_payload(payload: bytes | str, to_text: bool) -> bytes | str:
     if to_text and isinstance(payload, bytes):
         return payload.decode("utf-8", errors="replace")
@@ -138,11 +155,15 @@ def decode_row(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict[st
     the consumer."""
     try:
         if table.spec.has(Role.HEADERS):
-            envelope = _json(row.headers) if row.headers else {}
+            stored = row.headers
+            if type(stored) is not str:  # checked once: the transport writes text
+                stored = _text(stored, "headers column", nullable=True)
+            envelope = _json(stored) if stored else {}
             body: Any = row.payload
+            if isinstance(body, memoryview):
+                body = bytes(body)
         else:
-            raw = row.payload.decode("utf-8") if isinstance(row.payload, bytes) else row.payload
-            envelope = _json(raw)
+            envelope = _json(_text(row.payload, "payload column") or "")  # never None
             body = envelope.get("body") if isinstance(envelope, dict) else None
         if not isinstance(envelope, dict):
             raise Undecodable("the stored envelope is not a JSON object")
@@ -219,7 +240,16 @@ def dead_letter_headers(headers: str | None, death: dict[str, Any]) -> str:
         death["previous"] = earlier
     envelope["headers"][DEATH_HEADER] = death
     envelope.pop(EXPIRES_KEY, None)  # a dead letter is kept until someone looks at it
-    return json.dumps(envelope)
+    return _dumps(envelope)  # original headers a BLOB held: as text
+
+
+def parked_payload(payload: Any) -> bytes | str:
+    """The payload a dead letter keeps: text or bytes as stored, a BLOB as its bytes, any
+    other value other code stored there (a number, NULL) as its JSON text, so that the
+    dead letter itself decodes."""
+    if isinstance(payload, (bytes, str)):
+        return payload
+    return bytes(payload) if isinstance(payload, memoryview) else _dumps(payload)
 
 
 # -- queues shared with other services: rows without Celery's envelope -----------------------
@@ -290,6 +320,14 @@ def encode_plain(message: dict[str, Any], table: QueueTable
                 f"kwargs {sorted(kwargs)!r}")
         else:
             body = _dumps(kwargs if rows.arguments == "kwargs" else args)
+        for name, check in table.exact:
+            why = check(columns.get(name))
+            if why is not None:
+                what = "the task name" if name == rows.column else f"argument {name}"
+                raise ConfigurationError(
+                    f"queue {table.queue!r}: {what}={columns.get(name)!r} does not "
+                    f"fit column {name} of table {spec.table!r} exactly: {why}; "
+                    "nothing was written")
     if spec.has(Role.PAYLOAD) and body is None:
         body = b""
     payload = None if body is None else convert_payload(body, table.payload_is_text)
@@ -317,6 +355,8 @@ def decode_stored(row: ClaimedRow, table: QueueTable, delivery_tag: int) -> dict
     spec = table.spec
     if (spec.rows is None and not spec.plain) or row.headers is not None:
         return decode_row(row, table, delivery_tag)
+    if isinstance(row.payload, memoryview):
+        row = row._replace(payload=bytes(row.payload))
     if spec.rows is not None:
         message = _row_task(row, table)
     else:
@@ -342,10 +382,10 @@ def _row_task(row: ClaimedRow, table: QueueTable) -> dict[str, Any]:
     if isinstance(rows.arguments, tuple):
         kwargs = {column: values[column] for column in rows.arguments}
     else:
-        raw = row.payload.decode("utf-8") if isinstance(row.payload, bytes) else row.payload
+        raw = _text(row.payload, "payload column") or ""  # never None: not nullable
         try:
             found = json.loads(raw)
-        except (ValueError, TypeError) as exc:
+        except ValueError as exc:
             raise Undecodable(f"the payload column is not JSON: {exc}") from exc
         wanted = dict if rows.arguments == "kwargs" else list
         if not isinstance(found, wanted):

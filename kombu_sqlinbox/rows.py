@@ -78,6 +78,9 @@ class QueueTable:
     claims: Claims
     #: the queue lives in the shared table of transient messages (:mod:`.routing`)
     transient: bool = False
+    #: row mode: each argument column whose type converts what it is given, and why a
+    #: value would not come back as it was sent (:mod:`.exact`)
+    exact: tuple[tuple[str, Callable[[Any], str | None]], ...] = ()
 
     @property
     def fifo(self) -> bool:

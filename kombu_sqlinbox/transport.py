@@ -28,7 +28,6 @@ from .codec import (
     EXPIRES_KEY,
     GROUP_HEADER,
     PARTITION_HEADER,
-    Undecodable,
     decode_stored,
     encode_message,
     encode_plain,
@@ -372,16 +371,10 @@ class Channel(virtual.Channel):
         (delivered too often, or undecodable)."""
         held = self.broker.held_for(table, row)
         tag = self._next_delivery_tag()
-        message: dict[str, Any] | None = None
-        undecodable: str | None = None
-        try:
-            message = decode_stored(row, table, tag)
-        except Undecodable as exc:
-            undecodable = str(exc)
-        if not self.broker.admit(held, row, undecodable):
+        message = self.broker.admit(held, row, lambda: decode_stored(row, table, tag))
+        if message is None:
             self.key_settled(table.queue, row)
             return None
-        assert message is not None  # admitted, so it decoded
         expires_at = message.pop(EXPIRES_KEY, None)
         if expires_at is not None and expires_at <= time():
             self._expire(held, row)

@@ -260,8 +260,9 @@ def plain_payload(payload: Any) -> bytes | str:
 
 def json_text(headers: Any) -> str | None:
     """A JSON/JSONB headers column comes back from some drivers (psycopg) already parsed:
-    hand on its text, as from a text column."""
-    return headers if headers is None or isinstance(headers, str) else json.dumps(headers)
+    hand on its text, as from a text column. Anything else (SQLite's dynamic typing lets
+    a BLOB into any column) goes on as it is, for the decoder to read or park."""
+    return json.dumps(headers) if isinstance(headers, (dict, list)) else headers
 
 
 #: the list parameters of statements: each renders as a parenthesized list of its values

@@ -1,8 +1,9 @@
 """MySQL 8 and MariaDB 10.6+: every statement the transport runs there.
 
 Sessions run in UTC (``time_zone = '+00:00'``) so ``FROM_UNIXTIME`` and
-``UTC_TIMESTAMP`` agree, and in READ COMMITTED so a claim's SKIP LOCKED scan
-does not keep gap locks on rows it passed over.
+``UTC_TIMESTAMP`` agree, in a strict ``sql_mode`` (a value a column cannot hold is an
+error, never cut), and in READ COMMITTED so a claim's SKIP LOCKED scan does not keep gap
+locks on rows it passed over.
 """
 
 from __future__ import annotations
@@ -242,6 +243,10 @@ class MySQLDialect(Dialect):
     def on_connect(self, dbapi_connection: Any) -> None:
         cursor = dbapi_connection.cursor()
         cursor.execute("SET time_zone = '+00:00'")
+        # strict whatever the server's default: a value a column cannot hold is an error,
+        # never cut or converted; the server's other modes stay as they are
+        cursor.execute("SET SESSION sql_mode = CONCAT_WS(',', NULLIF(@@SESSION.sql_mode, ''), "
+                       "'STRICT_ALL_TABLES')")
         cursor.execute("SELECT @@max_allowed_packet")
         (self.max_statement_bytes,) = cursor.fetchone()
         cursor.close()

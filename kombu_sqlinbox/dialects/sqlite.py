@@ -21,6 +21,7 @@ from sqlalchemy import types as sqltypes
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
+from ..errors import SchemaMismatch
 from ..tables import ColumnSpec, Role, TableSpec
 from .base import Capabilities, Dialect, _expanding
 
@@ -194,6 +195,31 @@ class SQLiteDialect(Dialect):
             f"-- SQLite cannot change a column's type: recreate {spec.table} with "
             f"{self.column_ddl(column)}"
         )
+
+    def ensure_table(self, conn: Connection, spec: TableSpec, create: bool) -> bool:
+        """Row mode also needs ids that never repeat: its task ids are derived from them."""
+        text_payload = super().ensure_table(conn, spec, create)
+        if spec.rows is not None and self.reuses_ids(conn, spec):
+            raise SchemaMismatch(
+                f"table {spec.table!r}: its id is SQLite's id INTEGER PRIMARY KEY without "
+                "AUTOINCREMENT, which gives a new row the id of the last row deleted; row "
+                "mode derives each row's Celery task id from its id, so two rows would run "
+                "with the same task id (one's result overwriting the other's, a revoke "
+                "hitting both). Declare it id INTEGER PRIMARY KEY AUTOINCREMENT (SQLite "
+                "cannot alter a column: create the table anew and copy its rows over)")
+        return text_payload
+
+    def reuses_ids(self, conn: Connection, spec: TableSpec) -> bool:
+        """Whether the id column is the rowid (``INTEGER PRIMARY KEY``) of a table
+        declared without AUTOINCREMENT, the one keyword that keeps rowids from repeating."""
+        schema = f"{self.quote(spec.schema)}." if spec.schema else ""
+        ddl = conn.execute(text(f"SELECT sql FROM {schema}sqlite_master WHERE type = 'table' "
+                                "AND name = :name"), {"name": spec.table}).scalar_one()
+        keys = [(name, kind) for _, name, kind, _, _, pk in conn.execute(text(
+            f"PRAGMA {schema}table_info({self.quote(spec.table)})")) if pk]
+        rowid = (len(keys) == 1 and keys[0][0].lower() == spec.name_of(Role.ID).lower()
+                 and keys[0][1].upper() == "INTEGER")
+        return rowid and not re.search(r"\bAUTOINCREMENT\b", ddl, re.IGNORECASE)
 
     def is_transient(self, exc: BaseException) -> bool:
         return "database is locked" in str(exc) or "database is busy" in str(exc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -200,3 +201,74 @@ def test_names_differing_only_in_punctuation_never_share_a_table(
     for name in names:
         assert get_within(conn, name).decode() == {"queue": name}
         assert count_rows(engine, table_of(name, table_prefix)) == 1
+
+
+def bare_table(prefix: str) -> TableSpec:
+    """A declared table without a headers column: its payload holds the whole envelope."""
+    return TableBuilder(f"{prefix}bare").id().payload().attempt().locked_until().build()
+
+
+#: what other code may leave in a column of SQLite's dynamic typing (the declared type
+#: does not constrain it): the row is parked, the consumer goes on
+OTHER_TYPES = {
+    "integer payload, no headers column": ("bare", {"payload": 42}, "holds int 42"),
+    "real payload, no headers column": ("bare", {"payload": 4.5}, "holds float 4.5"),
+    "blob headers": ("jobs", {"payload": b"{}", "headers": b"\xff{}"}, "not UTF-8"),
+    "integer headers": ("jobs", {"payload": b"{}", "headers": 7}, "not a JSON object"),
+}
+
+
+@pytest.mark.databases("sqlite")
+@pytest.mark.parametrize("case", list(OTHER_TYPES))
+def test_a_column_holding_another_type_is_parked_and_the_next_delivered(
+    connect: Connect, engine: Engine, table_prefix: str, case: str,
+) -> None:
+    """Through ``get`` and through a consumer's drain: neither raises, nothing stays held."""
+    queue, values, reason = OTHER_TYPES[case]
+    options = {"dead_letter_queue": "jobs.dead"}
+    if queue == "bare":
+        options["table"] = bare_table(table_prefix)  # type: ignore[assignment]
+    conn = connect(queues={"jobs": options})
+    conn.default_channel.queue_declare("jobs")
+    table = f"{table_prefix}bare" if queue == "bare" else table_of("jobs", table_prefix)
+    for _ in range(2):
+        columns = ", ".join(values)
+        with engine.begin() as sql:
+            sql.execute(text(f"INSERT INTO {quoted(engine, table)} ({columns}) VALUES "
+                             f"({', '.join(':' + name for name in values)})"), values)
+        publish(conn, "jobs", {"good": True})
+    assert get_within(conn, "jobs").decode() == {"good": True}
+    received: list[Message] = []
+    with Consumer(conn.default_channel, [Queue("jobs")], callbacks=[
+            lambda body, message: received.append(message)], accept=["json"]):
+        conn.drain_events(timeout=10)
+    assert [m.decode() for m in received] == [{"good": True}]
+    for _ in range(2):
+        assert reason in death(get_within(conn, "jobs.dead"))["reason"]
+    assert count_rows(engine, table) == 2  # the good ones, held; nothing else
+
+
+def row_mode_jobs(prefix: str) -> TableSpec:
+    """Row mode: the payload column holds the keyword arguments of ``rows.handle``."""
+    return (TableBuilder(f"{prefix}row_jobs").id().payload().attempt().locked_until()
+            .task("rows.handle").build())
+
+
+@pytest.mark.parametrize("attempt", [0, 5], ids=["first-claim", "past-max-attempts"])
+def test_a_row_mode_payload_that_is_not_utf8_is_parked_and_the_next_delivered(
+    connect: Connect, engine: Engine, table_prefix: str, attempt: int,
+) -> None:
+    """Parked with why: not UTF-8 on its first claim, max_attempts once past it (checked
+    before the payload is read). The dead letter keeps the raw columns."""
+    conn = connect(queues={"jobs": {"table": row_mode_jobs(table_prefix), "max_attempts": 3,
+                                    "dead_letter_queue": "jobs.dead"}})
+    conn.default_channel.queue_declare("jobs")
+    insert_raw(engine, f"{table_prefix}row_jobs", b"\xff\xfe{}", attempt=attempt)
+    insert_raw(engine, f"{table_prefix}row_jobs", b'{"n": 2}')
+    assert get_within(conn, "jobs").payload[1] == {"n": 2}
+    parked = get_within(conn, "jobs.dead")
+    reason = death(parked)["reason"]
+    assert ("max_attempts is 3" if attempt else "the payload column is not UTF-8") in reason
+    kept = parked.decode()["payload"]
+    assert death(parked)["columns"]["payload"] == "base64"
+    assert base64.b64decode(kept) == b"\xff\xfe{}", "not kept byte for byte"

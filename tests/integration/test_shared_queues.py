@@ -12,7 +12,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from celery_ext.binding import bind
-from kombu_sqlinbox import SchemaMismatch, TableBuilder, TableSpec
+from kombu_sqlinbox import ConfigurationError, Role, SchemaMismatch, TableBuilder, TableSpec
+from kombu_sqlinbox.dialects import dialect_for
 
 from .conftest import Connect
 from .support import get, get_within, publish, quoted, settled
@@ -186,3 +187,126 @@ def test_a_publish_statement_binds_row_mode_columns_by_name(
     with engine.connect() as db:
         stored = db.execute(text(f"SELECT order_id, kind, source FROM {table}")).all()
     assert [tuple(row) for row in stored] == [("9", "paid", "task-9")]
+
+
+#: the argument columns of a service's own table, as each database spells them
+TYPED_COLUMNS = {
+    "postgresql": "order_id BIGINT, kind VARCHAR(8), price NUMERIC(8, 2), ratio REAL, "
+                  "due DATE, paid BOOLEAN",
+    "mysql": "order_id BIGINT, kind VARCHAR(8), price DECIMAL(8, 2), ratio FLOAT, "
+             "due DATE, paid BOOLEAN",
+    "sqlite": "order_id BIGINT, kind VARCHAR(8), price NUMERIC(8, 2), ratio REAL, "
+              "due DATE, paid BOOLEAN",
+}
+ARGUMENTS = ("order_id", "kind", "price", "ratio", "due", "paid")
+def typed_events(engine: Engine, database: str, prefix: str) -> TableSpec:
+    """Row mode on a table the service made, its argument columns typed."""
+    dialect = dialect_for(engine)
+    table = quoted(engine, f"{prefix}typed")
+    with engine.begin() as conn:
+        conn.execute(text(
+            f"CREATE TABLE {table} (id {dialect.generated_id_type}, "
+            f"attempt {dialect.column_types[Role.ATTEMPT]}, "
+            f"locked_until {dialect.column_types[Role.LOCKED_UNTIL]}, {TYPED_COLUMNS[database]})"))
+    return (TableBuilder(f"{prefix}typed").id().attempt().locked_until()
+            .task("rows.handle", arguments=ARGUMENTS).build())
+
+
+GOOD = {"order_id": 2**40 + 1, "kind": "paid", "price": 12.5, "ratio": 0.5,
+        "due": "2026-12-03", "paid": True}
+
+
+@pytest.mark.parametrize(("argument", "value", "why"), [
+    ("order_id", 1.5, "not a whole number"),
+    ("order_id", "0042", "text"),
+    ("order_id", 2**63, "out of range"),
+    ("order_id", True, "true or false"),
+    ("kind", 42, "not text"),
+    ("kind", "refunded!", "longer than 8"),
+    ("price", 1.005, "decimal places"),
+    ("price", 10**6, "too large"),
+    ("price", "12.50", "text"),
+    ("ratio", 0.1, "single precision"),
+    ("due", "3 Dec 2026", "ISO 8601"),
+    ("due", 20261203, "not text"),
+    ("paid", 1, "true or false"),
+])
+def test_an_argument_its_column_cannot_hold_exactly_is_refused_at_publish(
+        connect: Connect, engine: Engine, database: str, table_prefix: str,
+        argument: str, value: object, why: str) -> None:
+    """Nothing is written, and the error names the argument, the column and why; what the
+    columns hold exactly arrives as it was sent."""
+    held = {("sqlite", "ratio", 0.1): "SQLite's REAL is double precision",
+            ("mysql", "paid", 1): "MariaDB's BOOLEAN is a TINYINT(1)"}
+    if (database, argument, value) in held:
+        pytest.skip(f"{held[database, argument, value]}: it holds {value!r}")
+    spec = typed_events(engine, database, table_prefix)
+    conn = connect(queues={"typed": {"table": spec}})
+    with pytest.raises(ConfigurationError, match=rf"argument {argument}=.*column "
+                                                 rf"{argument}\b.*{why}"):
+        publish(conn, "typed", [[], {**GOOD, argument: value}, {}],
+                headers={"task": "rows.handle", "id": "x"})
+    publish(conn, "typed", [[], GOOD, {}], headers={"task": "rows.handle", "id": "y"})
+    message = get_within(conn, "typed")
+    assert message.payload[1] == {**GOOD, "paid": message.payload[1]["paid"]}
+    assert message.payload[1]["paid"] in (True, 1)
+    message.ack()
+    settled(conn)
+    assert get(conn, "typed") is None, "the refused publish wrote a row"
+
+
+@pytest.mark.databases("mysql")
+def test_the_transports_mariadb_sessions_are_strict_on_a_server_that_is_not(
+        connect: Connect, engine: Engine, db_url: str, table_prefix: str) -> None:
+    """A session whose ``sql_mode`` is not strict (as a server configured so starts every
+    session) cuts a value too long for its column; the transport's sessions refuse it."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.exc import DataError
+
+    from kombu_sqlinbox.broker import sqlalchemy_url
+
+    not_strict = {"connect_args": {"init_command": "SET SESSION sql_mode = ''"}}
+    table = quoted(engine, f"{table_prefix}grouped")
+    dialect = dialect_for(engine)
+    with engine.begin() as sql:
+        sql.execute(text(
+            f"CREATE TABLE {table} (id {dialect.generated_id_type}, payload LONGBLOB NOT NULL, "
+            f"headers LONGTEXT, grp VARCHAR(8), attempt {dialect.column_types[Role.ATTEMPT]}, "
+            f"locked_until {dialect.column_types[Role.LOCKED_UNTIL]})"))
+    plain = create_engine(sqlalchemy_url(db_url), **not_strict)  # type: ignore[arg-type]
+    try:
+        with plain.begin() as sql:  # the control: such a session cuts it silently
+            sql.execute(text(f"INSERT INTO {table} (payload, grp) VALUES ('x', :grp)"),
+                        {"grp": "customer-12345"})
+            assert sql.execute(text(f"SELECT grp FROM {table}")).scalar_one() == "customer"
+            sql.execute(text(f"DELETE FROM {table}"))
+    finally:
+        plain.dispose()
+    spec = (TableBuilder(f"{table_prefix}grouped").id().payload().headers().group("grp")
+            .attempt().locked_until().build())
+    conn = connect(queues={"grouped": {"table": spec}}, engine_options=not_strict)
+    with pytest.raises(DataError, match="Data too long for column 'grp'"):
+        publish(conn, "grouped", {"n": 1}, headers={"group_key": "customer-12345"})
+    with engine.connect() as sql:
+        assert sql.execute(text(f"SELECT COUNT(*) FROM {table}")).scalar_one() == 0
+
+
+@pytest.mark.databases("sqlite")
+@pytest.mark.parametrize("generator", ["INTEGER PRIMARY KEY", "INTEGER PRIMARY KEY AUTOINCREMENT"])
+def test_row_mode_refuses_a_sqlite_id_that_a_new_row_can_take_again(
+        connect: Connect, engine: Engine, table_prefix: str, generator: str) -> None:
+    """Without AUTOINCREMENT, SQLite gives a new row the id of the last one deleted; row
+    mode's task ids come from ids, so two rows would run as one task: refused when the
+    queue is first used, with the fix. With AUTOINCREMENT ids never repeat."""
+    table = quoted(engine, f"{table_prefix}events")
+    with engine.begin() as sql:
+        sql.execute(text(f"CREATE TABLE {table} (id {generator}, attempt INTEGER NOT NULL "
+                         "DEFAULT 0, locked_until REAL, available_at REAL NOT NULL DEFAULT 0, "
+                         "order_id TEXT, kind TEXT)"))
+    conn = connect(queues={"events": {"table": events(table_prefix)}})
+    if "AUTOINCREMENT" in generator:
+        conn.default_channel.queue_declare("events")
+        return
+    with pytest.raises(SchemaMismatch, match=rf"(?s){table_prefix}events.*id INTEGER "
+                                             "PRIMARY KEY without AUTOINCREMENT.*same task id"):
+        conn.default_channel.queue_declare("events")

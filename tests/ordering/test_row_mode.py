@@ -10,9 +10,14 @@ import random
 import pytest
 from sqlalchemy import text
 
+from kombu_sqlinbox import Role
+from kombu_sqlinbox.codec import DEATH_HEADER
+from kombu_sqlinbox.dialects import dialect_for
+from kombu_sqlinbox.tables import table_name_for_queue
+from tests.ordering.apps import tasks
 from tests.ordering.apps.common import any_overlap_across, check_serial_in_order
 from tests.ordering.conftest import Ordering, wait_for_count
-from tests.processes import wait_until
+from tests.processes import wait_until, worker_argv
 
 GROUPS, ROWS, ROUNDS = 10, 30, 3
 
@@ -48,3 +53,55 @@ def test_row_mode_fifo_groups_hold_order_across_racing_workers(ordering: Orderin
     # a worker claims a group's next row in the transaction that settles its head, so a
     # group tends to stay with one worker; requeues and retries hand rows to the others
     assert len({e.pid for e in entries}) >= 2, "no two workers took rows"
+
+
+@pytest.mark.slow
+def test_a_row_that_cannot_be_read_is_parked_and_the_rows_behind_it_run(
+        ordering: Ordering) -> None:
+    """A payload that is not UTF-8 (at its first claim, and past ``max_attempts``) stops no
+    worker: both rows are parked with why, and the rows of their group written after them
+    run, in order."""
+    workers = ordering.workers(["w1"], "jobs", "rows", pool="threads", concurrency=2,
+                               max_attempts=3, dead_letter_queue="jobs.dead")
+    table = ordering.engine.dialect.identifier_preparer.quote(f"{ordering.prefix}rows_jobs")
+    rows = [{"grp": "g0", "payload": b"\xff\xfe{}", "attempt": 0},
+            {"grp": "g0", "payload": b"\xff{}", "attempt": 7}]
+    rows += [{"grp": "g0", "payload": json.dumps({"grp": "g0", "seq": seq}).encode(),
+              "attempt": 0} for seq in range(5)]
+    with ordering.engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {table} (grp, payload, attempt) "
+                          "VALUES (:grp, :payload, :attempt)"), rows)
+    wait_for_count(ordering.log.done, 5, "rows behind the unreadable ones", workers, limit=60)
+    check_serial_in_order(ordering.log.entries(), {"g0": 5})
+    dead = ordering.engine.dialect.identifier_preparer.quote(
+        table_name_for_queue("jobs.dead", ordering.prefix))
+    with ordering.engine.connect() as conn:
+        reasons = conn.execute(text(f"SELECT headers FROM {dead} ORDER BY id")).scalars().all()
+    assert [json.loads(r)["headers"][DEATH_HEADER]["reason"][:28] for r in reasons] == [
+        "the payload column is not UT", "delivered 8 times, max_attem"]
+    assert "Unrecoverable error" not in workers[0].output()
+
+
+@pytest.mark.databases("sqlite")
+def test_a_worker_refuses_a_sqlite_row_mode_table_whose_ids_repeat(ordering: Ordering) -> None:
+    """``id INTEGER PRIMARY KEY`` without AUTOINCREMENT: a row written after the last one
+    was deleted takes its id, and so its task id. The worker says so at start-up and
+    exits, running nothing, rather than run two rows as one task."""
+    dialect = dialect_for(ordering.engine)
+    types = dialect.column_types
+    table = dialect.quote(f"{ordering.prefix}rows_jobs")
+    with ordering.engine.begin() as conn:
+        conn.execute(text(
+            f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, payload {types[Role.PAYLOAD]}, "
+            f"grp TEXT, available_at {types[Role.AVAILABLE_AT]}, "
+            f"locked_until {types[Role.LOCKED_UNTIL]}, attempt {types[Role.ATTEMPT]})"))
+        conn.execute(text(f"INSERT INTO {table} (grp, payload) VALUES ('g0', :payload)"),
+                     {"payload": json.dumps({"grp": "g0", "seq": 0}).encode()})
+    worker = ordering.processes.spawn("w1", [
+        *worker_argv("tests.ordering.apps.tasks", "threads", 2), "-n", "w1@%h"],
+        tasks.worker_env(ordering.broker_url, ordering.db_url, ordering.prefix, "jobs", "rows"))
+    wait_until(lambda: worker.popen.poll() is not None or ordering.log.done(), 60,
+               "the worker to refuse the table or run its row")
+    assert ordering.log.done() == 0, "a row of a table whose ids repeat ran"
+    assert worker.wait(30) != 0
+    assert "id INTEGER PRIMARY KEY without AUTOINCREMENT" in worker.output()

@@ -22,6 +22,7 @@ from kombu_sqlinbox.codec import (
     convert_payload,
     dead_letter_headers,
     decode_row,
+    decode_stored,
     encode_message,
     eta_epoch,
     expiry,
@@ -380,3 +381,65 @@ def test_an_expiry_that_is_not_a_number_is_undecodable() -> None:
 def test_a_dead_letter_does_not_expire() -> None:
     envelope = json.dumps({"headers": {}, "properties": {}, EXPIRES_KEY: 1.0})
     assert EXPIRES_KEY not in json.loads(dead_letter_headers(envelope, {"reason": "expired"}))
+
+
+# -- every decode path: what it cannot read is Undecodable, never another error ---------
+
+
+#: a bare JSON message (no headers column: the payload holds it) and an envelope
+BARE = '{"body": "{}", "headers": {}, "properties": {}}'
+ENVELOPE = '{"headers": {"task": "t"}, "properties": {}}'
+ROW_MODE = TableBuilder("jobs").id().payload().attempt().locked_until().task("t").build()
+PLAIN = TableBuilder("jobs").id().payload().attempt().locked_until().plain().build()
+#: each path the decoder has: the table, the column the stored value goes to (the other
+#: holds a good value), the good text of that column, and which kinds of value it reads
+#: (the rest must be Undecodable): a bare row (no envelope) in a table with headers, a
+#: plain row's NULL payload and a plain row's binary payload are messages too
+DECODE_PATHS: dict[str, tuple[Any, str, str, set[str]]] = {
+    "envelope in headers, scanner": (WITH_HEADERS, "headers", ENVELOPE,
+                                     {"str", "bytes", "memoryview", "None"}),
+    "envelope in headers, json.loads": (WITH_HEADERS, "headers", f" {ENVELOPE}\n",
+                                        {"str", "bytes", "memoryview", "None"}),
+    "body beside an envelope": (WITH_HEADERS, "payload", "{}",
+                                {"str", "bytes", "memoryview", "None", "not UTF-8"}),
+    "envelope in payload, scanner": (WITHOUT_HEADERS, "payload", BARE,
+                                     {"str", "bytes", "memoryview"}),
+    "envelope in payload, json.loads": (WITHOUT_HEADERS, "payload", f"\t{BARE} ",
+                                        {"str", "bytes", "memoryview"}),
+    "row mode": (ROW_MODE, "payload", '{"a": 1}', {"str", "bytes", "memoryview"}),
+    "plain row": (PLAIN, "payload", '{"a": 1}',
+                  {"str", "bytes", "memoryview", "None", "not UTF-8"}),
+}
+#: how a driver may hand a column over: text, a BLOB (bytes, psycopg2's memoryview), or
+#: what SQLite's dynamic typing lets other code store in any column
+STORED_KINDS: dict[str, Any] = {
+    "str": lambda good: good,
+    "bytes": lambda good: good.encode(),
+    "memoryview": lambda good: memoryview(good.encode()),
+    "int": lambda good: 42,
+    "float": lambda good: 4.2,
+    "None": lambda good: None,
+    "not UTF-8": lambda good: b"\xff\xfe" + good.encode(),
+}
+
+
+@pytest.mark.parametrize("kind", list(STORED_KINDS))
+@pytest.mark.parametrize("path", list(DECODE_PATHS))
+def test_every_decode_path_reads_a_value_or_finds_it_undecodable(path: str, kind: str) -> None:
+    """Whatever a column holds, decoding it gives a message or raises Undecodable (the
+    row is parked): never a TypeError or UnicodeDecodeError, which would stop the consumer
+    at the same row on every claim. A BLOB read as bytes or a memoryview is its text."""
+    spec, column, good, reads = DECODE_PATHS[path]
+    table = QueueTable(QUEUE, spec, QueueOptions(), False, True, cast(ClaimForm, None))
+    values = {"payload": b"{}", "headers": None if spec is not WITH_HEADERS else ENVELOPE}
+    row = ClaimedRow(41, 1, **{**values, column: STORED_KINDS[kind](good)},  # type: ignore[arg-type]
+                     group=None, partition_key=None)
+    if kind not in reads:
+        with pytest.raises(Undecodable):
+            decode_stored(row, table, 5)
+        return
+    decoded = decode_stored(row, table, 5)
+    if kind in ("bytes", "memoryview"):
+        from_text = decode_stored(row._replace(**{column: good}), table, 5)
+        assert as_bytes(decoded.pop("body")) == as_bytes(from_text.pop("body"))
+        assert decoded == from_text

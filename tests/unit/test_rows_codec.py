@@ -12,6 +12,8 @@ from typing import Any, cast
 
 import pytest
 from celery import Celery
+from sqlalchemy import types as sqltypes
+from sqlalchemy.dialects import mysql, postgresql
 
 from kombu_sqlinbox import ConfigurationError, RowTask, TableBuilder, TableSpec
 from kombu_sqlinbox.broker import QueueTable
@@ -27,6 +29,7 @@ from kombu_sqlinbox.codec import (
     unparked_row,
 )
 from kombu_sqlinbox.dialects import ClaimedRow
+from kombu_sqlinbox.exact import column_check
 from kombu_sqlinbox.options import QueueOptions
 
 QUEUE = "order_events"
@@ -278,3 +281,53 @@ def test_class_and_builder_forms_declare_the_same_shared_queue() -> None:
     built = (base().payload().task("t", arguments="args").plain()
              .publish_statement("INSERT INTO order_events (payload) VALUES (:payload)").build())
     assert Events.__spec__ == built and hash(Events.__spec__) == hash(built)
+
+
+# -- which values a row mode column holds exactly --------------------------------------
+
+
+@pytest.mark.parametrize(("database", "kind", "value", "why"), [
+    ("postgresql", sqltypes.INTEGER(), 2**31, "out of range"),
+    ("sqlite", sqltypes.INTEGER(), 2**31, None),  # SQLite's integers have 64 bits
+    ("mysql", mysql.TINYINT(unsigned=True), 255, None),
+    ("mysql", mysql.TINYINT(unsigned=True), -1, "out of range"),
+    ("mysql", mysql.TINYINT(display_width=1), True, None),  # MySQL's BOOLEAN
+    ("postgresql", sqltypes.BIGINT(), 3.0, None),
+    ("postgresql", sqltypes.BIGINT(), [1], "not a number but list"),
+    ("postgresql", sqltypes.BIGINT(), float("nan"), "not a finite number"),
+    ("postgresql", postgresql.DOUBLE_PRECISION(), 2**53 + 1, "would round"),
+    ("postgresql", postgresql.DOUBLE_PRECISION(), 0.1, None),
+    ("postgresql", sqltypes.REAL(), 1e300, "single precision"),
+    ("mysql", mysql.FLOAT(), 0.5, None),
+    ("postgresql", sqltypes.NUMERIC(), 1.23456789, None),  # no precision: any
+    ("postgresql", sqltypes.NUMERIC(5, 2), 999.99, None),
+    ("postgresql", sqltypes.Uuid(), str(uuid.UUID(int=5)), None),
+    ("postgresql", sqltypes.Uuid(), "A0EEBC99-9C0B-4EF8-BB6D-6BB9BD380A11", "canonical form"),
+    ("postgresql", sqltypes.Uuid(), "not-a-uuid", "canonical form"),
+    ("postgresql", sqltypes.CHAR(3), "ab", "pad it with spaces"),
+    ("mysql", sqltypes.CHAR(3), "ab ", "ends in a space"),
+    ("mysql", sqltypes.CHAR(3), "ab", None),
+    ("sqlite", sqltypes.TEXT(), "any length", None),
+    ("postgresql", postgresql.BYTEA(), "text", None),
+    ("postgresql", sqltypes.TIMESTAMP(), "2026-12-03T10:00:00+02:00", "offset"),
+    ("postgresql", sqltypes.TIMESTAMP(timezone=True), "2026-12-03T10:00:00", "no UTC offset"),
+    ("postgresql", sqltypes.TIMESTAMP(timezone=True), "2026-12-03T10:00:00.5+00:00", None),
+    ("mysql", mysql.DATETIME(), "2026-12-03T10:00:00.5", "fractional digits"),
+    ("mysql", mysql.DATETIME(fsp=6), "2026-12-03T10:00:00.123456", None),
+    ("sqlite", sqltypes.DATETIME(), "2026-12-03T10:00:00+02:00", None),  # kept as text
+    ("postgresql", sqltypes.TIME(), "25:00", "ISO 8601"),
+    ("postgresql", sqltypes.DATE(), "20261203", "YYYY-MM-DD"),
+    ("postgresql", sqltypes.DATE(), "2026-12-3", "ISO 8601"),
+])
+def test_a_column_takes_what_it_holds_exactly(database: str, kind: Any, value: Any,
+                                              why: str | None) -> None:
+    check = column_check(database, kind)
+    assert check is not None and check(None) is None  # NULL is the database's to refuse
+    found = check(value)
+    assert (found is None) if why is None else (found is not None and why in found), found
+
+
+@pytest.mark.parametrize("kind", [sqltypes.NullType(), sqltypes.JSON(),
+                                  sqltypes.Enum("a", "b"), postgresql.ARRAY(sqltypes.INTEGER())])
+def test_types_that_keep_any_value_as_given_have_no_check(kind: Any) -> None:
+    assert column_check("postgresql", kind) is None

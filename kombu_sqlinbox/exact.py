@@ -1,0 +1,207 @@
+"""Row mode's argument columns: which values a column holds exactly.
+
+A Celery task's arguments go into the columns of its row as they are, and a column
+converts what it is given: ``1.5`` into a BIGINT comes back ``2``, ``"0042"`` comes back
+``42``, MariaDB without a strict ``sql_mode`` cuts text to the column's length. A publish
+checks each argument against its column's type, read from the database when the queue is
+first used, and refuses what would not come back as it was sent.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import uuid
+from collections.abc import Callable
+from datetime import date, datetime, time
+from decimal import Decimal
+from typing import Any
+
+from sqlalchemy import Connection, inspect
+from sqlalchemy import types as sqltypes
+from sqlalchemy.dialects import mysql
+
+from .tables import TableSpec
+
+#: why a value does not fit a column exactly, or None when it does
+Check = Callable[[Any], "str | None"]
+#: the bits of each integer type the databases have, by SQLAlchemy's reflected type
+INTEGER_BITS: tuple[tuple[type[Any], int], ...] = (
+    (mysql.TINYINT, 8), (sqltypes.SmallInteger, 16), (mysql.MEDIUMINT, 24),
+    (sqltypes.BigInteger, 64), (sqltypes.Integer, 32))
+
+
+def row_checks(conn: Connection, spec: TableSpec) -> tuple[tuple[str, Check], ...]:
+    """The check of each row mode column whose type converts what it is given."""
+    if not spec.row_columns:
+        return ()
+    types = {column["name"].lower(): column["type"]
+             for column in inspect(conn).get_columns(spec.table, schema=spec.schema)}
+    found = ((name, column_check(conn.dialect.name, types[name.lower()]))
+             for name in spec.row_columns)
+    return tuple((name, check) for name, check in found if check is not None)
+
+
+def column_check(database: str, kind: sqltypes.TypeEngine[Any]) -> Check | None:
+    """How a column of ``kind`` on ``database`` (SQLAlchemy's dialect name) takes a value
+    from JSON; None for a type that keeps any scalar as given (no declared type on SQLite,
+    JSON, arrays, enumerations the database checks itself)."""
+    if isinstance(kind, sqltypes.Boolean):
+        return _boolean
+    if isinstance(kind, sqltypes.Integer):
+        return _integer(database, kind)
+    if isinstance(kind, sqltypes.Float):
+        single = (database == "postgresql" and isinstance(kind, sqltypes.REAL)) or (
+            database in ("mysql", "mariadb") and isinstance(kind, sqltypes.FLOAT))
+        return _single if single else _double
+    if isinstance(kind, sqltypes.Numeric):
+        return _decimal(kind.precision, kind.scale)
+    if isinstance(kind, sqltypes.Uuid):
+        return _uuid
+    if isinstance(kind, (sqltypes.String, sqltypes._Binary)) and not isinstance(
+            kind, sqltypes.Enum):
+        return _text(database, kind)
+    if isinstance(kind, (sqltypes.DateTime, sqltypes.Date, sqltypes.Time)):
+        return _moment(database, kind)
+    return None
+
+
+def _number(value: Any) -> str | None:
+    """Why a value is no number to store: text, true or false, a list or object."""
+    if isinstance(value, str):
+        return "text, which the column would convert to a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"not a number but {type(value).__name__}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "not a finite number"
+    return None
+
+
+def _boolean(value: Any) -> str | None:
+    return None if value is None or isinstance(value, bool) else "the column takes true or false"
+
+
+def _integer(database: str, kind: sqltypes.TypeEngine[Any]) -> Check:
+    bits = 64 if database == "sqlite" else next(
+        size for base, size in INTEGER_BITS if isinstance(kind, base))
+    unsigned = bool(getattr(kind, "unsigned", False))
+    low, high = (0, 2**bits - 1) if unsigned else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    # MySQL's BOOLEAN is a TINYINT(1)
+    flags = isinstance(kind, mysql.TINYINT) and getattr(kind, "display_width", None) == 1
+
+    def check(value: Any) -> str | None:
+        if value is None or (flags and isinstance(value, bool)):
+            return None
+        if isinstance(value, bool):
+            return "true or false, which the column would store as 1 or 0"
+        why = _number(value)
+        if why is None and not float(value).is_integer():
+            why = "not a whole number: the column would round it"
+        if why is None and not low <= value <= high:
+            why = f"out of range for the column ({low} to {high})"
+        return why
+
+    return check
+
+
+def _double(value: Any) -> str | None:
+    if value is None:
+        return None
+    why = _number(value)
+    if why is None and isinstance(value, int) and float(value) != value:
+        why = "an integer a double precision column would round"
+    return why
+
+
+def _single(value: Any) -> str | None:
+    why = _double(value)
+    if why is None and value is not None:
+        try:
+            exact = struct.unpack("f", struct.pack("f", value))[0] == value
+        except OverflowError:
+            exact = False
+        if not exact:
+            why = "not held exactly in single precision: the column would round it"
+    return why
+
+
+def _decimal(precision: int | None, scale: int | None) -> Check:
+    def check(value: Any) -> str | None:
+        if value is None:
+            return None
+        why = _number(value)
+        if why is not None:
+            return why
+        number = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
+        places = max(0, -int(number.normalize().as_tuple().exponent))
+        if scale is not None and places > scale:
+            return f"has {places} decimal places, the column keeps {scale}: it would round it"
+        if precision is not None and abs(number) >= Decimal(10) ** (precision - (scale or 0)):
+            return f"too large for the column's {precision} digits, {scale or 0} of them decimal"
+        return None
+
+    return check
+
+
+def _uuid(value: Any) -> str | None:
+    if value is None:
+        return None
+    try:
+        canonical = isinstance(value, str) and str(uuid.UUID(value)) == value
+    except ValueError:
+        canonical = False
+    return None if canonical else "not a UUID in its canonical form (lower case, hyphens)"
+
+
+def _text(database: str, kind: sqltypes.TypeEngine[Any]) -> Check:
+    length = getattr(kind, "length", None)
+    padded = isinstance(kind, sqltypes.CHAR)
+
+    def check(value: Any) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            return f"not text but {type(value).__name__}, which the column would convert"
+        if length is not None and len(value) > length:
+            return f"longer than {length} characters: the column would cut it"
+        if padded and database == "postgresql" and len(value) < (length or 1):
+            return f"shorter than {length or 1} characters: CHAR would pad it with spaces"
+        if padded and database in ("mysql", "mariadb") and value.endswith(" "):
+            return "ends in a space, which CHAR drops"
+        return None
+
+    return check
+
+
+def _moment(database: str, kind: sqltypes.TypeEngine[Any]) -> Check:
+    """Dates and times arrive as ISO 8601 text and leave as it: the column must keep the
+    value's offset (or have none to keep) and its fractional seconds."""
+    parse: Callable[[str], date | time] = (
+        datetime.fromisoformat if isinstance(kind, sqltypes.DateTime)
+        else time.fromisoformat if isinstance(kind, sqltypes.Time) else date.fromisoformat)
+    zoned = bool(getattr(kind, "timezone", False))
+    digits = 6 if database == "sqlite" else getattr(
+        kind, "fsp" if database in ("mysql", "mariadb") else "precision", None)
+    if digits is None:
+        digits = 0 if database in ("mysql", "mariadb") else 6
+
+    def check(value: Any) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            return f"not text but {type(value).__name__}: a time is written in ISO 8601"
+        try:
+            moment = parse(value)
+        except ValueError:
+            return "not a date or time in ISO 8601"
+        if isinstance(moment, date) and not isinstance(moment, datetime):
+            return None if moment.isoformat() == value else "not a date in ISO 8601 (YYYY-MM-DD)"
+        if database != "sqlite" and (moment.tzinfo is not None) != zoned:
+            return ("has a UTC offset, which the column drops" if moment.tzinfo is not None
+                    else "has no UTC offset: the column would assume the session's")
+        fraction = f"{moment.microsecond:06d}".rstrip("0")
+        if len(fraction) > digits:
+            return f"has {len(fraction)} fractional digits, the column keeps {digits}"
+        return None
+
+    return check
