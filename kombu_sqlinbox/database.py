@@ -23,6 +23,7 @@ from .clock import key_of
 from .dialects import Dialect, RowsInsert, dialect_class, dialect_for
 from .errors import ConfigurationError
 from .tables import TableSpec
+from .urls import masked
 
 T = TypeVar("T")
 #: drivers whose connections show their socket (``fileno()``; PyMySQL's ``_sock``)
@@ -44,11 +45,11 @@ def sqlalchemy_url(url: str) -> URL:
     (``postgresql://``, ``mysql://``) takes whichever supported driver is installed."""
     try:
         parsed = make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
         parsed = None
     if parsed is None or parsed.drivername == "sqlinbox":
         raise ConfigurationError(
-            f"broker URL {url!r} is not an SQLAlchemy URL; write e.g. "
+            f"broker URL {masked(url)!r} is not an SQLAlchemy URL; write e.g. "
             "sqlinbox+postgresql://user@host/db or sqlinbox+sqlite:///jobs.db"
         )
     candidates = BARE_DRIVERS.get(parsed.drivername)

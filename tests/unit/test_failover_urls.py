@@ -10,6 +10,7 @@ from kombu.transport import resolve_transport
 
 import kombu_sqlinbox  # noqa: F401  (registers the aliases)
 from kombu_sqlinbox.dialects import url_schemes
+from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.transport import Transport
 
 
@@ -41,3 +42,23 @@ def test_a_dialect_sqlalchemy_does_not_ship_has_its_bare_scheme(
 
     monkeypatch.setitem(dialects._REGISTRY, "nosuchdb", dialects.SQLiteDialect)
     assert "nosuchdb" in url_schemes()
+
+
+@pytest.mark.parametrize("broker", [
+    "sqlinbox+postgresql://db-a/jobs;sqlinbox+postgresql://db-b/jobs?sslmode=require",
+    "sqlinbox+postgresql://db-a/jobs?connect_timeout=3;sqlinbox+postgresql://db-b/jobs",
+    # kombu would take this one for its own SSL settings and drop it
+    "sqlinbox+postgresql://db-a/jobs;sqlinbox+postgresql://db-b/jobs?ssl_ca=/etc/ca.pem",
+])
+def test_failover_urls_with_a_query_string_are_refused_at_start_up(broker: str) -> None:
+    """kombu's failover passes an alternate's query string on as its own connection
+    arguments: the switch would fail (or lose the setting) only when the first database
+    fails, so the transport refuses the URLs when it is made, before any connection."""
+    conn = Connection(broker)
+    with pytest.raises(ConfigurationError, match=r"query string.*engine_options"):
+        conn.transport  # noqa: B018  (made on first use)
+
+
+def test_a_single_url_keeps_its_query_string() -> None:
+    conn = Connection("sqlinbox+postgresql://db-a/jobs?sslmode=require")
+    assert conn.transport.url == "postgresql://db-a/jobs?sslmode=require"
