@@ -57,9 +57,11 @@ def sqlalchemy_url(url: str) -> URL:
         return parsed
     for module, driver in candidates:
         try:
-            __import__(module)
+            found = __import__(module)
         except ImportError:
             continue
+        if found.__name__ != module:
+            continue  # a stand-in (pymysql.install_as_MySQLdb()): its own driver comes next
         return parsed.set(drivername=f"{parsed.drivername}+{driver}")
     modules = " or ".join(module for module, _ in candidates)
     raise ConfigurationError(
