@@ -1,8 +1,12 @@
-"""kombu's failover parses an alternate URL itself and looks its whole scheme up as a
-transport name: every ``sqlinbox+<dialect>[+<driver>]`` scheme resolves to the transport,
-which puts the parsed URL back together."""
+"""Broker URLs as kombu hands them over. kombu's failover parses an alternate URL itself
+and looks its whole scheme up as a transport name: every ``sqlinbox+<dialect>[+<driver>]``
+scheme resolves to the transport, which puts the parsed URL back together (and refuses,
+at start-up, what the failover could not pass on); a URL naming no driver takes an
+installed one."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 from kombu import Connection
@@ -62,3 +66,15 @@ def test_failover_urls_with_a_query_string_are_refused_at_start_up(broker: str) 
 def test_a_single_url_keeps_its_query_string() -> None:
     conn = Connection("sqlinbox+postgresql://db-a/jobs?sslmode=require")
     assert conn.transport.url == "postgresql://db-a/jobs?sslmode=require"
+
+
+def test_a_bare_mysql_url_takes_pymysql_where_it_stands_in_for_mysqldb(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pymysql.install_as_MySQLdb()`` (Django sites without mysqlclient): the URL takes
+    PyMySQL under its own name, the driver the transport's publish path is tuned for."""
+    import pymysql
+
+    from kombu_sqlinbox.database import sqlalchemy_url
+
+    monkeypatch.setitem(sys.modules, "MySQLdb", pymysql)
+    assert sqlalchemy_url("mysql://root@db/app").drivername == "mysql+pymysql"
