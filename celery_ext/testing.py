@@ -90,7 +90,8 @@ def own_table(spec: T, prefix: str) -> T:
 
 def bind_app(app: Celery, url: str, prefix: str) -> Callable[[], None]:
     """Point ``app`` at the inbox ``url``, its tables under ``prefix`` (the queues' own,
-    their declared tables, the outbox's table if it has one, at the same database);
+    their declared tables, the outbox's table if it has one, at the same database), made
+    on first use whatever the service's settings say (they are the test's tables);
     returns what points it back at what it was bound to before."""
     saved = (app.conf.broker_url, app.conf.broker_transport_options)
     options = dict(app.conf.broker_transport_options or {})
@@ -98,18 +99,24 @@ def bind_app(app: Celery, url: str, prefix: str) -> Callable[[], None]:
     for name, settings in parse_options(options).queues.items():
         if settings.table is not None:
             queues[name] = {**queues[name], "table": own_table(settings.table, prefix)}
+    outbox = outbox_or_none(app)
+    table = None if outbox is None else own_table(outbox.spec, prefix)
     app.conf.broker_url = url
     app.conf.broker_transport_options = {**options, "table_prefix": prefix,
+                                         "create_tables": True,
                                          **({"queues": queues} if queues else {})}
-    outbox = outbox_or_none(app)
-    declared = None if outbox is None else outbox.use_table(own_table(outbox.spec, prefix))
-    if outbox is not None:
+    if outbox is None or table is None:
+        before = None
+    else:
+        before = (outbox.use_table(table), outbox.store.create_table)
+        outbox.store.create_table = True
         outbox.bind_engine(url[len(PREFIX):])
 
     def restore() -> None:
         app.conf.broker_url, app.conf.broker_transport_options = saved
-        if outbox is not None and declared is not None:
-            outbox.use_table(declared)
+        if outbox is not None and before is not None:
+            outbox.use_table(before[0])
+            outbox.store.create_table = before[1]
 
     return restore
 
@@ -134,13 +141,17 @@ class Inbox:
         self._restore = bind_app(app, url, self.prefix)
         self.outbox = outbox_or_none(app)
         self.options = parse_options(app.conf.broker_transport_options)
-        self._fresh_connections()
-        if self.outbox is not None:
-            self.outbox.create()
-        with app.connection_for_write() as conn:
-            channel = conn.default_channel
-            for queue in self.queues:
-                queue(channel).declare()
+        try:
+            self._fresh_connections()
+            if self.outbox is not None:
+                self.outbox.create()
+            with app.connection_for_write() as conn:
+                channel = conn.default_channel
+                for queue in self.queues:
+                    queue(channel).declare()
+        except BaseException:  # the app as it was for the next test, nothing left here
+            self.close()
+            raise
 
     @property
     def queues(self) -> list[Any]:

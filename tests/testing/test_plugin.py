@@ -149,8 +149,10 @@ def add(x, y):
     return x + y
 
 
+# in production, the service's migrations make its tables
 app = make_app()
-outbox = celery_ext.install(app, table="{outbox}")
+app.conf.broker_transport_options["create_tables"] = False
+outbox = celery_ext.install(app, table="{outbox}", create_table=False)
 """
 
 TESTS = """
@@ -177,7 +179,9 @@ def test_the_fixtures_leave_the_service_tables_alone(
         pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run against a database where the service already has its outbox table (one
     unprocessed record) and a declared queue table (one message): a test run creates and
-    drops only tables of its tests' own prefixes, and leaves the service's as they were."""
+    drops only tables of its tests' own prefixes, and leaves the service's as they were.
+    The service makes its tables itself (create_tables off): the tests' own are the
+    fixtures' to make."""
     tag = uuid.uuid4().hex[:8]
     jobs, outbox_table = f"svc_jobs_{tag}", f"svc_outbox_{tag}"
     pytester.makepyfile(service=SERVICE.format(jobs=jobs, outbox=outbox_table),
@@ -234,3 +238,45 @@ def test_a_declared_table_and_its_publish_statement_are_renamed_for_a_test() -> 
     plain = dataclasses.replace(spec, publish="insert into email_jobs_x select * from email_jobs")
     assert own_table(plain, "t1_").publish == (
         "insert into email_jobs_x select * from t1_email_jobs")
+
+
+def test_a_fixture_that_fails_to_set_up_leaves_the_app_as_it_was(
+        pytester: pytest.Pytester) -> None:
+    """A queue table that cannot serve (its publish statement names a column it lacks)
+    fails the test's set-up, and the next test finds the service's app unbound, its
+    declarations under their own names (not under a prefix, nor under two)."""
+    pytester.makeini("[pytest]\nsqlinbox = true\nsqlinbox_app = service:app\n")
+    pytester.makepyfile(service="""
+        from celery import Celery
+        from kombu import Queue
+
+        import celery_ext
+        import kombu_sqlinbox  # noqa: F401
+        from kombu_sqlinbox import TableBuilder
+
+        JOBS = (TableBuilder("svc_jobs").id().payload().locked_until().attempt()
+                .publish_statement("INSERT INTO svc_jobs (payload, nosuch) VALUES (:payload, 1)")
+                .build())
+        app = Celery("service", broker="sqlinbox+sqlite:///unused.db", set_as_current=False)
+        app.conf.update(task_queues=[Queue("jobs")],
+                        broker_transport_options={"queues": {"jobs": {"table": JOBS}}})
+        outbox = celery_ext.install(app, table="svc_outbox")
+    """)
+    pytester.makepyfile(test_it="""
+        import service
+
+
+        def test_set_up_fails(sqlinbox):
+            pass
+
+
+        def test_the_app_is_as_it_was():
+            options = service.app.conf.broker_transport_options
+            assert service.app.conf.broker_url == "sqlinbox+sqlite:///unused.db"
+            assert options == {"queues": {"jobs": {"table": service.JOBS}}}
+            assert service.outbox.spec.table == "svc_outbox"
+            assert service.outbox.store.create_table
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*its publish statement does not fit the schema*"])
