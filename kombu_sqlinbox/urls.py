@@ -76,7 +76,10 @@ def client_url(client: Any) -> str:
 def shown_uri(client: Any, include_password: bool, mask: str) -> str:
     """The ``sqlinbox+`` URL of ``client`` as kombu's ``as_uri()`` shows it: the password
     given as ``mask`` unless ``include_password``."""
-    url = client_url(client)
+    try:
+        url = client_url(client)
+    except ConfigurationError:  # shown as given: connecting says what is wrong with it
+        url = str(client.hostname or "")
     return URL_PREFIX + (url if include_password else masked(url, mask))
 
 

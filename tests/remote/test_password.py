@@ -82,6 +82,13 @@ def test_a_password_given_apart_from_the_url_is_connected_with() -> None:
     assert_hidden(conn.as_uri(), conn.info()["hostname"])
 
 
+def test_a_connection_without_an_url_is_shown_and_refused_when_it_connects() -> None:
+    conn = Connection(hostname="db", transport="sqlinbox")
+    assert repr(conn).startswith("<Connection: sqlinbox+db at ")
+    with pytest.raises(ConfigurationError, match="needs an SQLAlchemy URL"):
+        conn.ensure_connection(max_retries=1)
+
+
 def test_an_url_that_is_not_sqlalchemy_is_refused_without_its_password() -> None:
     conn = Connection(f"sqlinbox+postgresql://app:{SECRET}@db:notaport/jobs")
     with pytest.raises(ConfigurationError, match="not an SQLAlchemy URL") as raised:
