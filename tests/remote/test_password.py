@@ -89,8 +89,11 @@ def test_a_connection_without_an_url_is_shown_and_refused_when_it_connects() -> 
         conn.ensure_connection(max_retries=1)
 
 
-def test_an_url_that_is_not_sqlalchemy_is_refused_without_its_password() -> None:
-    conn = Connection(f"sqlinbox+postgresql://app:{SECRET}@db:notaport/jobs")
+@pytest.mark.parametrize("url", [f"postgresql://app:{SECRET}@db:notaport/jobs",
+                                 f"post gres://app:{SECRET}@db/jobs"],
+                         ids=["port", "scheme"])
+def test_an_url_that_is_not_sqlalchemy_is_refused_without_its_password(url: str) -> None:
+    conn = Connection("sqlinbox+" + url)
     with pytest.raises(ConfigurationError, match="not an SQLAlchemy URL") as raised:
         conn.ensure_connection(max_retries=1)
     assert_hidden(str(raised.value), conn.as_uri())
