@@ -29,6 +29,7 @@ from kombu_sqlinbox.codec import DEATH_HEADER, DELIVERY_PROPERTIES
 from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.operations import DeadFilter, DeadLetter, Operations, QueueFigures
 from kombu_sqlinbox.options import parse_options
+from kombu_sqlinbox.urls import masked
 
 from .outbox_cli import outbox, progress
 
@@ -63,7 +64,7 @@ def operations(ctx: click.Context) -> Iterator[Operations]:
         broker_url = str(app.conf.broker_url or "")
         if url is None and not broker_url.startswith("sqlinbox+"):
             raise click.UsageError(
-                f"the app's broker is not sqlinbox ({broker_url!r}): pass --url")
+                f"the app's broker is not sqlinbox ({masked(broker_url)!r}): pass --url")
         url = url or broker_url
         raw = app.conf.broker_transport_options if raw is None else raw
         queues = list(app.amqp.queues)

@@ -15,7 +15,9 @@ keeps the database's own time.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import select
 import subprocess
 import sys
@@ -25,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import import_module
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from celery import Celery
@@ -33,15 +35,19 @@ from celery.app.trace import build_tracer
 from celery.contrib.testing.worker import start_worker
 from celery.signals import worker_ready
 from celery.states import REJECTED
+from sqlalchemy import create_engine, inspect
 
 from kombu_sqlinbox import clock as clocks
 from kombu_sqlinbox.broker import broker_for, close_all
 from kombu_sqlinbox.codec import DEATH_HEADER
 from kombu_sqlinbox.database import sqlalchemy_url
 from kombu_sqlinbox.options import parse_options
+from kombu_sqlinbox.tables import TableSpec
 
+from .declaration import OutboxSpec
 from .outbox import Outbox, OutboxError, outbox_of
 
+T = TypeVar("T", TableSpec, OutboxSpec)
 PREFIX = "sqlinbox+"
 #: tasks one drain() runs at most: a task that keeps requeueing itself would never end
 DRAIN_LIMIT = 1000
@@ -69,37 +75,83 @@ class DeadLetter:
     death: dict[str, Any] = field(repr=False)
 
 
-def bind_app(app: Celery, url: str, prefix: str) -> Outbox | None:
-    """Point ``app`` at the inbox ``url`` with the table prefix ``prefix``, its outbox (if
-    it has one, returned) at the same database."""
+def own_table(spec: T, prefix: str) -> T:
+    """``spec`` (a queue's or an outbox's declaration) with its table renamed under a
+    test's ``prefix``: a test never writes to, nor drops, the service's own table. A
+    declared publish statement's mentions of the table are renamed too."""
+    table = prefix + spec.table
+    changes: dict[str, Any] = {"table": table}
+    publish = getattr(spec, "publish", None)
+    if publish is not None:
+        changes["publish"] = re.sub(rf"(?<!\w)([\"`]?){re.escape(spec.table)}\1(?!\w)",
+                                    lambda found: f"{found[1]}{table}{found[1]}", publish)
+    return dataclasses.replace(spec, **changes)
+
+
+def bind_app(app: Celery, url: str, prefix: str) -> Callable[[], None]:
+    """Point ``app`` at the inbox ``url``, its tables under ``prefix`` (the queues' own,
+    their declared tables, the outbox's table if it has one, at the same database), made
+    on first use whatever the service's settings say (they are the test's tables);
+    returns what points it back at what it was bound to before."""
+    saved = (app.conf.broker_url, app.conf.broker_transport_options)
+    options = dict(app.conf.broker_transport_options or {})
+    queues = dict(options.get("queues") or {})
+    for name, settings in parse_options(options).queues.items():
+        if settings.table is not None:
+            queues[name] = {**queues[name], "table": own_table(settings.table, prefix)}
+    outbox = outbox_or_none(app)
+    table = None if outbox is None else own_table(outbox.spec, prefix)
     app.conf.broker_url = url
-    app.conf.broker_transport_options = {
-        **(app.conf.broker_transport_options or {}), "table_prefix": prefix}
+    app.conf.broker_transport_options = {**options, "table_prefix": prefix,
+                                         "create_tables": True,
+                                         **({"queues": queues} if queues else {})}
+    if outbox is None or table is None:
+        before = None
+    else:
+        before = (outbox.use_table(table), outbox.store.create_table)
+        outbox.store.create_table = True
+        outbox.bind_engine(url[len(PREFIX):])
+
+    def restore() -> None:
+        app.conf.broker_url, app.conf.broker_transport_options = saved
+        if outbox is not None and before is not None:
+            outbox.use_table(before[0])
+            outbox.store.create_table = before[1]
+
+    return restore
+
+
+def outbox_or_none(app: Celery) -> Outbox | None:
     try:
-        outbox = outbox_of(app)
+        return outbox_of(app)
     except OutboxError:  # the service sends without an outbox
         return None
-    outbox.bind_engine(url[len(PREFIX):])
-    return outbox
 
 
 class Inbox:
     """The service's app bound to a test inbox: its queues' tables created, its outbox (if
-    it has one) on the same database."""
+    it has one) on the same database, every table under a prefix of the test's own."""
 
     def __init__(self, app: Celery, url: str, clock: clocks.Clock) -> None:
         self.app, self.url, self.clock = app, url, clock
         self.prefix = f"t{uuid.uuid4().hex[:10]}_"
-        self._saved = (app.conf.broker_url, app.conf.broker_transport_options)
-        self.outbox = bind_app(app, url, self.prefix)
+        self._engine = create_engine(sqlalchemy_url(url[len(PREFIX):]))
+        #: tables under the prefix that were there before (none, but never dropped)
+        self._found = self._own_tables()
+        self._restore = bind_app(app, url, self.prefix)
+        self.outbox = outbox_or_none(app)
         self.options = parse_options(app.conf.broker_transport_options)
-        self._fresh_connections()
-        if self.outbox is not None:
-            self.outbox.create()
-        with app.connection_for_write() as conn:
-            channel = conn.default_channel
-            for queue in self.queues:
-                queue(channel).declare()
+        try:
+            self._fresh_connections()
+            if self.outbox is not None:
+                self.outbox.create()
+            with app.connection_for_write() as conn:
+                channel = conn.default_channel
+                for queue in self.queues:
+                    queue(channel).declare()
+        except BaseException:  # the app as it was for the next test, nothing left here
+            self.close()
+            raise
 
     @property
     def queues(self) -> list[Any]:
@@ -113,20 +165,36 @@ class Inbox:
         app._pool = None
         app.amqp._producer_pool = None
 
+    def _own_tables(self) -> set[tuple[str | None, str]]:
+        """The tables under the test's prefix: in the default schema, and in those of
+        declared tables."""
+        options = parse_options(self.app.conf.broker_transport_options)
+        schemas = {None, *(settings.table.schema for settings in options.queues.values()
+                           if settings.table is not None)}
+        outbox = outbox_or_none(self.app)
+        if outbox is not None:
+            schemas.add(outbox.spec.schema)
+        with self._engine.connect() as conn:
+            inspector = inspect(conn)
+            return {(schema, name) for schema in schemas
+                    for name in inspector.get_table_names(schema=schema)
+                    if name.startswith(self.prefix)}
+
     def close(self) -> None:
-        """Drop the test's tables (the database may outlive the test) and let go of the
-        inbox."""
-        names = [queue.name for queue in self.queues]
-        names += [self.options.for_queue(name).dead_letter_queue for name in names]
-        with self.app.connection_for_write() as conn:
-            for name in filter(None, names):
-                conn.default_channel.queue_delete(name)
+        """Drop the tables the test made (the database may outlive the test: only those
+        under its prefix that were not there before) and let go of the inbox."""
         if self.outbox is not None:
-            self.outbox.drop()
             self.outbox.close()
         self._fresh_connections()
-        close_all()
-        self.app.conf.broker_url, self.app.conf.broker_transport_options = self._saved
+        close_all()  # no connection of ours may hold a lock the drops wait for
+        made = self._own_tables() - self._found
+        self._restore()
+        quote = self._engine.dialect.identifier_preparer.quote
+        with self._engine.begin() as conn:
+            for schema, name in sorted(made, key=lambda table: (table[0] or "", table[1])):
+                where = "" if schema is None else f"{quote(schema)}."
+                conn.exec_driver_sql(f"DROP TABLE IF EXISTS {where}{quote(name)}")
+        self._engine.dispose()
 
     # -- running tasks here ----------------------------------------------------------
     def drain(self, limit: int = DRAIN_LIMIT) -> list[Ran]:
@@ -338,7 +406,7 @@ def main(argv: list[str]) -> None:
     the worker is ready."""
     path, url, prefix, fd = argv
     app: Celery = _import(path)
-    bind_app(app, url, prefix)
+    bind_app(app, url, prefix)  # for the life of the process
 
     def announce(**kwargs: Any) -> None:
         os.write(int(fd), b"r")

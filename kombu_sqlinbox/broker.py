@@ -418,7 +418,13 @@ class Broker:
 
     def delete_queue(self, queue: str) -> None:
         """Drop the queue's table if the transport created it; a declared (service-owned)
-        table is only emptied."""
+        table is only emptied. A queue that is not there (deleted already, never made)
+        is left as it is: no table is made to be dropped."""
+        if (queue not in self._tables and not self.has_own_table(queue)
+                and self.bound_caller() is None and not self.routes.is_transient(queue)
+                and not self.known_table(queue)):
+            self.routes.forget(queue)  # bindings may outlive their queue's table
+            return
         table = self.table(queue)
         if not table.transient:
             statements = self.dialect.statements(table.spec)

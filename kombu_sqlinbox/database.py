@@ -23,6 +23,7 @@ from .clock import key_of
 from .dialects import Dialect, RowsInsert, dialect_class, dialect_for
 from .errors import ConfigurationError
 from .tables import TableSpec
+from .urls import masked
 
 T = TypeVar("T")
 #: drivers whose connections show their socket (``fileno()``; PyMySQL's ``_sock``)
@@ -44,11 +45,11 @@ def sqlalchemy_url(url: str) -> URL:
     (``postgresql://``, ``mysql://``) takes whichever supported driver is installed."""
     try:
         parsed = make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
         parsed = None
     if parsed is None or parsed.drivername == "sqlinbox":
         raise ConfigurationError(
-            f"broker URL {url!r} is not an SQLAlchemy URL; write e.g. "
+            f"broker URL {masked(url)!r} is not an SQLAlchemy URL; write e.g. "
             "sqlinbox+postgresql://user@host/db or sqlinbox+sqlite:///jobs.db"
         )
     candidates = BARE_DRIVERS.get(parsed.drivername)
@@ -56,9 +57,11 @@ def sqlalchemy_url(url: str) -> URL:
         return parsed
     for module, driver in candidates:
         try:
-            __import__(module)
+            found = __import__(module)
         except ImportError:
             continue
+        if found.__name__ != module:
+            continue  # a stand-in (pymysql.install_as_MySQLdb()): its own driver comes next
         return parsed.set(drivername=f"{parsed.drivername}+{driver}")
     modules = " or ".join(module for module, _ in candidates)
     raise ConfigurationError(

@@ -10,6 +10,7 @@ top of the layers; nothing in the core imports it.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from functools import partial
 from typing import Any
 
 from sqlalchemy import Connection, TextClause, inspect
+from sqlalchemy.exc import DBAPIError
 
 from .broker import Broker, QueueTable
 from .codec import DEATH_HEADER, EXPIRES_KEY, Undecodable, decode_row
@@ -39,6 +41,14 @@ PLAN_PARAMS: Mapping[str, Any] = {
     "partition_key": None, "after": 0, "upto": 0, "floor": 0.0, "candidates": 2, "window": 1,
     "channel": "sqlinbox_check",
 }
+#: what the schema check binds to the routing tables' statements
+ROUTING_PLAN_PARAMS: Mapping[str, Any] = {
+    "name": "-", "ids": ["-"], "exchange": "-", "queue": "-", "routing_key": "-",
+    "type": "direct", "pattern": "-", "transient": 0, "expires": None, "message_ttl": None,
+    "payload": b"", "headers": "{}", "ttl": None, "limit": 1, "channel_prefix": "-",
+}
+#: how the schema check names the routing tables' problems (they serve every queue)
+ROUTING = "(routing)"
 
 
 @dataclass(frozen=True)
@@ -339,9 +349,9 @@ class Operations:
         and that the claim walks its index (where it does not, the table's statements are
         not planned: MySQL's name that index). A missing table is a problem only where the
         transport does not create tables (``create_tables=False``). Returns how many
-        statements were planned, and the problems."""
-        planned = 0
-        problems: list[Problem] = []
+        statements were planned, and the problems. The routing tables (remote control,
+        fanout, transient queues) are checked likewise (:meth:`routing_check`)."""
+        planned, problems = self.routing_check()
         for name, spec in self.queues():
             if self.options.create_tables and not self.broker.database.has_table(spec):
                 continue  # the transport creates it on first use, as the DDL says
@@ -354,6 +364,11 @@ class Operations:
             except SchemaMismatch as exc:
                 problem(str(exc))
                 continue
+            if spec.publish is None:  # a declared publish statement may give the id itself
+                unmade = self.broker.run(partial(self.dialect.id_problem, spec=spec),
+                                         read_only=True)
+                if unmade is not None:
+                    problem(unmade)
             plan = self.broker.run(partial(self.dialect.claim_plan_problem, spec=spec),
                                    read_only=True)
             if plan is not None:
@@ -371,6 +386,39 @@ class Operations:
                                 read_only=True)
                 planned += 1
         return planned, problems
+
+    def routing_check(self) -> tuple[int, list[Problem]]:
+        """Plan the statements on the routing tables, as :meth:`check` does a queue's;
+        missing tables are a problem only where the transport does not create them:
+        without them no worker can declare its remote-control queue. A table whose
+        statements do not plan is named once, with the first error."""
+        sql = self.dialect.routing_statements(self.options.table_prefix)
+        missing = self.broker.run(
+            lambda conn: [name for name in sql.names if not inspect(conn).has_table(name)],
+            read_only=True)
+        if missing:
+            if self.options.create_tables:
+                return 0, []  # the transport creates them on first use, as printed
+            return 0, [Problem(ROUTING, missing[0], (
+                f"the routing tables {', '.join(missing)} do not exist (create_tables is off): "
+                "a worker cannot declare its remote-control queue, nor any process a "
+                "transient queue or a fanout binding; create them with:\n"
+                + ";\n".join(sql.ddl) + ";"))]
+        planned, failed = 0, dict[str, str]()
+        for field in dataclasses.fields(sql):
+            value = getattr(sql, field.name)
+            parts = value if isinstance(value, tuple) else (value,)
+            for statement in (part for part in parts if isinstance(part, TextClause)):
+                table = min(sql.names, key=lambda name: _position(statement.text, name))
+                try:
+                    self.broker.run(partial(_rows, self.dialect.explained(statement),
+                                            ROUTING_PLAN_PARAMS), attempts=1, read_only=True)
+                    planned += 1
+                except DBAPIError as exc:
+                    failed.setdefault(table, f"{field.name}: {exc.orig}")
+        return planned, [Problem(ROUTING, table, (
+            f"the statement {what} (the ddl command prints what makes the routing tables)"))
+            for table, what in failed.items()]
 
     def _ensure(self, spec: TableSpec, conn: Connection) -> bool:
         return self.dialect.ensure_table(conn, spec, create=False)
@@ -400,6 +448,12 @@ class Operations:
 
 def _rows(statement: TextClause, params: Mapping[str, Any], conn: Connection) -> list[Any]:
     return list(conn.execute(statement, dict(params)).all())
+
+
+def _position(sql: str, name: str) -> int:
+    """Where the table ``name`` is first named in ``sql`` (after the end: nowhere)."""
+    found = re.search(rf"\b{re.escape(name)}\b", sql)
+    return len(sql) if found is None else found.start()
 
 
 def _seconds(value: Any) -> float | None:

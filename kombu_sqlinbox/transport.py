@@ -19,7 +19,6 @@ import sqlalchemy
 from celery.signals import worker_shutting_down
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
-from sqlalchemy.engine import URL
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
 from .broker import Broker, QueueTable, broker_for, shutting_down, stop_waiting
@@ -39,6 +38,7 @@ from .codec import (
 from .dialects import ClaimedRow
 from .errors import ConfigurationError, MessageTooLarge, SchemaMismatch
 from .options import parse_options
+from .urls import client_url, conceal_password, refuse_alternates_with_query, shown_uri
 
 
 def _driver_connection_errors() -> tuple[type[BaseException], ...]:
@@ -56,8 +56,6 @@ def _driver_connection_errors() -> tuple[type[BaseException], ...]:
 
 
 DRIVER_CONNECTION_ERRORS = _driver_connection_errors()
-#: how a broker URL names this transport
-URL_PREFIX = "sqlinbox+"
 
 worker_shutting_down.connect(stop_waiting, weak=False, dispatch_uid="sqlinbox.stop_waiting")
 
@@ -538,6 +536,8 @@ class Transport(virtual.Transport):
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         self.options = parse_options(client.transport_options)
+        refuse_alternates_with_query(client.alt)
+        conceal_password(client)
         super().__init__(client, **kwargs)
         self.polling_interval = self.options.polling_interval
         self.cadence = Cadence(self.options.polling_interval_min, self.options.polling_backoff)
@@ -561,22 +561,12 @@ class Transport(virtual.Transport):
 
     @property
     def url(self) -> str:
-        client = self.client
-        hostname = client.hostname or ""
-        scheme = str(client.transport_cls or "")
-        if "://" not in hostname and scheme.startswith(URL_PREFIX):
-            # an alternate URL kombu's failover parsed itself: put it back together
-            return URL.create(
-                scheme[len(URL_PREFIX):], username=client.userid, password=client.password,
-                host=hostname or None, port=client.port,
-                database=None if client.virtual_host in (None, "/") else client.virtual_host,
-            ).render_as_string(hide_password=False)
-        if "://" not in hostname:
-            raise ConfigurationError(
-                "the sqlinbox transport needs an SQLAlchemy URL: "
-                "broker='sqlinbox+postgresql://user@host/db' or 'sqlinbox+sqlite:///jobs.db'"
-            )
-        return str(hostname)
+        """The SQLAlchemy URL connected to, password included: never for showing."""
+        return client_url(self.client)
+
+    def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
+        """The broker URL as kombu shows it (the worker's banner, connection errors)."""
+        return shown_uri(self.client, include_password, mask)
 
     def _collect(self, connection: Any) -> None:
         """kombu's clean-up of a connection that failed (Celery's reconnect path): close

@@ -24,8 +24,9 @@ __all__ = ["bind", "broker_url", "database_url", "is_django_connection", "sqlalc
 #: Django's database engine module -> SQLAlchemy backend name
 BACKENDS = {"postgresql": "postgresql", "sqlite3": "sqlite", "mysql": "mysql"}
 #: the DBAPI module a Django backend runs on -> SQLAlchemy's driver name for it
+#: (PyMySQL's connections are its own, also where it stands in for MySQLdb)
 DRIVERS = {"psycopg": "psycopg", "psycopg2": "psycopg2", "sqlite3": "pysqlite",
-           "MySQLdb": "mysqldb"}
+           "MySQLdb": "mysqldb", "pymysql": "pymysql"}
 
 
 def is_django_connection(target: Any) -> bool:

@@ -1,8 +1,9 @@
-"""The tables the migrations create: the transport's DDL for the configured queues and
-outbox, run on the migration's own connection."""
+"""The tables the migrations create: the transport's DDL for the configured queues, the
+routing tables and the outbox, run on the migration's own connection."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
@@ -35,10 +36,20 @@ def _ddl(dialect: Dialect) -> tuple[list[str], list[str]]:
     return create, drop
 
 
-def _run(schema_editor: Any, which: int) -> None:
+def _routing(dialect: Dialect) -> tuple[list[str], list[str]]:
+    """CREATE and DROP statements of the routing tables (the queue registry, the bindings,
+    the transient messages) of the configured table prefix: a worker's remote-control
+    queue, reply queues and fanout bindings live there."""
+    options = parse_options(getattr(settings, "CELERY_BROKER_TRANSPORT_OPTIONS", None))
+    routing = dialect.routing_statements(options.table_prefix)
+    return routing.ddl, routing.drop
+
+
+def _run(schema_editor: Any, which: int,
+         ddl: Callable[[Dialect], tuple[list[str], list[str]]] = _ddl) -> None:
     conn = sqlalchemy_connection(schema_editor.connection)
     try:
-        for statement in _ddl(dialect_for(conn.engine))[which]:
+        for statement in ddl(dialect_for(conn.engine))[which]:
             conn.exec_driver_sql(statement)
     finally:
         conn.close()
@@ -50,3 +61,11 @@ def create_tables(apps: Any, schema_editor: Any) -> None:
 
 def drop_tables(apps: Any, schema_editor: Any) -> None:
     _run(schema_editor, 1)
+
+
+def create_routing_tables(apps: Any, schema_editor: Any) -> None:
+    _run(schema_editor, 0, _routing)
+
+
+def drop_routing_tables(apps: Any, schema_editor: Any) -> None:
+    _run(schema_editor, 1, _routing)

@@ -113,6 +113,14 @@ class Outbox:
     def engine(self) -> Engine:
         return self.store.engine
 
+    def use_table(self, table: Declaration) -> OutboxSpec:
+        """Record in another table from now on (the test fixtures give each test one of
+        its own); returns the declaration used before."""
+        previous = self.spec
+        self.spec = as_outbox_spec(table)
+        self.store.use_spec(self.spec)
+        return previous
+
     def create(self) -> None:
         """Create (or check) the table now, e.g. at start-up, instead of on first use."""
         self.store.create()

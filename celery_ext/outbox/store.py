@@ -126,6 +126,12 @@ class RecordStore:
         self._lock = threading.Lock()
         self._columns = spec.column_names()
 
+    def use_spec(self, spec: OutboxSpec) -> None:
+        """Use another table: its statements are made, and it is checked, on next use."""
+        with self._lock:
+            self.spec, self._columns = spec, spec.column_names()
+            self._prepared.clear()
+
     # -- the database ------------------------------------------------------------
     def bind_engine(self, engine_or_url: Engine | str) -> Engine:
         """Give the outbox its database: an Engine of the service, or a URL."""

@@ -45,6 +45,7 @@ class MySQLDialect(Dialect):
     eta_value = f"COALESCE(FROM_UNIXTIME(:eta), {NOW})"
     floor_time = "FROM_UNIXTIME(:{})"
     generated_id_type = "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY"
+    id_generator_ddl = "ALTER TABLE {table} MODIFY {column} BIGINT NOT NULL AUTO_INCREMENT"
     column_types = {
         Role.ID: "BIGINT NOT NULL",
         Role.PAYLOAD: "LONGBLOB NOT NULL",

@@ -134,6 +134,22 @@ class SQLiteDialect(Dialect):
 
     explain_prefix = "EXPLAIN QUERY PLAN"
 
+    def id_generated(self, conn: Connection, spec: TableSpec, column: Mapping[str, Any]
+                     ) -> bool:
+        """Only a column declared ``INTEGER PRIMARY KEY`` (exactly: not ``INT``, not
+        ``BIGINT``) of a rowid table stands for the rowid, which SQLite generates; any
+        other primary key left out of an INSERT is NULL."""
+        if column.get("default") is not None:
+            return True
+        schema = f"{self.quote(spec.schema)}." if spec.schema else ""
+        table = conn.execute(text(f"SELECT sql FROM {schema}sqlite_master WHERE type = "
+                                  "'table' AND name = :name"), {"name": spec.table}).scalar()
+        info = conn.exec_driver_sql(f"PRAGMA {schema}table_info({self.quote(spec.table)})")
+        keys = [(row.name, row.type) for row in info if row.pk]
+        return (len(keys) == 1 and keys[0][0].lower() == column["name"].lower()
+                and keys[0][1].upper() == "INTEGER"
+                and "WITHOUT ROWID" not in str(table or "").upper())
+
     def signal_directory(self) -> str | None:
         """``<database file>-wake``: writers and readers of a file share its host."""
         database = self.engine.url.database if self.engine is not None else None

@@ -5,9 +5,13 @@ migrations create and drop the inbox's and outbox's tables."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -16,30 +20,41 @@ from sqlalchemy.engine import make_url
 
 from tests.databases import require_server
 from tests.docs.support import EXAMPLES
+from tests.processes import ROOT, Processes, wait_until
 
 SITE = EXAMPLES / "django_project"
 
 
 @pytest.fixture
 def site_database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """The site's database: a new SQLite file, or a new database on the PostgreSQL server
-    (Django's own tables must not meet another test's)."""
+    """The site's database: a new SQLite file, or a new database on the PostgreSQL or
+    MariaDB server (Django's own tables must not meet another test's). MariaDB's is
+    reached as most Django sites reach it without mysqlclient: PyMySQL installed as
+    MySQLdb (the site's settings do it)."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'site.sqlite3'}"
         return
-    server = make_url(require_server("postgresql"))
+    server = make_url(require_server(request.param))
     name = f"site_{uuid.uuid4().hex[:10]}"
+    quote = '"' if request.param == "postgresql" else "`"
     admin = create_engine(server, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    yield server.set(drivername="postgresql", database=name).render_as_string(
+        conn.execute(text(f"CREATE DATABASE {quote}{name}{quote}"))
+    yield server.set(drivername=request.param, database=name).render_as_string(
         hide_password=False)
     with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE "{name}" WITH (FORCE)'))
+        if request.param == "mysql":  # the sessions a killed worker left are ended first
+            for (pid,) in conn.execute(text(
+                    "SELECT id FROM information_schema.processlist WHERE db = :name"),
+                    {"name": name}).all():
+                conn.execute(text(f"KILL {int(pid)}"))
+            conn.execute(text(f"DROP DATABASE `{name}`"))
+        else:
+            conn.execute(text(f'DROP DATABASE "{name}" WITH (FORCE)'))
     admin.dispose()
 
 
-@pytest.mark.parametrize("site_database", ["sqlite", "postgresql"], indirect=True)
+@pytest.mark.parametrize("site_database", ["sqlite", "postgresql", "mysql"], indirect=True)
 def test_the_site_tests_pass(site_database: str, pytester: pytest.Pytester,
                              monkeypatch: pytest.MonkeyPatch) -> None:
     shutil.copytree(SITE, pytester.path, dirs_exist_ok=True,
@@ -47,3 +62,41 @@ def test_the_site_tests_pass(site_database: str, pytester: pytest.Pytester,
     monkeypatch.setenv("SHOP_DATABASE", site_database)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=6)
+
+
+@pytest.mark.parametrize("site_database", ["sqlite", "postgresql", "mysql"], indirect=True)
+def test_a_worker_runs_on_what_migrate_created(
+        site_database: str, tmp_path: Path, processes: Processes) -> None:
+    """The site runs with ``create_tables: False``: after ``manage.py migrate``, a real
+    worker starts (its remote-control queue needs the routing tables), answers a ping
+    and runs a task."""
+    site = tmp_path / "site"
+    shutil.copytree(SITE, site, ignore=shutil.ignore_patterns("*.sqlite3", "__pycache__"))
+    env = {"SHOP_DATABASE": site_database, "DJANGO_SETTINGS_MODULE": "shopsite.settings",
+           "PYTHONPATH": os.pathsep.join((str(site), str(ROOT)))}
+    run = partial(subprocess.run, cwd=site, env={**os.environ, **env}, capture_output=True,
+                  text=True, timeout=120)
+    migrated = run([sys.executable, "manage.py", "migrate"])
+    assert migrated.returncode == 0, migrated.stdout + migrated.stderr
+
+    worker = processes.worker("shopsite", env=env, pool="solo")
+    asked = run([sys.executable, "-c", ASK])
+    assert asked.returncode == 0, asked.stdout + asked.stderr
+    assert asked.stdout.split() == ["pong", "ran"], asked.stdout
+    wait_until(lambda: "reserved stock for order 7" in worker.output(), 30,
+               "the worker to log the task's result", alive=[worker])
+    worker.stop()
+
+
+#: what a client of the site asks a worker: a ping, then a task (its result in the log)
+ASK = """
+import socket
+
+import shopsite
+from orders.tasks import reserve_stock
+
+replies = shopsite.celery_app.control.ping([f"w1@{socket.gethostname()}"], timeout=10)
+print("pong" if replies and "pong" in str(replies) else f"no pong: {replies!r}")
+reserve_stock.delay(7)
+print("ran")
+"""

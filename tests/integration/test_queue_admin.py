@@ -48,6 +48,19 @@ def test_queue_delete_drops_a_table_the_transport_created(
     assert not inspect(engine).has_table(table)
 
 
+def test_deleting_a_queue_that_is_not_there_does_nothing(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """As on RabbitMQ and Redis, also where the transport creates no tables: a reply
+    queue Celery deletes after its caller read the replies is gone already (kombu
+    deletes it once per collected reply batch)."""
+    connect().default_channel.queue_declare("replies", durable=False, auto_delete=True)
+    channel = connect(create_tables=False).default_channel
+    for name in ("replies", "replies", "never.declared"):
+        channel.queue_delete(name)
+    assert not inspect(engine).has_table(table_of("never.declared", table_prefix))
+
+
 def test_queue_delete_only_empties_a_declared_table(
     connect: Connect, engine: Engine, table_prefix: str,
 ) -> None:

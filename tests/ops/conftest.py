@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -64,10 +65,10 @@ def app(broker_url: str, table_prefix: str) -> Celery:
     return make_app(broker_url, table_prefix)
 
 
-def standalone_options(prefix: str) -> str:
-    """The app's transport options as ``--transport-options`` JSON (the FIFO table by
-    its import path)."""
-    options = transport_options(prefix)
+def standalone_options(prefix: str, **more: Any) -> str:
+    """The app's transport options (and ``more``) as ``--transport-options`` JSON (the
+    FIFO table by its import path)."""
+    options = {**transport_options(prefix), **more}
     options["queues"]["fifo"]["table"] = "tests.ops.apps:FIFO"
     return json.dumps(options)
 
@@ -75,17 +76,19 @@ def standalone_options(prefix: str) -> str:
 @pytest.fixture
 def cli(ops_env: dict[str, str], db_url: str, table_prefix: str) -> Cli:
     """Run ``celery -A tests.ops.apps sqlinbox ARGS`` (or, ``standalone``, the ``sqlinbox``
-    console script with ``--url`` and ``--transport-options``: the app's, or ``options``
-    under this test's prefix) and return what it did; ``check`` (the default) fails the
-    test on a non-zero exit."""
+    console script with ``--url`` and ``--transport-options``: the app's and ``more``, or
+    ``options`` alone under this test's prefix) and return what it did; ``check`` (the
+    default) fails the test on a non-zero exit."""
 
     def run(*args: str, standalone: bool = False, stdin: str | None = None,
-            check: bool = True, options: dict[str, object] | None = None
-            ) -> subprocess.CompletedProcess[str]:
-        if standalone or options is not None:
-            given = standalone_options(table_prefix) if options is None else json.dumps(
-                {"table_prefix": table_prefix, **options})
+            check: bool = True, options: dict[str, object] | None = None,
+            more: dict[str, object] | None = None) -> subprocess.CompletedProcess[str]:
+        if options is not None:
+            given = json.dumps({"table_prefix": table_prefix, **options})
             argv = [SQLINBOX, "--url", db_url, "--transport-options", given, *args]
+        elif standalone or more:
+            argv = [SQLINBOX, "--url", db_url, "--transport-options",
+                    standalone_options(table_prefix, **(more or {})), *args]
         else:
             argv = [sys.executable, "-m", "celery", "-A", "tests.ops.apps", "sqlinbox", *args]
         env = {**os.environ, **ops_env, "PYTHONPATH": str(ROOT)}

@@ -3,11 +3,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
+import uuid
 
 import pytest
+from sqlalchemy import inspect, text
+from sqlalchemy.engine import Engine
 
+import celery_ext
+from kombu_sqlinbox.broker import close_all
+from tests.databases import drop_tables
 from tests.docs.support import EXAMPLES
+from tests.integration.support import quoted
 
 SHOP = EXAMPLES / "testing"
 
@@ -114,3 +122,161 @@ def test_a_worker_process_that_does_not_start_fails_the_test_with_its_log(
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines([error, "*" + starting.split("'")[1] + "*"])
+
+
+SERVICE = """
+from celery import Celery
+from kombu import Queue
+
+import celery_ext
+import kombu_sqlinbox  # noqa: F401
+from kombu_sqlinbox import TableBuilder
+
+JOBS = (TableBuilder("{jobs}").id().payload().headers().priority().available_at()
+        .locked_until().attempt().build())
+
+
+def make_app(broker="sqlinbox+sqlite:///unused.db", prefix="sqlinbox_"):
+    made = Celery("service", broker=broker, set_as_current=False)
+    made.conf.update(task_ignore_result=True, task_queues=[Queue("celery"), Queue("jobs")],
+                     broker_transport_options={{"table_prefix": prefix,
+                                               "queues": {{"jobs": {{"table": JOBS}}}}}})
+    made.task(name="service.add")(add)
+    return made
+
+
+def add(x, y):
+    return x + y
+
+
+# in production, the service's migrations make its tables
+app = make_app()
+app.conf.broker_transport_options["create_tables"] = False
+outbox = celery_ext.install(app, table="{outbox}", create_table=False)
+"""
+
+TESTS = """
+import os
+
+
+def test_drain(sqlinbox, sqlinbox_app, sqlinbox_drain):
+    with open(os.environ["SQLINBOX_PREFIXES"], "a") as out:
+        out.write(sqlinbox.prefix + "\\n")
+    sqlinbox_app.send_task("service.add", (1, 2))
+    sqlinbox_app.send_task("service.add", (2, 3), queue="jobs")
+    assert sorted(ran.result for ran in sqlinbox_drain()) == [3, 5]
+
+
+def test_outbox(sqlinbox, sqlinbox_outbox):
+    with open(os.environ["SQLINBOX_PREFIXES"], "a") as out:
+        out.write(sqlinbox.prefix + "\\n")
+    assert sqlinbox_outbox.status().unprocessed == 0
+"""
+
+
+def test_the_fixtures_leave_the_service_tables_alone(
+        database: str, db_url: str, engine: Engine, table_prefix: str,
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run against a database where the service already has its outbox table (one
+    unprocessed record) and a declared queue table (one message): a test run creates and
+    drops only tables of its tests' own prefixes, and leaves the service's as they were.
+    The service makes its tables itself (create_tables off): the tests' own are the
+    fixtures' to make."""
+    tag = uuid.uuid4().hex[:8]
+    jobs, outbox_table = f"svc_jobs_{tag}", f"svc_outbox_{tag}"
+    pytester.makepyfile(service=SERVICE.format(jobs=jobs, outbox=outbox_table),
+                        test_service=TESTS)
+    pytester.makeini("[pytest]\nsqlinbox = true\nsqlinbox_app = service:app\n")
+    prefixes = pytester.path / "prefixes.txt"
+    monkeypatch.setenv("SQLINBOX_PREFIXES", str(prefixes))
+    monkeypatch.syspath_prepend(pytester.path)
+    import service  # the project's own module, as the deployed service has it
+
+    deployed = service.make_app("sqlinbox+" + db_url, table_prefix)
+    outbox = celery_ext.install(deployed, db_url, table=outbox_table)
+    try:
+        deployed.send_task("service.add", (7, 7), queue="jobs")  # recorded, then sent
+        outbox.uninstall()
+        outbox.close()
+        close_all()
+        before = {jobs: count(engine, jobs), outbox_table: count(engine, outbox_table)}
+        assert before == {jobs: 1, outbox_table: 1}
+
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider",
+                                               f"--sqlinbox-url={db_url}")
+        assert {jobs: count(engine, jobs), outbox_table: count(engine, outbox_table)} == before
+        result.assert_outcomes(passed=2)
+        used = prefixes.read_text().split()
+        assert len(used) == 2
+        left = [name for name in inspect(engine).get_table_names()
+                if name.startswith(tuple(used))]
+        assert left == []
+    finally:
+        close_all()
+        drop_tables(engine, jobs)
+        drop_tables(engine, outbox_table)
+
+
+def count(engine: Engine, table: str) -> int | None:
+    """The rows of ``table``; None when it does not exist."""
+    if not inspect(engine).has_table(table):
+        return None
+    with engine.connect() as conn:
+        return int(conn.execute(text(f"SELECT COUNT(*) FROM {quoted(engine, table)}")).scalar())
+
+
+def test_a_declared_table_and_its_publish_statement_are_renamed_for_a_test() -> None:
+    from celery_ext.testing import own_table
+    from kombu_sqlinbox import TableBuilder
+
+    spec = (TableBuilder("email_jobs", schema="app").id().payload().locked_until().attempt()
+            .publish_statement('INSERT INTO app."email_jobs" (payload) VALUES (:payload)')
+            .build())
+    renamed = own_table(spec, "t1234_")
+    assert (renamed.table, renamed.schema) == ("t1234_email_jobs", "app")
+    assert renamed.publish == 'INSERT INTO app."t1234_email_jobs" (payload) VALUES (:payload)'
+    plain = dataclasses.replace(spec, publish="insert into email_jobs_x select * from email_jobs")
+    assert own_table(plain, "t1_").publish == (
+        "insert into email_jobs_x select * from t1_email_jobs")
+
+
+def test_a_fixture_that_fails_to_set_up_leaves_the_app_as_it_was(
+        pytester: pytest.Pytester) -> None:
+    """A queue table that cannot serve (its publish statement names a column it lacks)
+    fails the test's set-up, and the next test finds the service's app unbound, its
+    declarations under their own names (not under a prefix, nor under two)."""
+    pytester.makeini("[pytest]\nsqlinbox = true\nsqlinbox_app = service:app\n")
+    pytester.makepyfile(service="""
+        from celery import Celery
+        from kombu import Queue
+
+        import celery_ext
+        import kombu_sqlinbox  # noqa: F401
+        from kombu_sqlinbox import TableBuilder
+
+        JOBS = (TableBuilder("svc_jobs").id().payload().locked_until().attempt()
+                .publish_statement("INSERT INTO svc_jobs (payload, nosuch) VALUES (:payload, 1)")
+                .build())
+        app = Celery("service", broker="sqlinbox+sqlite:///unused.db", set_as_current=False)
+        app.conf.update(task_queues=[Queue("jobs")],
+                        broker_transport_options={"queues": {"jobs": {"table": JOBS}}})
+        outbox = celery_ext.install(app, table="svc_outbox")
+    """)
+    pytester.makepyfile(test_it="""
+        import service
+
+
+        def test_set_up_fails(sqlinbox):
+            pass
+
+
+        def test_the_app_is_as_it_was():
+            options = service.app.conf.broker_transport_options
+            assert service.app.conf.broker_url == "sqlinbox+sqlite:///unused.db"
+            assert options == {"queues": {"jobs": {"table": service.JOBS}}}
+            assert service.outbox.spec.table == "svc_outbox"
+            assert service.outbox.store.create_table
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*its publish statement does not fit the schema*"])

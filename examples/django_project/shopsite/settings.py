@@ -1,7 +1,7 @@
 """Settings of the shop site: its database is also its Celery broker and outbox.
 
-``SHOP_DATABASE`` picks the database: ``sqlite:///path`` (the default: shop.sqlite3 here)
-or ``postgresql://user@host:port/name``.
+``SHOP_DATABASE`` picks the database: ``sqlite:///path`` (the default: shop.sqlite3 here),
+``postgresql://user@host:port/name`` or ``mysql://user@host:port/name``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,14 @@ def database(url: str) -> dict[str, object]:
     parts = urlsplit(url)
     if parts.scheme == "sqlite":
         return {"ENGINE": "django.db.backends.sqlite3", "NAME": parts.path[1:]}
-    return {"ENGINE": "django.db.backends.postgresql", "NAME": parts.path[1:],
+    if parts.scheme == "mysql":
+        try:
+            import MySQLdb  # noqa: F401  (mysqlclient)
+        except ImportError:  # the usual stand-in
+            import pymysql
+
+            pymysql.install_as_MySQLdb()
+    return {"ENGINE": f"django.db.backends.{parts.scheme}", "NAME": parts.path[1:],
             "USER": parts.username or "", "PASSWORD": parts.password or "",
             "HOST": parts.hostname or "", "PORT": str(parts.port or "")}
 
@@ -39,7 +46,8 @@ CELERY_BROKER_URL = celery_ext.django.broker_url(DATABASES["default"])
 MAIL_BROKER_URL = os.environ.get("MAIL_BROKER_URL", "memory://")
 MAIL_OUTBOX_URL = CELERY_BROKER_URL.removeprefix("sqlinbox+")
 MAIL_TASK_IGNORE_RESULT = True
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 60}
+# the migrations create every table the inbox needs (below), so the transport creates none
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 60, "create_tables": False}
 CELERY_TASK_IGNORE_RESULT = True
 # the tables the celery_ext.django migrations create
 SQLINBOX_QUEUES = ["celery"]

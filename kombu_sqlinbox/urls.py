@@ -1,0 +1,98 @@
+"""The broker URL as kombu holds it, and as the transport shows it.
+
+kombu keeps a ``sqlinbox+`` URL whole in the connection's ``hostname``, and Celery shows
+that field (``celery inspect stats``, Flower's worker page) while it leaves out only the
+``password`` field: so the URL's password is moved to that field, and put back only
+where the transport connects.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
+
+from .errors import ConfigurationError
+
+#: how a broker URL names this transport
+URL_PREFIX = "sqlinbox+"
+#: the password of ``scheme://user:password@host``, for text no URL parser reads
+_PASSWORD = re.compile(r"(://[^/@:]*:)[^/@]*@")
+
+
+def masked(url: str, mask: str = "***") -> str:
+    """``url`` with its password, if any, shown as ``mask`` (by default as SQLAlchemy
+    shows one), whether or not the rest of it parses."""
+    return _PASSWORD.sub(lambda found: f"{found.group(1)}{mask}@", url)
+
+
+def _parsed(url: str) -> URL | None:
+    try:
+        return make_url(url)
+    except (ArgumentError, ValueError):  # refused where the transport connects
+        return None
+
+
+def conceal_password(client: Any) -> None:
+    """Move the password of the URL in the kombu connection ``client``'s ``hostname`` to
+    its ``password`` field (what kombu and Celery leave out of what they show); clones of
+    the connection carry both fields."""
+    hostname = client.hostname
+    parsed = _parsed(hostname) if isinstance(hostname, str) and "://" in hostname else None
+    if parsed is None or parsed.password is None:
+        return
+    client.password = parsed.password
+    # set(password=None) would leave it as it is
+    client.hostname = parsed._replace(password=None).render_as_string(hide_password=False)
+
+
+def client_url(client: Any) -> str:
+    """The SQLAlchemy URL (password included) the kombu connection ``client`` names:
+    its ``hostname`` with the password field put back, or the parts of an alternate URL
+    kombu's failover parsed itself, put back together."""
+    hostname = client.hostname or ""
+    scheme = str(client.transport_cls or "")
+    if "://" not in hostname and scheme.startswith(URL_PREFIX):
+        return URL.create(
+            scheme[len(URL_PREFIX):], username=client.userid, password=client.password,
+            host=hostname or None, port=client.port,
+            database=None if client.virtual_host in (None, "/") else client.virtual_host,
+        ).render_as_string(hide_password=False)
+    if "://" not in hostname:
+        raise ConfigurationError(
+            "the sqlinbox transport needs an SQLAlchemy URL: "
+            "broker='sqlinbox+postgresql://user@host/db' or 'sqlinbox+sqlite:///jobs.db'"
+        )
+    parsed = _parsed(hostname) if client.password else None
+    if parsed is None or parsed.password is not None:
+        return str(hostname)
+    return parsed.set(password=client.password).render_as_string(hide_password=False)
+
+
+def shown_uri(client: Any, include_password: bool, mask: str) -> str:
+    """The ``sqlinbox+`` URL of ``client`` as kombu's ``as_uri()`` shows it: the password
+    given as ``mask`` unless ``include_password``."""
+    try:
+        url = client_url(client)
+    except ConfigurationError:  # shown as given: connecting says what is wrong with it
+        url = str(client.hostname or "")
+    return URL_PREFIX + (url if include_password else masked(url, mask))
+
+
+def refuse_alternates_with_query(alternates: Sequence[Any]) -> None:
+    """kombu's failover parses an alternate URL itself and passes its query string on as
+    connection arguments: a failover to one would fail (or drop the settings), so a
+    broker URL with alternates is refused at start-up when one has a query string."""
+    if len(alternates) < 2:
+        return
+    for url in alternates:
+        if isinstance(url, str) and "://" in url and urlsplit(url).query:
+            raise ConfigurationError(
+                f"broker URL {masked(url)!r}: with failover URLs, no URL may have a query "
+                "string (kombu's failover cannot pass it on); give driver settings as "
+                "transport option engine_options={'connect_args': {...}}, which every URL "
+                "shares")

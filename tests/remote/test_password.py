@@ -1,0 +1,145 @@
+"""The database password of the broker URL is shown nowhere: not in what ``celery inspect``
+answers (``stats`` is what Flower's worker page shows), not in the worker's log, not in
+the ``sqlinbox`` commands' output, not in an error.
+
+PostgreSQL, as a role of the test's own with a password (the server here trusts local
+connections, so any password is accepted: what matters is what is shown).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import pytest
+from kombu import Connection
+from sqlalchemy import create_engine
+from sqlalchemy.engine import make_url
+
+from kombu_sqlinbox.errors import ConfigurationError
+from kombu_sqlinbox.transport import Transport
+from tests.databases import require_server
+from tests.processes import wait_until
+from tests.remote.conftest import COMMAND_LIMIT, EXAMPLE, HOST, Cluster, at_once
+
+#: a password no output may contain (URL-quoted where it stands in a URL)
+SECRET = f"Pw-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def role_url() -> Iterator[str]:
+    """A plain PostgreSQL URL of a role of this test's own, with :data:`SECRET` as its
+    password; the role and everything it owns are dropped afterwards."""
+    server = make_url(require_server("postgresql"))
+    role = f"pw_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"CREATE ROLE {role} LOGIN PASSWORD '{SECRET}'")
+        conn.exec_driver_sql(f"GRANT USAGE, CREATE ON SCHEMA public TO {role}")
+    try:
+        yield server.set(username=role, password=SECRET).render_as_string(hide_password=False)
+    finally:
+        from kombu_sqlinbox.broker import close_all
+
+        close_all()
+        with admin.connect() as conn:
+            conn.exec_driver_sql(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = "
+                f"'{role}'")
+            conn.exec_driver_sql(f"DROP OWNED BY {role}")
+            conn.exec_driver_sql(f"DROP ROLE {role}")
+        admin.dispose()
+
+
+def assert_hidden(*outputs: str) -> None:
+    for output in outputs:
+        assert SECRET not in output, output
+
+
+def test_the_connection_reports_its_url_without_the_password(role_url: str) -> None:
+    """What Celery reads off the connection to show (``info()`` less its password field,
+    which Celery leaves out, and ``as_uri()``) has no password, while the transport
+    still connects with it."""
+    conn = Connection("sqlinbox+" + role_url)
+    assert_hidden(conn.info()["hostname"], conn.as_uri(), repr(conn))
+    assert conn.as_uri(include_password=True) == "sqlinbox+" + role_url
+    assert isinstance(conn.transport, Transport)
+    assert conn.transport.url == role_url
+    assert conn.clone().transport.url == role_url
+    conn.ensure_connection(max_retries=1)
+    conn.release()
+
+
+def test_a_password_given_apart_from_the_url_is_connected_with() -> None:
+    """Celery's ``broker_password`` setting comes as the connection's password field."""
+    conn = Connection("sqlinbox+postgresql://app@db/jobs", password=SECRET)
+    assert conn.transport.url == f"postgresql://app:{SECRET}@db/jobs"
+    assert_hidden(conn.as_uri(), conn.info()["hostname"])
+
+
+def test_a_connection_without_an_url_is_shown_and_refused_when_it_connects() -> None:
+    conn = Connection(hostname="db", transport="sqlinbox")
+    assert repr(conn).startswith("<Connection: sqlinbox+db at ")
+    with pytest.raises(ConfigurationError, match="needs an SQLAlchemy URL"):
+        conn.ensure_connection(max_retries=1)
+
+
+@pytest.mark.parametrize("url", [f"postgresql://app:{SECRET}@db:notaport/jobs",
+                                 f"post gres://app:{SECRET}@db/jobs"],
+                         ids=["port", "scheme"])
+def test_an_url_that_is_not_sqlalchemy_is_refused_without_its_password(url: str) -> None:
+    conn = Connection("sqlinbox+" + url)
+    with pytest.raises(ConfigurationError, match="not an SQLAlchemy URL") as raised:
+        conn.ensure_connection(max_retries=1)
+    assert_hidden(str(raised.value), conn.as_uri())
+
+
+@pytest.mark.slow
+def test_inspect_logs_commands_and_errors_show_no_password(
+        role_url: str, tmp_path: Path) -> None:
+    cluster = Cluster("postgresql", "sqlinbox+" + role_url, f"r{uuid.uuid4().hex[:8]}_",
+                      tmp_path)
+    cluster.names = [f"a@{HOST}"]
+    failed = True
+    try:
+        cluster.workers = cluster.start_workers(["a"])
+        stats, report, conf = at_once([partial(cluster.inspect, command)
+                                       for command in ("stats", "report", "conf")])
+        broker = stats[cluster.names[0]]["broker"]
+        assert broker["transport"] == "sqlinbox", broker
+        assert make_url(broker["hostname"]).username == make_url(role_url).username, broker
+        assert_hidden(repr(stats), repr(report), repr(conf))
+
+        task_id = cluster.send("add", 1, 2)
+        queues = cluster.celery("sqlinbox", "queues")
+        check = cluster.celery("sqlinbox", "check", check=False)
+        assert_hidden(queues.stdout, queues.stderr, check.stdout, check.stderr)
+        assert task_id
+
+        # errors: a database that does not exist, from the command line and a worker
+        missing = role_url.replace("/test", "/no_such_database")
+        command = subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "monitor_app", "sqlinbox", "--url",
+             missing, "queues"], cwd=EXAMPLE, capture_output=True, text=True,
+            timeout=COMMAND_LIMIT, env={**os.environ, **cluster.env,
+                                        "MONITOR_BROKER": "sqlinbox+" + missing})
+        assert command.returncode != 0
+        assert_hidden(command.stdout, command.stderr)
+        stranded = cluster.spawn("stranded", "worker", "-l", "info", "-n", "stranded@%h",
+                                 "--without-gossip", "--without-mingle",
+                                 MONITOR_BROKER="sqlinbox+" + missing)
+        wait_until(lambda: "Cannot connect to" in stranded.output(), COMMAND_LIMIT,
+                   "the worker to report it cannot connect")
+        stranded.kill()
+        assert_hidden(stranded.output())
+
+        cluster.workers[0].stop()
+        assert_hidden(cluster.workers[0].output())
+        failed = False
+    finally:
+        cluster.close(failed)
