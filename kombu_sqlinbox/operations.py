@@ -360,9 +360,10 @@ class Operations:
         """Plan every statement the transport and these operations run against each
         queue on the live schema, without running any; also check each table's columns
         and that the claim walks its index (where it does not, the table's statements are
-        not planned: MySQL's name that index). A missing table is a problem only where the
-        transport does not create tables (``create_tables=False``). Returns how many
-        statements were planned, and the problems."""
+        not planned: MySQL's name that index), and that the routing tables compare names
+        exactly. A missing table is a problem only where the transport does not create
+        tables (``create_tables=False``). Returns how many statements were planned, and
+        the problems."""
         planned = 0
         problems: list[Problem] = []
         for name, spec in self.queues():
@@ -391,6 +392,9 @@ class Operations:
                 self.broker.run(partial(_rows, explained, PLAN_PARAMS), attempts=1,
                                 read_only=True)
                 planned += 1
+        routing = self.dialect.routing_statements(self.options.table_prefix).names
+        problems += [Problem("routing", table, what) for table, what in self.broker.run(
+            partial(self.dialect.routing_problems, names=routing), read_only=True)]
         return planned, problems
 
     def _ensure(self, spec: TableSpec, conn: Connection) -> bool:

@@ -332,6 +332,38 @@ def test_names_differing_only_in_case_are_different_queues(connect: Connect) -> 
     assert get(conn, "reply") is None
 
 
+def test_names_differing_only_in_trailing_spaces_are_different_queues(
+        connect: Connect) -> None:
+    """MariaDB's utf8mb4_bin pads with spaces when it compares ('alice' = 'alice '): names
+    are stored where they compare byte for byte, on every database."""
+    conn = other(connect, 1)
+    for name in ("alice", "alice ", "alice  "):
+        declare(conn, transient(name, REPLIES, name))
+    producer = other(connect, 2).Producer()
+    producer.publish({"to": "alice"}, exchange=REPLIES, routing_key="alice", declare=[REPLIES])
+    producer.publish({"to": "alice  "}, exchange=REPLIES, routing_key="alice  ")
+    assert get(conn, "alice ") is None
+    assert get_within(conn, "alice").payload == {"to": "alice"}
+    assert get_within(conn, "alice  ").payload == {"to": "alice  "}
+    assert get(conn, "alice") is None
+    channel = other(connect, 3).default_channel
+    with pytest.raises(ChannelError):
+        channel.queue_declare("bob ", passive=True)  # only "bob" exists
+    declare(conn, transient("bob", REPLIES, "bob"))
+    with pytest.raises(ChannelError):
+        channel.queue_declare("bob ", passive=True)
+
+
+def test_exchanges_differing_only_in_trailing_spaces_route_apart(connect: Connect) -> None:
+    news, spaced = (Exchange(name, type="fanout", durable=False) for name in ("news", "news "))
+    conn = other(connect, 1)
+    declare(conn, transient("plain", news))
+    declare(conn, Queue("kept", spaced, durable=True))  # reached through the bindings table
+    other(connect, 2).Producer().publish({"to": "news"}, exchange="news")
+    assert get_within(conn, "plain").payload == {"to": "news"}
+    assert get(conn, "kept") is None
+
+
 def test_hostile_exchange_names_and_keys_are_bound_values(connect: Connect) -> None:
     hostile = Exchange("x'); DROP TABLE users; --", type="topic", durable=False)
     conn = other(connect, 1)

@@ -1,11 +1,14 @@
 """``ddl`` prints what creates every queue's table; ``check`` passes on exactly that
-schema and fails, naming the problem, on a dropped index and on a wrong column type."""
+schema and fails, naming the problem, on a dropped index, a wrong column type and (MariaDB)
+routing tables that compare names ignoring trailing spaces."""
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
+from kombu_sqlinbox.dialects import dialect_for
 from tests.integration.support import quoted
 from tests.ops.conftest import Cli
 
@@ -58,3 +61,43 @@ def test_check_passes_on_the_printed_ddl_and_catches_drift(
     assert problems[1].startswith(
         f"PROBLEM fifo ({table_prefix}fifo_jobs): table '{table_prefix}fifo_jobs': "
         "column 'attempt' (role attempt) has type"), problems[1]
+
+
+#: the type MariaDB/MySQL routing tables gave names before they were binary strings: a
+#: collation that ignores trailing spaces when it compares
+PADDED = "VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
+
+
+@pytest.mark.parametrize("database", ["mysql"], indirect=True)
+def test_check_finds_routing_tables_comparing_names_without_trailing_spaces(
+        cli: Cli, engine: Engine, table_prefix: str) -> None:
+    """Routing tables made before names were binary strings: ``check`` says so and gives
+    the ALTER that migrates them, which keeps every row and makes names compare exactly."""
+    routing = dialect_for(engine).routing_statements(table_prefix)
+    with engine.begin() as conn:
+        for statement in routing.ddl:
+            conn.execute(text(statement.replace("VARBINARY(1020)", PADDED)))
+        conn.execute(text(f"INSERT INTO {quoted(engine, routing.names[1])} VALUES "
+                          "('ünï', 'alice', 'alice', 'direct', 'alice')"))
+    failed = cli("check", check=False)
+    assert failed.returncode == 1, failed.stdout
+    problems = [line for line in failed.stdout.splitlines() if line.startswith("PROBLEM")]
+    assert [line.split(":")[0] for line in problems] == [
+        f"PROBLEM routing ({name})" for name in routing.names]
+    assert "ignore trailing spaces" in problems[0], failed.stdout
+    alters = [line for line in failed.stdout.splitlines() if line.startswith("ALTER TABLE")]
+    assert len(alters) == 3, failed.stdout
+    with engine.begin() as conn:
+        for statement in alters:
+            conn.execute(text(statement.rstrip(";")))
+    passed = cli("check")
+    assert passed.stdout.endswith(": 0 problem(s)\n"), passed.stdout
+    with engine.connect() as conn:
+        kept = conn.execute(text(
+            f"SELECT CONVERT(exchange USING utf8mb4), queue FROM "
+            f"{quoted(engine, routing.names[1])} WHERE queue = 'alice '")).all()
+        assert kept == []
+        kept = conn.execute(text(
+            f"SELECT CONVERT(exchange USING utf8mb4) FROM "
+            f"{quoted(engine, routing.names[1])} WHERE queue = 'alice'")).all()
+    assert kept == [("ünï",)]
