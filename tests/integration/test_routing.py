@@ -21,7 +21,7 @@ from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox import ConfigurationError
-from kombu_sqlinbox.dialects import RoutingStatements
+from kombu_sqlinbox.dialects import RoutingStatements, dialect_for
 
 from .conftest import Connect
 from .support import broker_of, get, get_within, quoted, statements_run, wait_for
@@ -362,6 +362,25 @@ def test_exchanges_differing_only_in_trailing_spaces_route_apart(connect: Connec
     other(connect, 2).Producer().publish({"to": "news"}, exchange="news")
     assert get_within(conn, "plain").payload == {"to": "news"}
     assert get(conn, "kept") is None
+
+
+@pytest.mark.parametrize("database", ["mysql"], indirect=True)
+def test_routing_tables_of_an_earlier_version_are_named_at_start_up_with_their_fix(
+        connect: Connect, engine: Engine, table_prefix: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Made when names were text (a collation ignoring trailing spaces): the transport
+    still runs on them, and says what to change."""
+    routing = dialect_for(engine).routing_statements(table_prefix)
+    with engine.begin() as conn:
+        for statement in routing.ddl:
+            conn.execute(text(statement.replace(
+                "VARBINARY(1020)", "VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin")))
+    with caplog.at_level(logging.WARNING, logger="kombu_sqlinbox.routing"):
+        declare(other(connect, 1), transient("alice", REPLIES, "alice"))
+    warned = [record.getMessage() for record in caplog.records]
+    assert [message.split(":")[1] for message in warned] == [
+        f" routing table {name}" for name in routing.names], warned
+    assert "trailing spaces" in warned[0] and "ALTER TABLE" in warned[0], warned
 
 
 def test_hostile_exchange_names_and_keys_are_bound_values(connect: Connect) -> None:
