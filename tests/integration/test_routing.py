@@ -24,7 +24,7 @@ from kombu_sqlinbox import ConfigurationError
 from kombu_sqlinbox.dialects import RoutingStatements, dialect_for
 
 from .conftest import Connect
-from .support import broker_of, get, get_within, quoted, statements_run, wait_for
+from .support import PADDED_NAME_TYPE, broker_of, get, get_within, quoted, statements_run, wait_for
 from .test_kombu import EventLoop
 
 FANOUT = Exchange("broadcast", type="fanout", durable=False)
@@ -373,8 +373,7 @@ def test_routing_tables_of_an_earlier_version_are_named_at_start_up_with_their_f
     routing = dialect_for(engine).routing_statements(table_prefix)
     with engine.begin() as conn:
         for statement in routing.ddl:
-            conn.execute(text(statement.replace(
-                "VARBINARY(1020)", "VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin")))
+            conn.execute(text(statement.replace("VARBINARY(1020)", PADDED_NAME_TYPE)))
     with caplog.at_level(logging.WARNING, logger="kombu_sqlinbox.routing"):
         declare(other(connect, 1), transient("alice", REPLIES, "alice"))
     warned = [record.getMessage() for record in caplog.records]

@@ -9,7 +9,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox.dialects import dialect_for
-from tests.integration.support import quoted
+from tests.integration.support import PADDED_NAME_TYPE, quoted
 from tests.ops.conftest import Cli
 
 
@@ -63,11 +63,6 @@ def test_check_passes_on_the_printed_ddl_and_catches_drift(
         "column 'attempt' (role attempt) has type"), problems[1]
 
 
-#: the type MariaDB/MySQL routing tables gave names before they were binary strings: a
-#: collation that ignores trailing spaces when it compares
-PADDED = "VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
-
-
 @pytest.mark.parametrize("database", ["mysql"], indirect=True)
 def test_check_finds_routing_tables_comparing_names_without_trailing_spaces(
         cli: Cli, engine: Engine, table_prefix: str) -> None:
@@ -76,7 +71,7 @@ def test_check_finds_routing_tables_comparing_names_without_trailing_spaces(
     routing = dialect_for(engine).routing_statements(table_prefix)
     with engine.begin() as conn:
         for statement in routing.ddl:
-            conn.execute(text(statement.replace("VARBINARY(1020)", PADDED)))
+            conn.execute(text(statement.replace("VARBINARY(1020)", PADDED_NAME_TYPE)))
         conn.execute(text(f"INSERT INTO {quoted(engine, routing.names[1])} VALUES "
                           "('ünï', 'alice', 'alice', 'direct', 'alice')"))
     failed = cli("check", check=False)
