@@ -142,7 +142,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--databases", default=",".join((*DATABASES, *CONTROLS)),
         help="comma-separated databases the tests run on (tox runs one per env), the "
-             f"kombu brokers kombu-level tests also run on as a control, and driver "
+             "kombu brokers kombu-level tests also run on as a control, and driver "
              f"variants the tests marked 'drivers' also run on ({', '.join(VARIANTS)})")
 
 

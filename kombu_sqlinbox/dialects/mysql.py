@@ -89,8 +89,8 @@ class MySQLDialect(Dialect):
         return os.path.join(root, hashlib.sha256(server.encode()).hexdigest()[:16])
 
     # -- routing -----------------------------------------------------------------
-    #: names compare byte for byte, as kombu's do: a binary string (255 characters of
-    #: UTF-8), as no character collation both servers have does (the default one folds
+    #: names compare byte for byte, as kombu compares them: binary strings (255 characters
+    #: of UTF-8), since no text collation MySQL and MariaDB share does (the default folds
     #: case; ``utf8mb4_bin`` ignores trailing spaces, so ``'alice' = 'alice '``)
     name_type = "VARBINARY(1020)"
     seconds_type = "DOUBLE"
