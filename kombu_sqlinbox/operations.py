@@ -416,9 +416,12 @@ class Operations:
                     planned += 1
                 except DBAPIError as exc:
                     failed.setdefault(table, f"{field.name}: {exc.orig}")
-        return planned, [Problem(ROUTING, table, (
+        problems = [Problem(ROUTING, table, (
             f"the statement {what} (the ddl command prints what makes the routing tables)"))
             for table, what in failed.items()]
+        kept_apart = self.broker.run(partial(self.dialect.routing_problems, names=sql.names),
+                                     read_only=True)  # names compared as the statements expect
+        return planned, problems + [Problem(ROUTING, table, what) for table, what in kept_apart]
 
     def _ensure(self, spec: TableSpec, conn: Connection) -> bool:
         return self.dialect.ensure_table(conn, spec, create=False)

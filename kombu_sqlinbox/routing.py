@@ -117,7 +117,13 @@ class Routes:
 
     def _find_or_create(self, caller: Connection | None) -> bool:
         def missing(conn: Connection) -> list[str]:
-            return [name for name in self.sql.names if not inspect(conn).has_table(name)]
+            """The tables missing; when none is, what the dialect finds wrong in them is
+            logged (tables an earlier version made, say)."""
+            absent = [name for name in self.sql.names if not inspect(conn).has_table(name)]
+            for table, problem in [] if absent else self.dialect.routing_problems(
+                    conn, self.sql.names):
+                logger.warning("sqlinbox: routing table %s: %s", table, problem)
+            return absent
 
         if not (missing(caller) if caller is not None else self._read(missing)):
             return True

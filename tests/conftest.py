@@ -3,8 +3,12 @@ test starts.
 
 A test runs on each database when it uses ``database`` (directly or through ``db_url``,
 ``engine``...), or on those it names with ``pytest.mark.parametrize("database", ...)``;
-the ``databases`` marker and the ``--databases`` option narrow that. Server URLs and
-when a server that does not answer skips or fails a test: :mod:`tests.databases`.
+the ``databases`` marker and the ``--databases`` option narrow that. A test marked
+``drivers`` (it reads what a driver returns) also runs on each driver variant
+(``postgresql-psycopg2``, ``mysql-nonstrict``), when ``--databases`` names them: its
+``database`` is then the variant's database, and ``db_url`` the variant's URL. Server
+URLs and when a server that does not answer skips or fails a test:
+:mod:`tests.databases`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,14 @@ import pytest
 from sqlalchemy import create_engine
 from sqlalchemy.engine import Engine
 
-from tests.databases import CONTROLS, DATABASES, database_url, drop_tables
+from tests.databases import (
+    CONTROLS,
+    DATABASES,
+    VARIANTS,
+    database_of,
+    database_url,
+    drop_tables,
+)
 from tests.processes import Processes
 
 FAILED = pytest.StashKey[bool]()
@@ -27,16 +38,41 @@ FAILED = pytest.StashKey[bool]()
 pytest_plugins = ["pytester", "celery_ext.testing"]
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test marked ``drivers`` runs on every database and variant: the marker becomes
+    a parametrisation of ``database`` before the fixture's own applies (a test that
+    parametrises ``database`` itself names its variants)."""
+    if metafunc.definition.get_closest_marker("drivers") is None or any(
+            "database" in parametrized(mark)
+            for mark in metafunc.definition.iter_markers("parametrize")):
+        return
+    if "database" in metafunc.fixturenames:
+        metafunc.definition.add_marker(pytest.mark.parametrize(
+            "database", (*DATABASES, *VARIANTS), indirect=True))
+
+
+def parametrized(mark: pytest.Mark) -> list[str]:
+    """The argument names a ``parametrize`` mark gives values to."""
+    names = mark.args[0] if mark.args else mark.kwargs["argnames"]
+    return [name.strip() for name in names.split(",")] if isinstance(names, str) \
+        else list(names)
+
+
 @pytest.fixture(params=DATABASES)
 def database(request: pytest.FixtureRequest) -> str:
-    """The name of each database in turn: the behaviour suite runs once per database."""
-    return str(request.param)
+    """The name of each database in turn (a variant's database on a variant): the
+    behaviour suite runs once per database."""
+    return database_of(str(request.param))
 
 
 @pytest.fixture
-def db_url(database: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A plain SQLAlchemy URL of the database under test (SQLite: a fresh file)."""
-    return database_url(database, tmp_path_factory.mktemp("sqlite"))
+def db_url(request: pytest.FixtureRequest, database: str,
+           tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A plain SQLAlchemy URL of the database (or variant) under test (SQLite: a fresh
+    file)."""
+    return database_url(item_database(request.node) or database,
+                        tmp_path_factory.mktemp("sqlite"))
 
 
 @pytest.fixture
@@ -105,33 +141,38 @@ def processes(request: pytest.FixtureRequest, tmp_path: Path,
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--databases", default=",".join((*DATABASES, *CONTROLS)),
-        help="comma-separated databases the tests run on (tox runs one per env), and the "
-             "kombu brokers kombu-level tests also run on as a control")
+        help="comma-separated databases the tests run on (tox runs one per env), the "
+             "kombu brokers kombu-level tests also run on as a control, and driver "
+             f"variants the tests marked 'drivers' also run on ({', '.join(VARIANTS)})")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "databases(*names): run a test only on these databases (the others lack "
         "what it needs: a connection to break, advisory locks)")
+    config.addinivalue_line(
+        "markers", "drivers: the test reads what a driver returns or a server's mode lets "
+        "through; it also runs on the driver variants (tests.databases.VARIANTS)")
 
 
-def item_database(item: pytest.Item) -> str | None:
-    """The database a collected test runs on: its ``database`` parameter, if any."""
+def item_database(item: pytest.Item | pytest.Node) -> str | None:
+    """The database (or variant) a collected test runs on: its ``database`` parameter, if
+    any."""
     callspec = getattr(item, "callspec", None)
     return None if callspec is None else callspec.params.get("database")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep the tests parametrised over the chosen databases (and every other test), less
-    those whose ``databases`` marker leaves their database out (deselected, not skipped:
-    the test has no meaning there)."""
+    """Keep the tests parametrised over the chosen databases and variants (and every other
+    test), less those whose ``databases`` marker leaves their database out (deselected,
+    not skipped: the test has no meaning there)."""
     chosen = set(str(config.getoption("--databases")).split(","))
     kept, dropped = [], []
     for item in items:
         database = item_database(item)
         marker = item.get_closest_marker("databases")
         wanted = database is None or (
-            database in chosen and (marker is None or database in marker.args))
+            database in chosen and (marker is None or database_of(database) in marker.args))
         (kept if wanted else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)

@@ -4,6 +4,12 @@ to drop.
 Server URLs come from the environment (defaults are the local services):
 ``SQLINBOX_TEST_POSTGRES``, ``SQLINBOX_TEST_MYSQL``. Outside CI a server that does not
 answer skips its tests with what to start; with ``CI=true`` it fails them.
+
+A PostgreSQL URL naming no driver takes psycopg 3 when it is installed (as in the test
+extras; psycopg2 otherwise): the suite reads PostgreSQL through psycopg 3. What a driver
+returns (a BYTEA, a JSON column, a timestamp) and what a server's mode lets through
+differ, so tests marked ``drivers`` also run on the :data:`VARIANTS`: psycopg2, and
+MariaDB sessions in a non-strict ``sql_mode``.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import Connection, TextClause, inspect, text
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
 
 from kombu_sqlinbox.broker import Broker
 from kombu_sqlinbox.tables import TableSpec
@@ -33,6 +39,13 @@ SERVERS = {
 }
 #: every database, in the order a test parametrised over them runs
 DATABASES = ("postgresql", "mysql", "sqlite")
+#: a database reached otherwise, as ``<database>-<what differs>``: a test marked
+#: ``drivers`` runs on these too (``--databases`` names them to run them)
+VARIANTS = ("postgresql-psycopg2", "mysql-nonstrict")
+#: what a MariaDB/MySQL server that is not strict runs its sessions in (no STRICT_*:
+#: a value a column cannot hold is truncated or converted with a warning, not refused);
+#: set per session, never on the shared server
+NONSTRICT_SQL_MODE = "NO_ENGINE_SUBSTITUTION"
 #: kombu's own brokers, the control a kombu-level test also runs on (same test bodies)
 CONTROL_URLS = {
     "redis": os.environ.get("SQLINBOX_TEST_REDIS", "redis://127.0.0.1:6379/7"),
@@ -79,12 +92,29 @@ def _require(name: str, url: str, answers: Callable[[str], str | None], hint: st
     return url
 
 
+def database_of(name: str) -> str:
+    """The database of a name of :data:`DATABASES` or :data:`VARIANTS`."""
+    return name.partition("-")[0]
+
+
 def database_url(name: str, tmp: Path, file: str = "inbox.db") -> str:
-    """The plain SQLAlchemy URL a test uses for the database ``name``: the shared server,
-    or for SQLite a file ``file`` in the test's directory ``tmp``."""
+    """The plain SQLAlchemy URL a test uses for the database ``name`` (or a variant): the
+    shared server, or for SQLite a file ``file`` in the test's directory ``tmp``. A
+    variant's URL says what differs, so every process the test starts (a worker, the
+    operations commands) reaches the database the same way."""
     if name == "sqlite":
         return f"sqlite:///{tmp}/{file}"
-    return require_server(name)
+    url = require_server(database_of(name))
+    if name in DATABASES:
+        return url
+    if name == "postgresql-psycopg2":
+        variant = make_url(url).set(drivername="postgresql+psycopg2")
+    elif name == "mysql-nonstrict":  # PyMySQL runs init_command first on each connection
+        variant = make_url(url).update_query_dict(
+            {"init_command": f"SET SESSION sql_mode = '{NONSTRICT_SQL_MODE}'"})
+    else:
+        raise ValueError(f"no database or variant {name!r}")
+    return variant.render_as_string(hide_password=False)
 
 
 def drop_tables(engine: Engine, prefix: str) -> None:

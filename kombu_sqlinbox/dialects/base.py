@@ -144,6 +144,9 @@ class RoutingStatements:
     expired_queues: TextClause
     expired_messages: TextClause
     orphans: TextClause
+    #: the columns of each table that hold a name (of type :attr:`Dialect.name_type`)
+    name_columns: ClassVar[tuple[tuple[str, ...], ...]] = (
+        ("name",), ("exchange", "queue", "routing_key", "type", "pattern"), ("queue",))
 
     @staticmethod
     def tables(prefix: str) -> tuple[str, str, str]:
@@ -1487,6 +1490,16 @@ class Dialect:
         """SQL: a time as :attr:`now` gives it, in epoch seconds (a DOUBLE)."""
         raise NotImplementedError
 
+    def routing_problems(self, conn: Connection,
+                         names: Sequence[str]) -> list[tuple[str, str]]:
+        """What in the existing routing tables ``names`` keeps them from working as these
+        statements expect, by table (the text types here compare names exactly)."""
+        return []
+
+    def name_text(self, column: str) -> str:
+        """SQL: a name column of the routing tables (:attr:`name_type`) read as text."""
+        return column
+
     def matches(self, value: str, pattern: str) -> str:
         """SQL: ``value`` matches the regular expression ``pattern`` (a topic binding)."""
         return f"{value} REGEXP {pattern}"
@@ -1541,6 +1554,9 @@ class Dialect:
 
         declare = self.upsert(queues, ["name"], ["transient", "expires", "message_ttl",
                                                  "expires_at"])
+        name = self.name_text("name")
+        bound = ", ".join(self.name_text(f"b.{column}")
+                          for column in ("routing_key", "pattern", "queue", "type"))
         return RoutingStatements(
             names=names,
             ddl=self.routing_ddl(queues, bindings, messages, names),
@@ -1549,13 +1565,13 @@ class Dialect:
             kind=sql(f"SELECT transient FROM {queues} WHERE name = :name"),
             touch=sql(f"UPDATE {queues} SET expires_at = {now} + expires "
                       "WHERE name IN :ids AND expires IS NOT NULL"),
-            registered=sql(f"SELECT name FROM {queues} WHERE name IN :ids"),
+            registered=sql(f"SELECT {name} FROM {queues} WHERE name IN :ids"),
             bind=sql(self.upsert(bindings, ["exchange", "queue", "routing_key"],
                                  ["type", "pattern"])),
             unbind=sql(f"DELETE FROM {bindings} WHERE exchange = :exchange "
                        "AND queue = :queue AND routing_key = :routing_key"),
             unbind_exchange=sql(f"DELETE FROM {bindings} WHERE exchange = :exchange"),
-            bound=sql(f"SELECT b.routing_key, b.pattern, b.queue, b.type FROM {bindings} AS b "
+            bound=sql(f"SELECT {bound} FROM {bindings} AS b "
                       f"LEFT JOIN {queues} AS q ON q.name = b.queue "
                       "WHERE b.exchange = :exchange AND COALESCE(q.transient, 0) = 0"),
             forget=tuple(sql(statement) for statement in (
@@ -1568,8 +1584,8 @@ class Dialect:
                         for statement in self.transient_claim(messages, fresh)),
             size=sql(f"SELECT COUNT(*) FROM {messages} WHERE queue = :queue AND {fresh}"),
             purge=sql(f"DELETE FROM {messages} WHERE queue = :queue"),
-            expired_queues=sql(f"SELECT name, transient FROM {queues} WHERE expires_at < {now} "
-                               f"ORDER BY expires_at LIMIT :limit {lock}"),
+            expired_queues=sql(f"SELECT {name}, transient FROM {queues} "
+                               f"WHERE expires_at < {now} ORDER BY expires_at LIMIT :limit {lock}"),
             expired_messages=sql(self.delete_some(messages, f"expires_at < {now}")),
             orphans=sql(self.delete_some(messages, (
                 f"NOT EXISTS (SELECT 1 FROM {queues} AS q WHERE q.name = {messages}.queue)"))),

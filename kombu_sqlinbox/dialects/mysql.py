@@ -16,12 +16,12 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, TextClause, text
+from sqlalchemy import Connection, TextClause, inspect, text
 from sqlalchemy import types as sqltypes
 from sqlalchemy.exc import DBAPIError
 
 from ..tables import ColumnSpec, Role, TableSpec
-from .base import Capabilities, Dialect, _expanding, no_wakeups
+from .base import Capabilities, Dialect, RoutingStatements, _expanding, no_wakeups
 
 NOW = "UTC_TIMESTAMP(6)"
 #: column types that hold at most 64 KiB: too small for a Celery message
@@ -91,13 +91,41 @@ class MySQLDialect(Dialect):
         return os.path.join(root, hashlib.sha256(server.encode()).hexdigest()[:16])
 
     # -- routing -----------------------------------------------------------------
-    #: names compare byte for byte, as kombu's do (the default collation folds case)
-    name_type = "VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
+    #: names compare byte for byte, as kombu compares them: binary strings (255 characters
+    #: of UTF-8), since no text collation MySQL and MariaDB share does (the default folds
+    #: case; ``utf8mb4_bin`` ignores trailing spaces, so ``'alice' = 'alice '``)
+    name_type = "VARBINARY(1020)"
     seconds_type = "DOUBLE"
     body_type = "LONGBLOB"
 
     def epoch(self, moment: str) -> str:
         return f"UNIX_TIMESTAMP({moment})"
+
+    def name_text(self, column: str) -> str:
+        """A name read back as text (the driver returns a binary string as bytes)."""
+        return f"CONVERT({column} USING utf8mb4)"
+
+    def routing_problems(self, conn: Connection,
+                         names: Sequence[str]) -> list[tuple[str, str]]:
+        """Routing tables made when names were text: its collation ignores trailing spaces
+        (``'alice' = 'alice '``: one queue's messages go to the other). Changing the
+        columns to binary strings keeps every name as it is."""
+        inspector = inspect(conn)
+        problems = []
+        for table, columns in zip(names, RoutingStatements.name_columns, strict=True):
+            if not inspector.has_table(table):
+                continue
+            text_columns = [column["name"] for column in inspector.get_columns(table)
+                            if column["name"] in columns
+                            and not isinstance(column["type"], sqltypes._Binary)]
+            if text_columns:
+                modify = ", ".join(f"MODIFY {self.quote(column)} {self.name_type} NOT NULL"
+                                   for column in text_columns)
+                problems.append((table, (
+                    f"column(s) {', '.join(text_columns)} hold names as text, whose "
+                    "comparison may ignore trailing spaces ('alice' = 'alice '); make them "
+                    f"binary strings with:\nALTER TABLE {self.quote(table)} {modify};")))
+        return problems
 
     def upsert(self, table: str, keys: Sequence[str], values: Sequence[str]) -> str:
         columns = [*keys, *values]

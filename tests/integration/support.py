@@ -20,6 +20,9 @@ from tests.processes import wait_until
 
 T = TypeVar("T")
 
+#: the type MariaDB/MySQL routing tables gave names before they were binary strings: a
+#: collation that ignores trailing spaces when it compares
+PADDED_NAME_TYPE = "VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
 #: transport options giving queue "jobs" the dead-letter queue "jobs.dead"
 DEAD_LETTERS: dict[str, Any] = {"queues": {"jobs": {"dead_letter_queue": "jobs.dead"}}}
 

@@ -43,6 +43,7 @@ def insert_raw(engine: Engine, table: str, payload: bytes, headers: str | None =
                      {"payload": payload, "headers": headers, "attempt": attempt})
 
 
+@pytest.mark.drivers
 @pytest.mark.parametrize("case", list(BAD_ENVELOPES))
 def test_row_with_undecodable_headers_is_dead_lettered_and_the_next_delivered(
     connect: Connect, engine: Engine, table_prefix: str, case: str,
@@ -62,6 +63,7 @@ def test_row_with_undecodable_headers_is_dead_lettered_and_the_next_delivered(
     assert record["original_headers"] == headers
 
 
+@pytest.mark.drivers
 def test_a_consumer_goes_on_past_a_row_it_cannot_decode(
     connect: Connect, engine: Engine, table_prefix: str,
 ) -> None:
@@ -79,6 +81,7 @@ def test_a_consumer_goes_on_past_a_row_it_cannot_decode(
     assert "routing" in death(get_within(conn, "jobs.dead"))["reason"]
 
 
+@pytest.mark.drivers
 def test_a_row_past_max_attempts_is_parked_for_that_whether_or_not_it_decodes(
     connect: Connect, engine: Engine, table_prefix: str,
 ) -> None:
@@ -113,6 +116,7 @@ def json_headers_table(engine: Engine, database: str, table: str) -> TableSpec:
     return spec
 
 
+@pytest.mark.drivers
 def test_a_json_headers_column_delivers_what_the_driver_returns_as_a_dict(
     connect: Connect, engine: Engine, table_prefix: str, database: str,
 ) -> None:
@@ -140,6 +144,7 @@ def test_a_json_headers_column_delivers_what_the_driver_returns_as_a_dict(
     second.ack()
 
 
+@pytest.mark.drivers
 def test_garbage_payload_in_a_table_without_headers_is_dead_lettered(
     connect: Connect, engine: Engine, table_prefix: str,
 ) -> None:

@@ -5,11 +5,16 @@ from __future__ import annotations
 import time
 from datetime import datetime, timezone
 
+import pytest
+
 from kombu_sqlinbox.clock import Clock
 from kombu_sqlinbox.dialects.base import FLOOR_REFRESH, FLOOR_STEP
 
 from .conftest import Connect
 from .support import broker_of, get, get_within, publish, settled
+
+#: what a driver returns for a payload, a headers column, a time: every variant
+pytestmark = pytest.mark.drivers
 
 
 def test_eta_in_the_future_is_not_claimable_before_it_is_due(

@@ -31,6 +31,9 @@ from .support import (
     wait_for,
 )
 
+#: what a driver returns for a payload, a headers column, a time: every variant
+pytestmark = pytest.mark.drivers
+
 
 def test_ack_deletes_the_row(connect: Connect, engine: Engine, table_prefix: str) -> None:
     conn = connect()

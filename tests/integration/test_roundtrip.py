@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from kombu import Consumer, Queue
 from kombu.message import Message
 from sqlalchemy import inspect
@@ -9,6 +10,9 @@ from sqlalchemy.engine import Engine
 
 from .conftest import Connect
 from .support import get_within, publish, settled, table_of
+
+#: what a driver returns for a payload, a headers column, a time: every variant
+pytestmark = pytest.mark.drivers
 
 HOSTILE_HEADERS = {
     "sql": "'; DROP TABLE x; --",

@@ -21,10 +21,10 @@ from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox import ConfigurationError
-from kombu_sqlinbox.dialects import RoutingStatements
+from kombu_sqlinbox.dialects import RoutingStatements, dialect_for
 
 from .conftest import Connect
-from .support import broker_of, get, get_within, quoted, statements_run, wait_for
+from .support import PADDED_NAME_TYPE, broker_of, get, get_within, quoted, statements_run, wait_for
 from .test_kombu import EventLoop
 
 FANOUT = Exchange("broadcast", type="fanout", durable=False)
@@ -330,6 +330,56 @@ def test_names_differing_only_in_case_are_different_queues(connect: Connect) -> 
     producer.publish({"to": "Reply"}, exchange=REPLIES, routing_key="Reply", declare=[REPLIES])
     assert get_within(conn, "Reply").payload == {"to": "Reply"}
     assert get(conn, "reply") is None
+
+
+def test_names_differing_only_in_trailing_spaces_are_different_queues(
+        connect: Connect) -> None:
+    """MariaDB's utf8mb4_bin pads with spaces when it compares ('alice' = 'alice '): names
+    are stored where they compare byte for byte, on every database."""
+    conn = other(connect, 1)
+    for name in ("alice", "alice ", "alice  "):
+        declare(conn, transient(name, REPLIES, name))
+    producer = other(connect, 2).Producer()
+    producer.publish({"to": "alice"}, exchange=REPLIES, routing_key="alice", declare=[REPLIES])
+    producer.publish({"to": "alice  "}, exchange=REPLIES, routing_key="alice  ")
+    assert get(conn, "alice ") is None
+    assert get_within(conn, "alice").payload == {"to": "alice"}
+    assert get_within(conn, "alice  ").payload == {"to": "alice  "}
+    assert get(conn, "alice") is None
+    channel = other(connect, 3).default_channel
+    with pytest.raises(ChannelError):
+        channel.queue_declare("bob ", passive=True)  # only "bob" exists
+    declare(conn, transient("bob", REPLIES, "bob"))
+    with pytest.raises(ChannelError):
+        channel.queue_declare("bob ", passive=True)
+
+
+def test_exchanges_differing_only_in_trailing_spaces_route_apart(connect: Connect) -> None:
+    news, spaced = (Exchange(name, type="fanout", durable=False) for name in ("news", "news "))
+    conn = other(connect, 1)
+    declare(conn, transient("plain", news))
+    declare(conn, Queue("kept", spaced, durable=True))  # reached through the bindings table
+    other(connect, 2).Producer().publish({"to": "news"}, exchange="news")
+    assert get_within(conn, "plain").payload == {"to": "news"}
+    assert get(conn, "kept") is None
+
+
+@pytest.mark.parametrize("database", ["mysql"], indirect=True)
+def test_routing_tables_of_an_earlier_version_are_named_at_start_up_with_their_fix(
+        connect: Connect, engine: Engine, table_prefix: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Made when names were text (a collation ignoring trailing spaces): the transport
+    still runs on them, and says what to change."""
+    routing = dialect_for(engine).routing_statements(table_prefix)
+    with engine.begin() as conn:
+        for statement in routing.ddl:
+            conn.execute(text(statement.replace("VARBINARY(1020)", PADDED_NAME_TYPE)))
+    with caplog.at_level(logging.WARNING, logger="kombu_sqlinbox.routing"):
+        declare(other(connect, 1), transient("alice", REPLIES, "alice"))
+    warned = [record.getMessage() for record in caplog.records]
+    assert [message.split(":")[1] for message in warned] == [
+        f" routing table {name}" for name in routing.names], warned
+    assert "trailing spaces" in warned[0] and "ALTER TABLE" in warned[0], warned
 
 
 def test_hostile_exchange_names_and_keys_are_bound_values(connect: Connect) -> None:

@@ -18,6 +18,9 @@ from kombu_sqlinbox.dialects import dialect_for
 from .conftest import Connect
 from .support import get, get_within, publish, quoted, settled
 
+#: what a driver returns for a payload, a headers column, a time: every variant
+pytestmark = pytest.mark.drivers
+
 
 def events(prefix: str) -> TableSpec:
     """Row mode from named columns (the transport creates them as text)."""
@@ -143,10 +146,11 @@ def test_a_row_mode_column_the_table_lacks_fails_at_start_up_with_the_fix(
         conn.default_channel.queue_declare("events")
 
 
-#: every claim form on every database that has it
+#: every claim form on every database that has it (and the driver variants, on one)
 FORMS = [("postgresql", "lease"), ("mysql", "lease"), ("sqlite", "lease"),
          ("postgresql", "row_lock"), ("mysql", "row_lock"),
-         ("postgresql", "advisory"), ("mysql", "advisory")]
+         ("postgresql", "advisory"), ("mysql", "advisory"),
+         ("postgresql-psycopg2", "row_lock"), ("mysql-nonstrict", "row_lock")]
 
 
 @pytest.mark.parametrize(("database", "claim"), FORMS)
