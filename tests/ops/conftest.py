@@ -14,11 +14,9 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from sqlalchemy.engine import make_url
 
 from kombu_sqlinbox.broker import Broker
 from kombu_sqlinbox.rows import Held
-from tests.databases import database_url
 from tests.ops.apps import BROKER_ENV, PREFIX_ENV, RUNS_ENV, make_app, transport_options
 from tests.processes import ROOT
 
@@ -28,31 +26,6 @@ CLI_LIMIT = 120.0
 SQLINBOX = str(Path(sys.executable).with_name("sqlinbox"))
 
 Cli = Callable[..., subprocess.CompletedProcess[str]]
-#: each database with each driver whose values come back differently (PostgreSQL's
-#: BYTEA: bytes from psycopg, a memoryview from psycopg2; JSON: parsed or text): the
-#: tests of what reads or writes stored messages run on each, the others on the default
-DRIVERS = [("postgresql", "psycopg"), ("postgresql", "psycopg2"), ("mysql", "pymysql"),
-           ("sqlite", "pysqlite")]
-
-
-@pytest.fixture
-def driver() -> str | None:
-    """The driver of the URL (None: the one a bare URL takes); tests parametrised over
-    :data:`DRIVERS` name it."""
-    return None
-
-
-@pytest.fixture
-def db_url(database: str, driver: str | None, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The database under test, through ``driver`` when one is named."""
-    url = database_url(database, tmp_path_factory.mktemp("sqlite"))
-    if driver is None:
-        return url
-    parsed = make_url(url)
-    return parsed.set(drivername=f"{parsed.get_backend_name()}+{driver}").render_as_string(
-        hide_password=False)
-
-
 @pytest.fixture
 def ops_env(broker_url: str, table_prefix: str, tmp_path: Path) -> dict[str, str]:
     runs = tmp_path / "runs"

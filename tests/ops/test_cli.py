@@ -13,7 +13,7 @@ from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox.codec import DEATH_HEADER
 from tests.integration.support import quoted, rows
-from tests.ops.conftest import DRIVERS, Cli, Seeded
+from tests.ops.conftest import Cli, Seeded
 
 FIGURES = ("ready", "delayed", "in_work", "blocked", "blocked_groups", "lapsed")
 
@@ -67,7 +67,7 @@ def test_queues_as_prometheus_and_watched(cli: Cli, seeded: Seeded,
     assert len(re.findall(r"^jobs +4 +2 +2 ", watched, re.M)) == 2, watched
 
 
-@pytest.mark.parametrize(("database", "driver"), DRIVERS)
+@pytest.mark.drivers
 def test_dead_letters_listed_shown_requeued_purged(cli: Cli, seeded: Seeded, engine: Engine,
                                                    table_prefix: str) -> None:
     listed = json.loads(cli("dead", "list", "--json").stdout)

@@ -14,7 +14,6 @@ from celery import Celery
 from click.testing import CliRunner
 
 from celery_ext.ops_cli import sqlinbox
-from tests.conftest import item_database
 from tests.ops.conftest import Seeded
 from tests.ops.test_cli import FIGURES
 
@@ -22,12 +21,7 @@ pytestmark = pytest.mark.drivers
 
 
 def test_figures_and_dead_letters_read_alike_on_every_driver(
-        request: pytest.FixtureRequest, app: Celery, seeded: Seeded) -> None:
-    if item_database(request.node) == "postgresql-psycopg2":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "known defect: the operations do not convert the memoryview psycopg2 returns "
-            "for a BYTEA payload, so every dead letter reads as undecodable (its fix "
-            "removes this mark)")))
+        app: Celery, seeded: Seeded) -> None:
     def run(*args: str) -> str:
         done = CliRunner().invoke(sqlinbox, args, obj=SimpleNamespace(app=app),
                                   catch_exceptions=False)

@@ -24,7 +24,7 @@ from kombu_sqlinbox.options import parse_options
 from kombu_sqlinbox.rows import Held
 from tests.integration.support import get_within, quoted, rows
 from tests.ops.apps import audit_table, events_table
-from tests.ops.conftest import DRIVERS, Cli
+from tests.ops.conftest import Cli
 
 
 def select(engine: Engine, table: str, *columns: str) -> list[tuple[Any, ...]]:
@@ -95,7 +95,7 @@ def test_a_requeue_runs_the_declared_publish_statement_with_its_task_bound(
     assert DEATH_HEADER not in json.loads(back[3])["headers"]
 
 
-@pytest.mark.parametrize(("database", "driver"), DRIVERS)
+@pytest.mark.drivers
 def test_a_row_mode_dead_letter_goes_back_as_the_row_it_was(
         cli: Cli, engine: Engine, broker_url: str, table_prefix: str) -> None:
     queues = {"events": {"table": events_table(table_prefix), "dead_letter_queue": "events.dead"}}
