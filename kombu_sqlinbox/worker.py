@@ -22,7 +22,7 @@ def transport_of(app: Any) -> tuple[type, dict[str, Any]]:
         return resolve_transport(conn.transport_cls), dict(conn.transport_options or {})
 
 
-def consume_without_pool_waits(instance: Any = None, conf: Any = None, **_: Any) -> None:
+def consume_without_pool_waits(instance: Any, conf: Any, **_: Any) -> None:
     """Celery's blocking loop (this transport's unless :confval:`event_loop`) hands each
     task to the prefork pool with a wait for a free process: the worker then answers no
     remote control (ping, revoke, inspect) until a running task ends, seconds while a
@@ -30,8 +30,6 @@ def consume_without_pool_waits(instance: Any = None, conf: Any = None, **_: Any)
     goes on serving control commands (as Celery's event loop does on Redis)."""
     from .transport import Transport  # here: importing the package loads no transport
 
-    if instance is None or conf is None:
-        return
     transport, options = transport_of(instance.app)
     if issubclass(transport, Transport) and not parse_options(options).event_loop:
         conf.worker_pool_putlocks = False
