@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kombu.transport import TRANSPORT_ALIASES
 
+from . import worker as _worker  # noqa: F401  (a worker's start-up settings)
 from .dialects import url_schemes
 from .errors import ConfigurationError, MessageTooLarge, SchemaMismatch, SqlInboxError
 from .tables import Column, InboxTable, Role, RowTask, TableBuilder, TableSpec, default_table

@@ -520,12 +520,12 @@ class OwnSession:
         return self.session if self._pid == os.getpid() else None
 
     def drop(self) -> None:
+        """Close the session without the pool's reset: in autocommit it has nothing to roll
+        back, and dropped because it failed, it is often dead already (a reset would log
+        an ERROR with a traceback, "connection already closed", for what is recovered)."""
         session = self.current()
         if session is not None:
-            try:
-                session.close()
-            except Exception:
-                logger.debug("closing a dead connection of our own failed", exc_info=True)
+            session.invalidate()
         self.driver = self.session = None
 
 

@@ -104,7 +104,15 @@ def expiry(message: dict[str, Any], queue_ttl: float | None, now: float) -> floa
 def expiration_seconds(message: dict[str, Any]) -> float | None:
     """A message's ``expiration`` property (milliseconds, as kombu writes it) in seconds;
     None when it has none, or none that is a number (RabbitMQ refuses such a message,
-    Redis ignores the property, as here)."""
+    Redis ignores the property, as here).
+
+    Also None for a Celery task whose ``expiration`` came from ``apply_async(expires=)``
+    (its ``expires`` header): the worker that receives it after that time records it
+    revoked, where the caller's ``result.get()`` sees it; dropped unseen, the task
+    would leave its caller waiting for ever."""
+    headers = message.get("headers") or {}
+    if headers.get("task") is not None and headers.get("expires") is not None:
+        return None
     expiration = message["properties"].get("expiration")
     if expiration is not None:
         with contextlib.suppress(TypeError, ValueError):

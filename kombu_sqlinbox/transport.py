@@ -7,6 +7,7 @@ turns ack, requeue and reject into settlements the lease keeper batches.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from kombu.transport.base import to_rabbitmq_queue_arguments
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
 from .broker import Broker, QueueTable, broker_for, shutting_down, stop_waiting
-from .claims import SETTLE_LIMIT, Held, Settlement
+from .claims import SETTLE_LIMIT, Held, Settlement, next_backoff
 from .codec import (
     EXPIRES_KEY,
     GROUP_HEADER,
@@ -56,6 +57,7 @@ def _driver_connection_errors() -> tuple[type[BaseException], ...]:
 
 
 DRIVER_CONNECTION_ERRORS = _driver_connection_errors()
+logger = logging.getLogger(__name__)
 
 worker_shutting_down.connect(stop_waiting, weak=False, dispatch_uid="sqlinbox.stop_waiting")
 
@@ -550,6 +552,8 @@ class Transport(virtual.Transport):
         self.served: tuple[Channel, str, QueueTable] | None = None
         self._readers: dict[int, Any] = {}
         self._poll_timer: Any = None
+        #: the wait after the last polling round of the event loop, when it failed
+        self._round_backoff = 0.0
         if self.options.event_loop:  # Celery then runs its event loop, not the blocking one
             self.implements = type(self).implements.extend(asynchronous=True)
 
@@ -626,16 +630,37 @@ class Transport(virtual.Transport):
     def _on_timer(self, loop: Any) -> None:
         """Claim, delete what expired (as the blocking loop's idle rounds do; at most every
         :confval:`sweep_interval`), then set the timer for the next round."""
-        self._on_poll(loop)
-        self.broker.sweep()
-        self._schedule(loop)
+        if self._round(loop, sweep=True) is not None:
+            self._schedule(loop)
 
-    def _schedule(self, loop: Any) -> None:
-        """The timer of the next round (one at a time), after the cadence's wait."""
+    def _round(self, loop: Any, sweep: bool = False) -> bool | None:
+        """A round of the event loop: whether it delivered; None when it failed, and the
+        next round is set after a back-off. The hub would log a timer's error and never
+        set the next (due countdowns and retries would wait for ever), and end the worker
+        on a reader's. A connection error propagates: Celery connects again and
+        registers the transport with its loop anew."""
+        try:
+            delivered = self._on_poll(loop)
+            if sweep:
+                self.broker.sweep()
+        except self.connection_errors:
+            raise
+        except Exception as exc:
+            self._round_backoff = next_backoff(self._round_backoff)
+            logger.error("sqlinbox: a polling round failed (%s); the next in %.1fs", exc,
+                         self._round_backoff, exc_info=True)
+            self._schedule(loop, self._round_backoff)
+            return None
+        self._round_backoff = 0.0
+        return delivered
+
+    def _schedule(self, loop: Any, wait: float | None = None) -> None:
+        """The timer of the next round (one at a time), after ``wait`` or the cadence's."""
         if self._poll_timer is not None:
             self._poll_timer.cancel()
-        self._poll_timer = loop.call_later(self.cadence.idle(self.polling_interval),
-                                           self._on_timer, loop)
+        if wait is None:
+            wait = self.cadence.idle(self.polling_interval)
+        self._poll_timer = loop.call_later(wait, self._on_timer, loop)
 
     def _leave_event_loop(self) -> None:
         """Cancel the timer and drop the readers: a closed connection must not go on
@@ -673,7 +698,7 @@ class Transport(virtual.Transport):
 
     def _on_readable(self, loop: Any, source: Any) -> None:
         self.broker.wakeup.take([source])
-        if self._on_poll(loop):
+        if self._round(loop):
             self._schedule(loop)  # the next round comes soon now
 
     def _consume_ready(self) -> bool:

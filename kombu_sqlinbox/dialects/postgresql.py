@@ -11,6 +11,8 @@ from ..clock import PARAMETER
 from ..tables import Role, TableSpec
 from .base import NAMED_PARAMETER, PREPARED, Capabilities, Dialect, _expanding
 
+#: how the wake-up's LISTEN session names itself in ``pg_stat_activity``
+LISTEN_APPLICATION = "sqlinbox listen"
 #: a settled FIFO head's wake-up: the consumers listening on the table's channel look again
 WAKE = text("SELECT pg_notify(:channel, '')")
 
@@ -247,7 +249,14 @@ class PostgreSQLDialect(Dialect):
         return spec.table
 
     def listen(self, dbapi_connection: Any, channels: Iterable[str]) -> None:
+        """LISTEN on each channel; the session shows as ``sqlinbox listen`` (after the
+        URL's ``application_name``, if any) in ``pg_stat_activity``."""
         cursor = dbapi_connection.cursor()
+        cursor.execute(
+            "SELECT set_config('application_name', left(concat_ws(' ', "
+            "nullif(current_setting('application_name'), ''), CAST(%s AS text)), 63), false) "
+            "WHERE position(CAST(%s AS text) in current_setting('application_name')) = 0",
+            (LISTEN_APPLICATION, LISTEN_APPLICATION))
         for channel in channels:
             cursor.execute(f"LISTEN {self.quote(channel)}")
         cursor.close()

@@ -71,9 +71,13 @@ def test_inspect_registered_stats_scheduled_queues_conf(cluster: Cluster) -> Non
             for entry in entries if entry["request"]["id"] == later}, "the countdown task")
         assert next(iter(scheduled.values()))["request"]["name"] == "monitor.add"
     else:
-        # sqlinbox keeps it a row of the queue's table until it is due: no worker holds it
+        # sqlinbox keeps it a row of the queue's table until it is due: no worker holds it;
+        # ``celery sqlinbox queues`` is where a user sees it (docs/monitoring.rst)
         assert cluster.queue_size("celery") == 1
         assert cluster.inspect("scheduled") == {A: [], B: []}
+        figures = json.loads(cluster.celery("sqlinbox", "queues", "--json").stdout)
+        (celery,) = [entry for entry in figures if entry["queue"] == "celery"]
+        assert (celery["delayed"], celery["ready"]) == (1, 0), figures
     cluster.app.control.revoke(later)  # tidying up, through the API: no reply awaited
 
 

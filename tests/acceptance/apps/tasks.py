@@ -31,13 +31,13 @@ def make_app(broker_url: str, transport_options: dict[str, Any], **conf: Any) ->
     import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox alias)
 
     made = Celery("acceptance", broker=broker_url, set_as_current=False)
-    made.conf.update(
-        broker_transport_options=transport_options,
-        broker_connection_retry_on_startup=True,
-        task_ignore_result=True,
-        worker_redirect_stdouts=False,
+    made.conf.update({  # ``conf`` may override any of these
+        "broker_transport_options": transport_options,
+        "broker_connection_retry_on_startup": True,
+        "task_ignore_result": True,
+        "worker_redirect_stdouts": False,
         **conf,
-    )
+    })
     return made
 
 

@@ -1,0 +1,39 @@
+"""What a ``celery worker`` consuming from this transport changes in itself at start-up.
+
+Connected when the package is imported (the app's module imports it for the
+``sqlinbox+`` alias), so it is in place before Celery's worker reads its settings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.signals import celeryd_init
+from kombu import Connection
+from kombu.transport import resolve_transport
+
+from .options import parse_options
+
+
+def transport_of(app: Any) -> tuple[type, dict[str, Any]]:
+    """The transport class a Celery app consumes from, and its transport options."""
+    with app.connection_for_read() as conn:
+        assert isinstance(conn, Connection)
+        return resolve_transport(conn.transport_cls), dict(conn.transport_options or {})
+
+
+def consume_without_pool_waits(instance: Any, conf: Any, **_: Any) -> None:
+    """Celery's blocking loop (this transport's unless :confval:`event_loop`) hands each
+    task to the prefork pool with a wait for a free process: the worker then answers no
+    remote control (ping, revoke, inspect) until a running task ends, seconds while a
+    backlog comes in. Without that wait a task waits in the pool instead, and the loop
+    goes on serving control commands (as Celery's event loop does on Redis)."""
+    from .transport import Transport  # here: importing the package loads no transport
+
+    transport, options = transport_of(instance.app)
+    if issubclass(transport, Transport) and not parse_options(options).event_loop:
+        conf.worker_pool_putlocks = False
+
+
+celeryd_init.connect(consume_without_pool_waits, weak=False,
+                     dispatch_uid="sqlinbox.consume_without_pool_waits")
