@@ -10,6 +10,7 @@ first used, and refuses what would not come back as it was sent.
 from __future__ import annotations
 
 import math
+import re
 import struct
 import uuid
 from collections.abc import Callable
@@ -45,7 +46,7 @@ def row_checks(conn: Connection, spec: TableSpec) -> tuple[tuple[str, Check], ..
 def column_check(database: str, kind: sqltypes.TypeEngine[Any]) -> Check | None:
     """How a column of ``kind`` on ``database`` (SQLAlchemy's dialect name) takes a value
     from JSON; None for a type that keeps any scalar as given (no declared type on SQLite,
-    JSON, arrays, enumerations the database checks itself)."""
+    JSON, arrays)."""
     if isinstance(kind, sqltypes.Boolean):
         return _boolean
     if isinstance(kind, sqltypes.Integer):
@@ -58,8 +59,9 @@ def column_check(database: str, kind: sqltypes.TypeEngine[Any]) -> Check | None:
         return _decimal(kind.precision, kind.scale)
     if isinstance(kind, sqltypes.Uuid):
         return _uuid
-    if isinstance(kind, (sqltypes.String, sqltypes._Binary)) and not isinstance(
-            kind, sqltypes.Enum):
+    if isinstance(kind, sqltypes.Enum):
+        return _one_of(tuple(kind.enums))
+    if isinstance(kind, (sqltypes.String, sqltypes._Binary)):
         return _text(database, kind)
     if isinstance(kind, (sqltypes.DateTime, sqltypes.Date, sqltypes.Time)):
         return _moment(database, kind)
@@ -95,7 +97,7 @@ def _integer(database: str, kind: sqltypes.TypeEngine[Any]) -> Check:
         if isinstance(value, bool):
             return "true or false, which the column would store as 1 or 0"
         why = _number(value)
-        if why is None and not float(value).is_integer():
+        if why is None and isinstance(value, float) and not value.is_integer():
             why = "not a whole number: the column would round it"
         if why is None and not low <= value <= high:
             why = f"out of range for the column ({low} to {high})"
@@ -108,8 +110,12 @@ def _double(value: Any) -> str | None:
     if value is None:
         return None
     why = _number(value)
-    if why is None and isinstance(value, int) and float(value) != value:
-        why = "an integer a double precision column would round"
+    if why is None and isinstance(value, int):
+        try:
+            if float(value) != value:
+                why = "an integer a double precision column would round"
+        except OverflowError:
+            why = "out of range for a floating-point column"
     return why
 
 
@@ -153,15 +159,48 @@ def _uuid(value: Any) -> str | None:
     return None if canonical else "not a UUID in its canonical form (lower case, hyphens)"
 
 
+def _one_of(values: tuple[str, ...]) -> Check:
+    """An enumeration takes its values as written: MariaDB's would take ``1`` as its
+    first value and ``'OK'`` as ``'ok'`` (its collation ignores case)."""
+    def check(value: Any) -> str | None:
+        if value is None or (isinstance(value, str) and value in values):
+            return None
+        return f"not one of the column's values {', '.join(values)}"
+
+    return check
+
+
+def _unicode(value: str) -> str | None:
+    """Why text no database stores as given: a NUL (PostgreSQL refuses it; refused on every
+    database alike), a lone surrogate (not UTF-8 at all)."""
+    if "\x00" in value:
+        return "holds a NUL character, which PostgreSQL's text cannot"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "holds a lone surrogate, which is not UTF-8"
+    return None
+
+
 def _text(database: str, kind: sqltypes.TypeEngine[Any]) -> Check:
     length = getattr(kind, "length", None)
     padded = isinstance(kind, sqltypes.CHAR)
+    binary = isinstance(kind, sqltypes._Binary)
 
     def check(value: Any) -> str | None:
         if value is None:
             return None
         if not isinstance(value, str):
             return f"not text but {type(value).__name__}, which the column would convert"
+        why = _unicode(value)
+        if why is not None or not binary:
+            pass
+        elif database == "postgresql" and "\\" in value:  # stored as its UTF-8 bytes
+            why = "holds a backslash, which bytea reads as an escape"
+        elif length is not None and len(value.encode("utf-8")) > length:
+            why = f"longer than {length} bytes in UTF-8: the column would cut it"
+        if why is not None or binary:
+            return why
         if length is not None and len(value) > length:
             return f"longer than {length} characters: the column would cut it"
         if padded and database == "postgresql" and len(value) < (length or 1):
@@ -173,12 +212,24 @@ def _text(database: str, kind: sqltypes.TypeEngine[Any]) -> Check:
     return check
 
 
+_TIME = r"\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:\d{2}(:\d{2})?)?"
+#: the form each parser is given, and its example: ISO 8601's extended form, which every
+#: database reads alike (Python also reads the basic form: MariaDB takes "1000" as 00:10)
+_EXTENDED: dict[Callable[[str], date | time], tuple[re.Pattern[str], str]] = {
+    date.fromisoformat: (re.compile(r"\d{4}-\d{2}-\d{2}", re.ASCII), "YYYY-MM-DD"),
+    time.fromisoformat: (re.compile(_TIME, re.ASCII), "HH:MM:SS"),
+    datetime.fromisoformat: (re.compile(rf"\d{{4}}-\d{{2}}-\d{{2}}([T ]{_TIME})?", re.ASCII),
+                             "YYYY-MM-DDTHH:MM:SS"),
+}
+
+
 def _moment(database: str, kind: sqltypes.TypeEngine[Any]) -> Check:
     """Dates and times arrive as ISO 8601 text and leave as it: the column must keep the
     value's offset (or have none to keep) and its fractional seconds."""
     parse: Callable[[str], date | time] = (
         datetime.fromisoformat if isinstance(kind, sqltypes.DateTime)
         else time.fromisoformat if isinstance(kind, sqltypes.Time) else date.fromisoformat)
+    form, example = _EXTENDED[parse]
     zoned = bool(getattr(kind, "timezone", False))
     digits = 6 if database == "sqlite" else getattr(
         kind, "fsp" if database in ("mysql", "mariadb") else "precision", None)
@@ -191,11 +242,13 @@ def _moment(database: str, kind: sqltypes.TypeEngine[Any]) -> Check:
         if not isinstance(value, str):
             return f"not text but {type(value).__name__}: a time is written in ISO 8601"
         try:
-            moment = parse(value)
+            moment = parse(value) if form.fullmatch(value) else None
         except ValueError:
-            return "not a date or time in ISO 8601"
+            moment = None
+        if moment is None:
+            return f"not in ISO 8601's extended form ({example})"
         if isinstance(moment, date) and not isinstance(moment, datetime):
-            return None if moment.isoformat() == value else "not a date in ISO 8601 (YYYY-MM-DD)"
+            return None
         if database != "sqlite" and (moment.tzinfo is not None) != zoned:
             return ("has a UTC offset, which the column drops" if moment.tzinfo is not None
                     else "has no UTC offset: the column would assume the session's")

@@ -192,13 +192,15 @@ def test_a_publish_statement_binds_row_mode_columns_by_name(
 #: the argument columns of a service's own table, as each database spells them
 TYPED_COLUMNS = {
     "postgresql": "order_id BIGINT, kind VARCHAR(8), price NUMERIC(8, 2), ratio REAL, "
-                  "due DATE, paid BOOLEAN",
+                  "due DATE, paid BOOLEAN, starts TIME, bin BYTEA, mood VARCHAR(8)",
     "mysql": "order_id BIGINT, kind VARCHAR(8), price DECIMAL(8, 2), ratio FLOAT, "
-             "due DATE, paid BOOLEAN",
+             "due DATE, paid BOOLEAN, starts TIME, bin VARBINARY(4), mood ENUM('sad', 'ok')",
     "sqlite": "order_id BIGINT, kind VARCHAR(8), price NUMERIC(8, 2), ratio REAL, "
-              "due DATE, paid BOOLEAN",
+              "due DATE, paid BOOLEAN, starts TIME, bin BLOB, mood VARCHAR(8)",
 }
-ARGUMENTS = ("order_id", "kind", "price", "ratio", "due", "paid")
+ARGUMENTS = ("order_id", "kind", "price", "ratio", "due", "paid", "starts", "bin", "mood")
+
+
 def typed_events(engine: Engine, database: str, prefix: str) -> TableSpec:
     """Row mode on a table the service made, its argument columns typed."""
     dialect = dialect_for(engine)
@@ -213,7 +215,7 @@ def typed_events(engine: Engine, database: str, prefix: str) -> TableSpec:
 
 
 GOOD = {"order_id": 2**40 + 1, "kind": "paid", "price": 12.5, "ratio": 0.5,
-        "due": "2026-12-03", "paid": True}
+        "due": "2026-12-03", "paid": True, "starts": "10:00:00", "bin": "ab", "mood": "ok"}
 
 
 @pytest.mark.parametrize(("argument", "value", "why"), [
@@ -252,6 +254,44 @@ def test_an_argument_its_column_cannot_hold_exactly_is_refused_at_publish(
     assert message.payload[1]["paid"] in (True, 1)
     message.ack()
     settled(conn)
+    assert get(conn, "typed") is None, "the refused publish wrote a row"
+
+
+#: values a column converts, or a driver fails on with an error naming neither the
+#: argument nor the column, and the databases where they do (each is refused everywhere)
+ODD_VALUES = [
+    ("order_id", 10**400, "out of range", "an int beyond a float's range: OverflowError"),
+    ("ratio", -(10**400), "out of range", "an int beyond a float's range: OverflowError"),
+    ("starts", "1000", "extended form", "MariaDB stores 00:10:00, SQLite the number 1000"),
+    ("starts", "100000", "extended form", "SQLite stores the number 100000"),
+    ("kind", "a\x00b", "NUL", "PostgreSQL refuses it unnamed; refused everywhere alike"),
+    ("kind", "\udcff", "surrogate", "a UnicodeEncodeError in the driver"),
+    ("bin", "\\x41", "backslash", "PostgreSQL's bytea reads it as escapes: 'A'"),
+    ("bin", "\u00e9\u00e9\u00e9", "longer than 4 bytes", "MariaDB: data too long, unnamed"),
+    ("mood", 1, "one of|not text", "MariaDB's ENUM takes 1 as its first value"),
+    ("mood", "OK", "one of", "MariaDB's ENUM takes 'OK' as 'ok' (its collation)"),
+]
+#: where a value is held exactly as it was sent (the column has no such rule there)
+HELD = {("bin", "\\x41"): ("mysql", "sqlite"), ("mood", "OK"): ("postgresql", "sqlite"),
+        ("bin", "\u00e9\u00e9\u00e9"): ("postgresql", "sqlite")}
+
+
+@pytest.mark.parametrize(("argument", "value", "why", "before"), ODD_VALUES,
+                         ids=[f"{case[0]}-{case[3]}" for case in ODD_VALUES])
+def test_an_odd_value_is_refused_at_publish_naming_argument_and_column(
+        connect: Connect, engine: Engine, database: str, table_prefix: str,
+        argument: str, value: object, why: str, before: str) -> None:
+    """Values at the edges of each column type: refused before anything is written, the
+    error naming the argument, the column and why (``before``: what happened without the
+    check)."""
+    if database in HELD.get((argument, value), ()):  # type: ignore[arg-type]
+        pytest.skip(f"{database} holds {value!r} in column {argument} as it was sent")
+    spec = typed_events(engine, database, table_prefix)
+    conn = connect(queues={"typed": {"table": spec}})
+    with pytest.raises(ConfigurationError, match=rf"argument {argument}=.*column "
+                                                 rf"{argument}\b.*({why}).*nothing was written"):
+        publish(conn, "typed", [[], {**GOOD, argument: value}, {}],
+                headers={"task": "rows.handle", "id": "x"})
     assert get(conn, "typed") is None, "the refused publish wrote a row"
 
 
