@@ -33,14 +33,29 @@ INTEGER_BITS: tuple[tuple[type[Any], int], ...] = (
 
 
 def row_checks(conn: Connection, spec: TableSpec) -> tuple[tuple[str, Check], ...]:
-    """The check of each row mode column whose type converts what it is given."""
+    """The check of each row mode column whose type converts what it is given, or that
+    is NOT NULL (a missing argument is written as NULL: its default never applies)."""
     if not spec.row_columns:
         return ()
-    types = {column["name"].lower(): column["type"]
-             for column in inspect(conn).get_columns(spec.table, schema=spec.schema)}
-    found = ((name, column_check(conn.dialect.name, types[name.lower()]))
+    columns = {column["name"].lower(): column
+               for column in inspect(conn).get_columns(spec.table, schema=spec.schema)}
+    found = ((name, _not_null(column_check(conn.dialect.name, columns[name.lower()]["type"]),
+                              columns[name.lower()]["nullable"]))
              for name in spec.row_columns)
     return tuple((name, check) for name, check in found if check is not None)
+
+
+def _not_null(check: Check | None, nullable: bool) -> Check | None:
+    if nullable:
+        return check
+
+    def not_null(value: Any) -> str | None:
+        if value is None:
+            return ("NULL (a missing argument is NULL too), and the column is NOT NULL (its "
+                    "default, if any, applies only to columns an INSERT leaves out)")
+        return None if check is None else check(value)
+
+    return not_null
 
 
 def column_check(database: str, kind: sqltypes.TypeEngine[Any]) -> Check | None:

@@ -295,6 +295,29 @@ def test_an_odd_value_is_refused_at_publish_naming_argument_and_column(
     assert get(conn, "typed") is None, "the refused publish wrote a row"
 
 
+@pytest.mark.parametrize("kwargs", [{"kind": "paid"}, {"order_id": None, "kind": "paid"}],
+                         ids=["argument-missing", "argument-none"])
+def test_null_for_a_not_null_column_is_refused_at_publish_naming_argument_and_column(
+        connect: Connect, engine: Engine, table_prefix: str, kwargs: dict[str, object]) -> None:
+    """A missing argument is written as NULL (row mode writes every argument column, so
+    a column's default never applies): for a NOT NULL column that is refused before the
+    INSERT, saying so, rather than the database's constraint error."""
+    dialect = dialect_for(engine)
+    table = quoted(engine, f"{table_prefix}events")
+    with engine.begin() as sql:
+        sql.execute(text(
+            f"CREATE TABLE {table} (id {dialect.generated_id_type}, "
+            f"attempt {dialect.column_types[Role.ATTEMPT]}, "
+            f"locked_until {dialect.column_types[Role.LOCKED_UNTIL]}, "
+            f"available_at {dialect.column_types[Role.AVAILABLE_AT]}, "
+            "order_id VARCHAR(16) NOT NULL DEFAULT 'none', kind VARCHAR(16))"))
+    conn = connect(queues={"events": {"table": events(table_prefix)}})
+    with pytest.raises(ConfigurationError, match=r"argument order_id=None does not fit column "
+                                                 r"order_id .*NOT NULL.*nothing was written"):
+        publish(conn, "events", [[], kwargs, {}], headers={"task": "rows.handle", "id": "x"})
+    assert get(conn, "events") is None, "the refused publish wrote a row"
+
+
 @pytest.mark.databases("mysql")
 def test_the_transports_mariadb_sessions_are_strict_on_a_server_that_is_not(
         connect: Connect, engine: Engine, db_url: str, table_prefix: str) -> None:
