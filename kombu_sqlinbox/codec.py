@@ -19,6 +19,7 @@ from reprlib import repr as saferepr
 from typing import TYPE_CHECKING, Any, cast
 
 from .errors import ConfigurationError
+from .exact import as_written, tagged
 from .tables import Role, TableSpec
 
 if TYPE_CHECKING:
@@ -307,7 +308,7 @@ def encode_plain(message: dict[str, Any], table: QueueTable
                     f"queue {table.queue!r} takes keyword arguments "
                     f"{', '.join(rows.arguments)} only, got args {args!r}, "
                     f"kwargs {sorted(kwargs)!r}")
-            columns.update((name, kwargs.get(name)) for name in rows.arguments)
+            columns.update((name, tagged(kwargs.get(name))) for name in rows.arguments)
             body = None
         elif (args if rows.arguments == "kwargs" else kwargs):
             raise ConfigurationError(
@@ -323,6 +324,7 @@ def encode_plain(message: dict[str, Any], table: QueueTable
                     f"queue {table.queue!r}: {what}={columns.get(name)!r} does not "
                     f"fit column {name} of table {spec.table!r} exactly: {why}; "
                     "nothing was written")
+        columns = {name: as_written(value) for name, value in columns.items()}
     if spec.has(Role.PAYLOAD) and body is None:
         body = b""
     payload = None if body is None else convert_payload(body, table.payload_is_text)

@@ -18,6 +18,7 @@ from datetime import date, datetime, time
 from decimal import Decimal
 from typing import Any
 
+from kombu.utils.json import object_hook
 from sqlalchemy import Connection, inspect
 from sqlalchemy import types as sqltypes
 from sqlalchemy.dialects import mysql
@@ -83,13 +84,34 @@ def column_check(database: str, kind: sqltypes.TypeEngine[Any]) -> Check | None:
     return None
 
 
+def tagged(value: Any) -> Any:
+    """An argument as the value it stands for: kombu's JSON writes a ``Decimal``, a
+    ``date``, a ``time``, a ``UUID`` as a tagged object (``{"__type__": "decimal",
+    "__value__": "12.50"}``), which the checks see as the object it tags."""
+    if isinstance(value, dict) and value.keys() == {"__type__", "__value__"}:
+        return object_hook(value)
+    return value
+
+
+def as_written(value: Any) -> Any:
+    """A checked argument as it is bound: a tagged object as a row written with SQL would
+    give it back, a decimal as a number (its text when fractional, which every database
+    reads exactly), a time in ISO 8601, a UUID as its text."""
+    if isinstance(value, Decimal):
+        return int(value) if value == value.to_integral_value() else str(value)
+    if isinstance(value, (date, time)):
+        return value.isoformat()
+    return str(value) if isinstance(value, uuid.UUID) else value
+
+
 def _number(value: Any) -> str | None:
     """Why a value is no number to store: text, true or false, a list or object."""
     if isinstance(value, str):
         return "text, which the column would convert to a number"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float, Decimal)):
         return f"not a number but {type(value).__name__}"
-    if isinstance(value, float) and not math.isfinite(value):
+    if not (value.is_finite() if isinstance(value, Decimal)
+            else isinstance(value, int) or math.isfinite(value)):
         return "not a finite number"
     return None
 
@@ -112,7 +134,7 @@ def _integer(database: str, kind: sqltypes.TypeEngine[Any]) -> Check:
         if isinstance(value, bool):
             return "true or false, which the column would store as 1 or 0"
         why = _number(value)
-        if why is None and isinstance(value, float) and not value.is_integer():
+        if why is None and not isinstance(value, int) and value != int(value):
             why = "not a whole number: the column would round it"
         if why is None and not low <= value <= high:
             why = f"out of range for the column ({low} to {high})"
@@ -125,12 +147,13 @@ def _double(value: Any) -> str | None:
     if value is None:
         return None
     why = _number(value)
-    if why is None and isinstance(value, int):
+    if why is None and isinstance(value, (int, Decimal)):
         try:
-            if float(value) != value:
-                why = "an integer a double precision column would round"
+            near = float(value)
         except OverflowError:
-            why = "out of range for a floating-point column"
+            return "out of range for a floating-point column"
+        if (near != value if isinstance(value, int) else Decimal(repr(near)) != value):
+            why = "a number double precision does not hold: the column would round it"
     return why
 
 
@@ -138,7 +161,8 @@ def _single(value: Any) -> str | None:
     why = _double(value)
     if why is None and value is not None:
         try:
-            exact = struct.unpack("f", struct.pack("f", value))[0] == value
+            near = float(value)
+            exact = struct.unpack("f", struct.pack("f", near))[0] == near
         except OverflowError:
             exact = False
         if not exact:
@@ -165,7 +189,7 @@ def _decimal(precision: int | None, scale: int | None) -> Check:
 
 
 def _uuid(value: Any) -> str | None:
-    if value is None:
+    if value is None or isinstance(value, uuid.UUID):
         return None
     try:
         canonical = isinstance(value, str) and str(uuid.UUID(value)) == value
@@ -252,6 +276,8 @@ def _moment(database: str, kind: sqltypes.TypeEngine[Any]) -> Check:
         digits = 0 if database in ("mysql", "mariadb") else 6
 
     def check(value: Any) -> str | None:
+        if isinstance(value, (date, time)):  # a tagged one: checked as its ISO 8601 text
+            value = value.isoformat()
         if value is None:
             return None
         if not isinstance(value, str):

@@ -6,6 +6,8 @@ one that does not fit the schema fails at start-up."""
 from __future__ import annotations
 
 import json
+from datetime import date, time
+from decimal import Decimal
 
 import pytest
 from sqlalchemy import text
@@ -293,6 +295,26 @@ def test_an_odd_value_is_refused_at_publish_naming_argument_and_column(
         publish(conn, "typed", [[], {**GOOD, argument: value}, {}],
                 headers={"task": "rows.handle", "id": "x"})
     assert get(conn, "typed") is None, "the refused publish wrote a row"
+
+
+def test_decimals_dates_and_times_as_python_objects_are_checked_as_their_values(
+        connect: Connect, engine: Engine, database: str, table_prefix: str) -> None:
+    """Celery's JSON writes a ``Decimal``, ``date`` or ``time`` argument as a tagged object
+    (``{"__type__": "decimal", ...}``): each is checked and written as the value it stands
+    for, and arrives as a row written with SQL gives it (a number, ISO 8601 text)."""
+    spec = typed_events(engine, database, table_prefix)
+    conn = connect(queues={"typed": {"table": spec}})
+    typed = {"order_id": Decimal("42"), "price": Decimal("12.50"), "due": date(2026, 12, 3),
+             "starts": time(10, 0)}
+    with pytest.raises(ConfigurationError, match=r"argument price=Decimal\('12.345'\) does "
+                                                 r"not fit column price .*3 decimal places"):
+        publish(conn, "typed", [[], {**GOOD, **typed, "price": Decimal("12.345")}, {}],
+                headers={"task": "rows.handle", "id": "x"})
+    publish(conn, "typed", [[], {**GOOD, **typed}, {}],
+            headers={"task": "rows.handle", "id": "y"})
+    message = get_within(conn, "typed")
+    assert {name: message.payload[1][name] for name in typed} == {
+        "order_id": 42, "price": 12.5, "due": "2026-12-03", "starts": "10:00:00"}
 
 
 @pytest.mark.parametrize("kwargs", [{"kind": "paid"}, {"order_id": None, "kind": "paid"}],

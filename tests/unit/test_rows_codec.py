@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from datetime import datetime, time, timezone
+from datetime import date, datetime, time, timezone
 from decimal import Decimal
 from typing import Any, cast
 
@@ -307,6 +307,18 @@ def test_class_and_builder_forms_declare_the_same_shared_queue() -> None:
     ("postgresql", postgresql.BYTEA(), "\\x41", "backslash"),  # bytea's escape input
     ("mysql", mysql.VARBINARY(4), "\u00e9\u00e9\u00e9", "4 bytes"),
     ("mysql", mysql.VARBINARY(4), "\u00e9\u00e9", None),
+    # what kombu's JSON tags (Decimal, date, time, UUID): checked as the value they are
+    ("postgresql", sqltypes.BIGINT(), Decimal("12"), None),
+    ("postgresql", sqltypes.BIGINT(), Decimal("12.5"), "not a whole number"),
+    ("postgresql", sqltypes.NUMERIC(5, 2), Decimal("NaN"), "not a finite number"),
+    ("postgresql", sqltypes.NUMERIC(5, 2), Decimal("1.005"), "3 decimal places"),
+    ("postgresql", postgresql.DOUBLE_PRECISION(), Decimal("0.1"), None),
+    ("postgresql", postgresql.DOUBLE_PRECISION(), Decimal("0.10000000000000000001"), "round"),
+    ("postgresql", sqltypes.REAL(), Decimal("0.1"), "single precision"),
+    ("postgresql", sqltypes.DATE(), date(2026, 12, 3), None),
+    ("postgresql", sqltypes.DATE(), datetime(2026, 12, 3, 10), "extended form"),
+    ("postgresql", sqltypes.TIMESTAMP(), datetime(2026, 12, 3, tzinfo=timezone.utc), "offset"),
+    ("postgresql", sqltypes.Uuid(), uuid.UUID(int=5), None),
 ])
 def test_a_column_takes_what_it_holds_exactly(database: str, kind: Any, value: Any,
                                               why: str | None) -> None:
