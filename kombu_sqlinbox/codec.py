@@ -378,6 +378,9 @@ def _row_task(row: ClaimedRow, table: QueueTable) -> dict[str, Any]:
     kwargs: Any = {}
     if isinstance(rows.arguments, tuple):
         kwargs = {column: values[column] for column in rows.arguments}
+        for column, value in kwargs.items():
+            if isinstance(value, (bytes, memoryview)):  # a binary column: its bytes' text
+                kwargs[column] = _text(value, f"column {column!r}")
     else:
         raw = _text(row.payload, "payload column") or ""  # never None: not nullable
         try:

@@ -18,7 +18,7 @@ from kombu_sqlinbox import ConfigurationError, Role, SchemaMismatch, TableBuilde
 from kombu_sqlinbox.dialects import dialect_for
 
 from .conftest import Connect
-from .support import get, get_within, publish, quoted, settled
+from .support import death, get, get_within, publish, quoted, settled
 
 
 def events(prefix: str) -> TableSpec:
@@ -315,6 +315,22 @@ def test_decimals_dates_and_times_as_python_objects_are_checked_as_their_values(
     message = get_within(conn, "typed")
     assert {name: message.payload[1][name] for name in typed} == {
         "order_id": 42, "price": 12.5, "due": "2026-12-03", "starts": "10:00:00"}
+
+
+def test_an_argument_column_holding_bytes_that_are_not_utf8_is_parked_not_replaced(
+        connect: Connect, engine: Engine, database: str, table_prefix: str) -> None:
+    """A binary argument column arrives as its text; bytes that are not UTF-8 have no text:
+    the row is parked saying which column (as a payload that is not UTF-8 is), kept byte
+    for byte, rather than run with U+FFFD in place of the bytes."""
+    spec = typed_events(engine, database, table_prefix)
+    conn = connect(queues={"typed": {"table": spec, "dead_letter_queue": "typed.dead"}})
+    conn.default_channel.queue_declare("typed")
+    for value in (b"\xffab", b"ab"):
+        insert(engine, f"{table_prefix}typed", order_id=1, bin=value)
+    assert get_within(conn, "typed").payload[1]["bin"] == "ab"
+    parked = get_within(conn, "typed.dead")
+    assert "column 'bin' is not UTF-8" in death(parked)["reason"]
+    assert parked.decode()["bin"].encode("utf-8", "surrogateescape") == b"\xffab"
 
 
 @pytest.mark.parametrize("kwargs", [{"kind": "paid"}, {"order_id": None, "kind": "paid"}],

@@ -116,6 +116,8 @@ def test_the_payload_holds_positional_arguments() -> None:
     (BY_KWARGS, row(("report",), "{oops"), "the payload column is not JSON"),
     (BY_KWARGS, row(("report",), "[1]"), "must hold a JSON object of keyword arguments"),
     (BY_ARGS, row((), '{"a": 1}'), "must hold a JSON array of positional arguments"),
+    (BY_COLUMNS, row((5, b"\xffpaid")), "column 'kind' is not UTF-8"),
+    (BY_COLUMNS, row((memoryview(b"\xfe"), "paid")), "column 'order_id' is not UTF-8"),
 ])
 def test_a_row_that_cannot_be_a_task_is_undecodable_saying_why(
         spec: TableSpec, stored: ClaimedRow, reason: str) -> None:
