@@ -221,6 +221,17 @@ def _unicode(value: str) -> str | None:
     return None
 
 
+def _bytes(value: bytes, length: int | None) -> str | None:
+    """Why bytes do not fit a binary column: a row gives the column back as its text."""
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes that are not UTF-8: the row gives a binary column back as text"
+    if length is not None and len(value) > length:
+        return f"longer than {length} bytes in UTF-8: the column would cut it"
+    return None
+
+
 def _text(database: str, kind: sqltypes.TypeEngine[Any]) -> Check:
     length = getattr(kind, "length", None)
     padded = isinstance(kind, sqltypes.CHAR)
@@ -229,6 +240,8 @@ def _text(database: str, kind: sqltypes.TypeEngine[Any]) -> Check:
     def check(value: Any) -> str | None:
         if value is None:
             return None
+        if binary and isinstance(value, bytes):  # kombu's tagged bytes: bound as they are
+            return _bytes(value, length)
         if not isinstance(value, str):
             return f"not text but {type(value).__name__}, which the column would convert"
         why = _unicode(value)
@@ -236,8 +249,8 @@ def _text(database: str, kind: sqltypes.TypeEngine[Any]) -> Check:
             pass
         elif database == "postgresql" and "\\" in value:  # stored as its UTF-8 bytes
             why = "holds a backslash, which bytea reads as an escape"
-        elif length is not None and len(value.encode("utf-8")) > length:
-            why = f"longer than {length} bytes in UTF-8: the column would cut it"
+        else:
+            why = _bytes(value.encode("utf-8"), length)
         if why is not None or binary:
             return why
         if length is not None and len(value) > length:

@@ -299,13 +299,14 @@ def test_an_odd_value_is_refused_at_publish_naming_argument_and_column(
 
 def test_decimals_dates_and_times_as_python_objects_are_checked_as_their_values(
         connect: Connect, engine: Engine, database: str, table_prefix: str) -> None:
-    """Celery's JSON writes a ``Decimal``, ``date`` or ``time`` argument as a tagged object
-    (``{"__type__": "decimal", ...}``): each is checked and written as the value it stands
-    for, and arrives as a row written with SQL gives it (a number, ISO 8601 text)."""
+    """Celery's JSON writes a ``Decimal``, ``date``, ``time`` or ``bytes`` argument as a
+    tagged object (``{"__type__": "decimal", ...}``): each is checked and written as the
+    value it stands for (bytes bound as they are: bytea reads no escapes in them), and
+    arrives as a row written with SQL gives it (a number, ISO 8601 text, text)."""
     spec = typed_events(engine, database, table_prefix)
     conn = connect(queues={"typed": {"table": spec}})
     typed = {"order_id": Decimal("42"), "price": Decimal("12.50"), "due": date(2026, 12, 3),
-             "starts": time(10, 0)}
+             "starts": time(10, 0), "bin": b"a\\b"}
     with pytest.raises(ConfigurationError, match=r"argument price=Decimal\('12.345'\) does "
                                                  r"not fit column price .*3 decimal places"):
         publish(conn, "typed", [[], {**GOOD, **typed, "price": Decimal("12.345")}, {}],
@@ -314,7 +315,8 @@ def test_decimals_dates_and_times_as_python_objects_are_checked_as_their_values(
             headers={"task": "rows.handle", "id": "y"})
     message = get_within(conn, "typed")
     assert {name: message.payload[1][name] for name in typed} == {
-        "order_id": 42, "price": 12.5, "due": "2026-12-03", "starts": "10:00:00"}
+        "order_id": 42, "price": 12.5, "due": "2026-12-03", "starts": "10:00:00",
+        "bin": "a\\b"}
 
 
 def test_an_argument_column_holding_bytes_that_are_not_utf8_is_parked_not_replaced(

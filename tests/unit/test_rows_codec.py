@@ -321,6 +321,10 @@ def test_class_and_builder_forms_declare_the_same_shared_queue() -> None:
     ("postgresql", sqltypes.DATE(), datetime(2026, 12, 3, 10), "extended form"),
     ("postgresql", sqltypes.TIMESTAMP(), datetime(2026, 12, 3, tzinfo=timezone.utc), "offset"),
     ("postgresql", sqltypes.Uuid(), uuid.UUID(int=5), None),
+    ("postgresql", postgresql.BYTEA(), b"\\x41", None),  # bytes are bound as they are
+    ("postgresql", postgresql.BYTEA(), b"\xff", "not UTF-8"),
+    ("mysql", mysql.VARBINARY(4), b"abcde", "4 bytes"),
+    ("mysql", sqltypes.VARCHAR(4), b"ab", "not text but bytes"),
 ])
 def test_a_column_takes_what_it_holds_exactly(database: str, kind: Any, value: Any,
                                               why: str | None) -> None:
