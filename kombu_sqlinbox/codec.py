@@ -262,10 +262,11 @@ def stores_plain(spec: TableSpec) -> bool:
 
 
 def _jsonable(value: Any) -> Any:
-    """A column value JSON has no type for: bytes as text, decimals as numbers, times in
-    ISO 8601, the rest (UUIDs) as text."""
+    """A column value JSON has no type for: bytes as text (whole: a byte that is not UTF-8
+    as the lone surrogate of Python's ``surrogateescape``, ``"\\udcff"`` in the JSON),
+    decimals as numbers, times in ISO 8601, the rest (UUIDs) as text."""
     if isinstance(value, (bytes, memoryview)):
-        return bytes(value).decode("utf-8", errors="replace")
+        return bytes(value).decode("utf-8", "surrogateescape")
     if isinstance(value, Decimal):
         return int(value) if value == value.to_integral_value() else float(value)
     if isinstance(value, (date, time)):  # datetime is a date
@@ -415,9 +416,8 @@ def _row_task(row: ClaimedRow, table: QueueTable) -> dict[str, Any]:
 
 def parked_row(row: ClaimedRow, table: QueueTable, death: dict[str, Any]) -> tuple[str, str]:
     """The dead letter of a row without an envelope: its raw columns, as a JSON object by
-    column name, and an envelope with the death record, so it reads as a JSON message.
-    Bytes are kept whole: each byte that is not UTF-8 as the lone surrogate Python's
-    ``surrogateescape`` gives it (``"\\udcff"`` in the JSON)."""
+    column name (bytes kept whole, see :func:`_jsonable`), and an envelope with the death
+    record, so it reads as a JSON message."""
     spec = table.spec
     values: dict[str, Any] = {}
     for role, value in ((Role.PAYLOAD, row.payload), (Role.GROUP, row.group),
@@ -425,8 +425,5 @@ def parked_row(row: ClaimedRow, table: QueueTable, death: dict[str, Any]) -> tup
         if spec.has(role):
             values[spec.name_of(role)] = value
     values.update(zip(spec.row_columns, row.columns, strict=True))
-    values = {name: bytes(value).decode("utf-8", "surrogateescape")
-              if isinstance(value, (bytes, memoryview)) else value
-              for name, value in values.items()}
     envelope = json.dumps({"content-type": "application/json", "content-encoding": "utf-8"})
     return _dumps(values), dead_letter_headers(envelope, death)

@@ -247,6 +247,22 @@ def test_a_column_holding_another_type_is_parked_and_the_next_delivered(
     assert count_rows(engine, table) == 2  # the good ones, held; nothing else
 
 
+@pytest.mark.databases("sqlite")
+def test_a_parked_row_keeps_headers_that_are_not_utf8_byte_for_byte(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """A BLOB in the headers column that is not UTF-8 is parked; the death record keeps
+    the stored headers whole (each byte that is not UTF-8 as its ``surrogateescape``
+    surrogate), as the payload is kept, so the row can be put back as it was."""
+    conn = connect(queues={"jobs": {"dead_letter_queue": "jobs.dead"}})
+    conn.default_channel.queue_declare("jobs")
+    insert_raw(engine, table_of("jobs", table_prefix), b"{}", headers=b"\xff{}")  # type: ignore[arg-type]
+    publish(conn, "jobs", {"good": True})
+    assert get_within(conn, "jobs").decode() == {"good": True}
+    kept = death(get_within(conn, "jobs.dead"))["original_headers"]
+    assert kept.encode("utf-8", "surrogateescape") == b"\xff{}"
+
+
 def row_mode_jobs(prefix: str) -> TableSpec:
     """Row mode: the payload column holds the keyword arguments of ``rows.handle``."""
     return (TableBuilder(f"{prefix}row_jobs").id().payload().attempt().locked_until()
