@@ -322,7 +322,7 @@ def encode_plain(message: dict[str, Any], table: QueueTable
             if why is not None:
                 what = "the task name" if name == rows.column else f"argument {name}"
                 raise ConfigurationError(
-                    f"queue {table.queue!r}: {what}={columns.get(name)!r} does not "
+                    f"queue {table.queue!r}: {what}={saferepr(columns.get(name))} does not "
                     f"fit column {name} of table {spec.table!r} exactly: {why}; "
                     "nothing was written")
         columns = {name: as_written(value) for name, value in columns.items()}
