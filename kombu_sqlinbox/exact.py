@@ -22,6 +22,7 @@ from kombu.utils.json import object_hook
 from sqlalchemy import Connection, inspect
 from sqlalchemy import types as sqltypes
 from sqlalchemy.dialects import mysql
+from sqlalchemy.dialects.sqlite.base import ischema_names as sqlite_type_names
 
 from .tables import TableSpec
 
@@ -38,12 +39,53 @@ def row_checks(conn: Connection, spec: TableSpec) -> tuple[tuple[str, Check], ..
     is NOT NULL (a missing argument is written as NULL: its default never applies)."""
     if not spec.row_columns:
         return ()
+    database = conn.dialect.name
     columns = {column["name"].lower(): column
                for column in inspect(conn).get_columns(spec.table, schema=spec.schema)}
-    found = ((name, _not_null(column_check(conn.dialect.name, columns[name.lower()]["type"]),
-                              columns[name.lower()]["nullable"]))
-             for name in spec.row_columns)
-    return tuple((name, check) for name, check in found if check is not None)
+    affine = _numeric_affinity(conn, spec) if database == "sqlite" else set()
+    checks = []
+    for name in spec.row_columns:
+        column = columns[name.lower()]
+        check = (_affine if name.lower() in affine
+                 else column_check(database, column["type"]))
+        found = _not_null(check, column["nullable"])
+        if found is not None:
+            checks.append((name, found))
+    return tuple(checks)
+
+
+def _numeric_affinity(conn: Connection, spec: TableSpec) -> set[str]:
+    """SQLite columns whose declared type SQLAlchemy reads as a type it is not (a name
+    SQLite does not know, such as ``UUID``, or ``JSON``): SQLite gives them numeric
+    affinity, whatever the name says."""
+    schema = f"{conn.dialect.identifier_preparer.quote(spec.schema)}." if spec.schema else ""
+    table = conn.dialect.identifier_preparer.quote(spec.table)
+    found = set()
+    for row in conn.exec_driver_sql(f"PRAGMA {schema}table_info({table})"):
+        name, declared = row[1], row[2].upper()
+        base = re.split(r"[\s(]", declared, maxsplit=1)[0]
+        # SQLite's own rules: a name with INT has integer affinity (which converts text as
+        # numeric does), one with CHAR, CLOB, TEXT, BLOB, REAL, FLOA or DOUB another
+        numeric = "INT" in declared or not re.search("CHAR|CLOB|TEXT|BLOB|REAL|FLOA|DOUB",
+                                                     declared)
+        if base and numeric and (base not in sqlite_type_names or base.startswith("JSON")):
+            found.add(name.lower())
+    return found
+
+
+#: text SQLite's numeric affinity stores as a number
+_NUMERAL = re.compile(r"\s*[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?\s*", re.ASCII)
+
+
+def _affine(value: Any) -> str | None:
+    """SQLite's numeric affinity keeps text as it is unless it reads as a number."""
+    if isinstance(value, str):
+        return ("text that reads as a number, which SQLite's numeric affinity (the "
+                "column's type) would store as one") if _NUMERAL.fullmatch(value) else (
+                    _unicode(value))
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _integer("sqlite", sqltypes.BigInteger())(value)
+    return _double(value)
 
 
 def _not_null(check: Check | None, nullable: bool) -> Check | None:

@@ -361,6 +361,28 @@ def test_null_for_a_not_null_column_is_refused_at_publish_naming_argument_and_co
     assert get(conn, "events") is None, "the refused publish wrote a row"
 
 
+@pytest.mark.databases("sqlite")
+def test_sqlite_columns_of_a_type_it_does_not_know_take_what_they_hold_as_sqlite_does(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """SQLite gives a type name it does not know (``UUID``), and ``JSON``, numeric affinity:
+    text that reads as a number is stored as that number, any other text as it is. A UUID
+    arrives as sent; ``"123"`` would arrive as ``123`` and is refused."""
+    table = quoted(engine, f"{table_prefix}events")
+    with engine.begin() as sql:
+        sql.execute(text(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+                         "attempt INTEGER NOT NULL DEFAULT 0, locked_until REAL, "
+                         "available_at REAL NOT NULL DEFAULT 0, order_id UUID, kind JSON)"))
+    conn = connect(queues={"events": {"table": events(table_prefix)}})
+    ref = "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"
+    publish(conn, "events", [[], {"order_id": ref, "kind": "paid"}, {}],
+            headers={"task": "rows.handle", "id": "y"})
+    assert get_within(conn, "events").payload[1] == {"order_id": ref, "kind": "paid"}
+    for argument in ("order_id", "kind"):
+        with pytest.raises(ConfigurationError, match=rf"argument {argument}='123'.*as a number"):
+            publish(conn, "events", [[], {"order_id": ref, "kind": "paid", argument: "123"}, {}],
+                    headers={"task": "rows.handle", "id": "x"})
+
+
 @pytest.mark.databases("mysql")
 def test_the_transports_mariadb_sessions_are_strict_on_a_server_that_is_not(
         connect: Connect, engine: Engine, db_url: str, table_prefix: str) -> None:
