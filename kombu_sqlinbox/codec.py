@@ -19,7 +19,7 @@ from reprlib import repr as saferepr
 from typing import TYPE_CHECKING, Any, cast
 
 from .errors import ConfigurationError
-from .exact import as_written, tagged
+from .exact import as_written, json_text, tagged
 from .tables import Role, TableSpec
 
 if TYPE_CHECKING:
@@ -325,7 +325,8 @@ def encode_plain(message: dict[str, Any], table: QueueTable
                     f"queue {table.queue!r}: {what}={saferepr(columns.get(name))} does not "
                     f"fit column {name} of table {spec.table!r} exactly: {why}; "
                     "nothing was written")
-        columns = {name: as_written(value) for name, value in columns.items()}
+        columns = {name: json_text(value) if name in table.as_json and value is not None
+                   else as_written(value) for name, value in columns.items()}
     if spec.has(Role.PAYLOAD) and body is None:
         body = b""
     payload = None if body is None else convert_payload(body, table.payload_is_text)

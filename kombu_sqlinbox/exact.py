@@ -18,6 +18,7 @@ from datetime import date, datetime, time
 from decimal import Decimal
 from typing import Any
 
+from kombu.utils.json import dumps as kombu_dumps
 from kombu.utils.json import object_hook
 from sqlalchemy import Connection, inspect
 from sqlalchemy import types as sqltypes
@@ -34,11 +35,13 @@ INTEGER_BITS: tuple[tuple[type[Any], int], ...] = (
     (sqltypes.BigInteger, 64), (sqltypes.Integer, 32))
 
 
-def row_checks(conn: Connection, spec: TableSpec) -> tuple[tuple[str, Check], ...]:
+def row_checks(conn: Connection, spec: TableSpec
+               ) -> tuple[tuple[tuple[str, Check], ...], frozenset[str]]:
     """The check of each row mode column whose type converts what it is given, or that
-    is NOT NULL (a missing argument is written as NULL: its default never applies)."""
+    is NOT NULL (a missing argument is written as NULL: its default never applies); and
+    the columns written an argument's JSON text (PostgreSQL's json and jsonb)."""
     if not spec.row_columns:
-        return ()
+        return (), frozenset()
     database = conn.dialect.name
     columns = {column["name"].lower(): column
                for column in inspect(conn).get_columns(spec.table, schema=spec.schema)}
@@ -51,7 +54,9 @@ def row_checks(conn: Connection, spec: TableSpec) -> tuple[tuple[str, Check], ..
         found = _not_null(check, column["nullable"])
         if found is not None:
             checks.append((name, found))
-    return tuple(checks)
+    as_json = frozenset(name for name in spec.row_columns if database == "postgresql"
+                        and isinstance(columns[name.lower()]["type"], sqltypes.JSON))
+    return tuple(checks), as_json
 
 
 def _numeric_affinity(conn: Connection, spec: TableSpec) -> set[str]:
@@ -104,7 +109,9 @@ def _not_null(check: Check | None, nullable: bool) -> Check | None:
 def column_check(database: str, kind: sqltypes.TypeEngine[Any]) -> Check | None:
     """How a column of ``kind`` on ``database`` (SQLAlchemy's dialect name) takes a value
     from JSON; None for a type that keeps any scalar as given (no declared type on SQLite,
-    JSON, arrays)."""
+    JSON other than PostgreSQL's, arrays)."""
+    if isinstance(kind, sqltypes.JSON):
+        return _json if database == "postgresql" else None
     if isinstance(kind, sqltypes.Boolean):
         return _boolean
     if isinstance(kind, sqltypes.Integer):
@@ -133,6 +140,21 @@ def tagged(value: Any) -> Any:
     if isinstance(value, dict) and value.keys() == {"__type__", "__value__"}:
         return object_hook(value)
     return value
+
+
+def json_text(value: Any) -> str:
+    """An argument for a json/jsonb column: its JSON text, which the column parses back to
+    the value (the drivers bind no object there, and text alone would be parsed)."""
+    text: str = kombu_dumps(value, allow_nan=False)
+    return text
+
+
+def _json(value: Any) -> str | None:
+    try:
+        json_text(value)
+    except ValueError as exc:
+        return f"not JSON ({exc})"
+    return None
 
 
 def as_written(value: Any) -> Any:

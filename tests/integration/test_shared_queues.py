@@ -383,6 +383,31 @@ def test_sqlite_columns_of_a_type_it_does_not_know_take_what_they_hold_as_sqlite
                     headers={"task": "rows.handle", "id": "x"})
 
 
+@pytest.mark.databases("postgresql")
+def test_a_postgresql_json_column_holds_any_json_argument_exactly(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """A ``json``/``jsonb`` argument column is written the argument's JSON text: an object
+    or a number arrives as it was sent (the drivers bound neither), text stays text
+    (``"123"`` arrived as ``123``); what JSON cannot hold (NaN) is refused."""
+    table = quoted(engine, f"{table_prefix}events")
+    dialect = dialect_for(engine)
+    with engine.begin() as sql:
+        sql.execute(text(
+            f"CREATE TABLE {table} (id {dialect.generated_id_type}, "
+            f"attempt {dialect.column_types[Role.ATTEMPT]}, "
+            f"locked_until {dialect.column_types[Role.LOCKED_UNTIL]}, "
+            f"available_at {dialect.column_types[Role.AVAILABLE_AT]}, "
+            "order_id JSONB, kind JSON)"))
+    conn = connect(queues={"events": {"table": events(table_prefix)}})
+    for sent in ({"order_id": {"n": [1, "x", None]}, "kind": "123"},
+                 {"order_id": 7, "kind": [True, 2.5]}, {"order_id": None, "kind": "paid"}):
+        publish(conn, "events", [[], sent, {}], headers={"task": "rows.handle", "id": "x"})
+        assert get_within(conn, "events").payload[1] == sent
+    with pytest.raises(ConfigurationError, match=r"argument kind=nan .*column kind .*JSON"):
+        publish(conn, "events", [[], {"order_id": 1, "kind": float("nan")}, {}],
+                headers={"task": "rows.handle", "id": "x"})
+
+
 @pytest.mark.databases("mysql")
 def test_the_transports_mariadb_sessions_are_strict_on_a_server_that_is_not(
         connect: Connect, engine: Engine, db_url: str, table_prefix: str) -> None:
