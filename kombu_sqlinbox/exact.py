@@ -235,17 +235,24 @@ def _single(value: Any) -> str | None:
 
 
 def _decimal(precision: int | None, scale: int | None) -> Check:
+    limit = 10 ** (precision - (scale or 0)) if precision is not None else 0
+
     def check(value: Any) -> str | None:
         if value is None:
             return None
         why = _number(value)
         if why is not None:
             return why
-        number = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
-        places = max(0, -int(number.normalize().as_tuple().exponent))
+        if isinstance(value, int):  # the common cases without a Decimal (a publish's hot path)
+            places = 0
+        elif isinstance(value, float) and "e" not in (shown := repr(value)):
+            places = len(shown.partition(".")[2].rstrip("0"))
+        else:
+            number = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
+            places = max(0, -int(number.normalize().as_tuple().exponent))
         if scale is not None and places > scale:
             return f"has {places} decimal places, the column keeps {scale}: it would round it"
-        if precision is not None and abs(number) >= Decimal(10) ** (precision - (scale or 0)):
+        if precision is not None and abs(value) >= limit:
             return f"too large for the column's {precision} digits, {scale or 0} of them decimal"
         return None
 
