@@ -346,6 +346,9 @@ _EXTENDED: dict[Callable[[str], date | time], tuple[re.Pattern[str], str]] = {
 }
 
 
+TIMESTAMP_RANGE = (datetime(1970, 1, 1, 0, 0, 1), datetime(2038, 1, 19, 3, 14, 7, 999999))
+
+
 def _moment(database: str, kind: sqltypes.TypeEngine[Any]) -> Check:
     """Dates and times arrive as ISO 8601 text and leave as it: the column must keep the
     value's offset (or have none to keep) and its fractional seconds."""
@@ -354,6 +357,8 @@ def _moment(database: str, kind: sqltypes.TypeEngine[Any]) -> Check:
         else time.fromisoformat if isinstance(kind, sqltypes.Time) else date.fromisoformat)
     form, example = _EXTENDED[parse]
     zoned = bool(getattr(kind, "timezone", False))
+    # MariaDB/MySQL's TIMESTAMP: seconds of a signed 32-bit Unix time (the session is UTC)
+    epoch = database in ("mysql", "mariadb") and isinstance(kind, sqltypes.TIMESTAMP)
     digits = 6 if database == "sqlite" else getattr(
         kind, "fsp" if database in ("mysql", "mariadb") else "precision", None)
     if digits is None:
@@ -371,12 +376,16 @@ def _moment(database: str, kind: sqltypes.TypeEngine[Any]) -> Check:
         except ValueError:
             moment = None
         if moment is None:
-            return f"not in ISO 8601's extended form ({example})"
+            return f"not a valid time in ISO 8601's extended form ({example})"
         if isinstance(moment, date) and not isinstance(moment, datetime):
             return None
         if database != "sqlite" and (moment.tzinfo is not None) != zoned:
             return ("has a UTC offset, which the column drops" if moment.tzinfo is not None
                     else "has no UTC offset: the column would assume the session's")
+        if (epoch and isinstance(moment, datetime) and moment.tzinfo is None
+                and not TIMESTAMP_RANGE[0] <= moment <= TIMESTAMP_RANGE[1]):
+            return (f"out of the column's range ({TIMESTAMP_RANGE[0].isoformat()} to "
+                    f"{TIMESTAMP_RANGE[1].isoformat()}, UTC): use DATETIME for such times")
         fraction = f"{moment.microsecond:06d}".rstrip("0")
         if len(fraction) > digits:
             return f"has {len(fraction)} fractional digits, the column keeps {digits}"

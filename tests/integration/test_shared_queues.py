@@ -194,13 +194,17 @@ def test_a_publish_statement_binds_row_mode_columns_by_name(
 #: the argument columns of a service's own table, as each database spells them
 TYPED_COLUMNS = {
     "postgresql": "order_id BIGINT, kind VARCHAR(8), price NUMERIC(8, 2), ratio REAL, "
-                  "due DATE, paid BOOLEAN, starts TIME, bin BYTEA, mood VARCHAR(8)",
+                  "due DATE, paid BOOLEAN, starts TIME, bin BYTEA, mood VARCHAR(8), "
+                  "stamp TIMESTAMP",
     "mysql": "order_id BIGINT, kind VARCHAR(8), price DECIMAL(8, 2), ratio FLOAT, "
-             "due DATE, paid BOOLEAN, starts TIME, bin VARBINARY(4), mood ENUM('sad', 'ok')",
+             "due DATE, paid BOOLEAN, starts TIME, bin VARBINARY(4), mood ENUM('sad', 'ok'), "
+             "stamp TIMESTAMP NULL",
     "sqlite": "order_id BIGINT, kind VARCHAR(8), price NUMERIC(8, 2), ratio REAL, "
-              "due DATE, paid BOOLEAN, starts TIME, bin BLOB, mood VARCHAR(8)",
+              "due DATE, paid BOOLEAN, starts TIME, bin BLOB, mood VARCHAR(8), "
+              "stamp TIMESTAMP",
 }
-ARGUMENTS = ("order_id", "kind", "price", "ratio", "due", "paid", "starts", "bin", "mood")
+ARGUMENTS = ("order_id", "kind", "price", "ratio", "due", "paid", "starts", "bin", "mood",
+             "stamp")
 
 
 def typed_events(engine: Engine, database: str, prefix: str) -> TableSpec:
@@ -217,7 +221,8 @@ def typed_events(engine: Engine, database: str, prefix: str) -> TableSpec:
 
 
 GOOD = {"order_id": 2**40 + 1, "kind": "paid", "price": 12.5, "ratio": 0.5,
-        "due": "2026-12-03", "paid": True, "starts": "10:00:00", "bin": "ab", "mood": "ok"}
+        "due": "2026-12-03", "paid": True, "starts": "10:00:00", "bin": "ab", "mood": "ok",
+        "stamp": "2026-12-03T10:00:00"}
 
 
 @pytest.mark.parametrize(("argument", "value", "why"), [
@@ -273,9 +278,12 @@ ODD_VALUES = [
     ("mood", 1, "one of|not text", "MariaDB's ENUM takes 1 as its first value"),
     ("mood", "OK", "one of", "MariaDB's ENUM takes 'OK' as 'ok' (its collation)"),
     ("kind", "x" * 100_000, "longer than 8", "the whole value in the error, a log line of 100 kB"),
+    ("stamp", "2040-01-01T00:00:00", "range", "MariaDB: OperationalError, retried as a lost "
+     "connection"),
 ]
 #: where a value is held exactly as it was sent (the column has no such rule there)
 HELD = {("bin", "\\x41"): ("mysql", "sqlite"), ("mood", "OK"): ("postgresql", "sqlite"),
+        ("stamp", "2040-01-01T00:00:00"): ("postgresql", "sqlite"),
         ("bin", "\u00e9\u00e9\u00e9"): ("postgresql", "sqlite")}
 
 

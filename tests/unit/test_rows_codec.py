@@ -323,6 +323,9 @@ def test_class_and_builder_forms_declare_the_same_shared_queue() -> None:
     ("postgresql", sqltypes.Uuid(), uuid.UUID(int=5), None),
     ("postgresql", postgresql.JSONB(), {"a": [1, None]}, None),  # written as its JSON text
     ("postgresql", sqltypes.JSON(), float("nan"), "not JSON"),
+    ("mysql", mysql.TIMESTAMP(), "2040-01-01T00:00:00", "out of the column's range"),
+    ("mysql", mysql.TIMESTAMP(), "2026-12-03T10:00:00+02:00", "UTC offset"),
+    ("mysql", mysql.DATETIME(), "2040-01-01T00:00:00", None),
     ("postgresql", postgresql.BYTEA(), b"\\x41", None),  # bytes are bound as they are
     ("postgresql", postgresql.BYTEA(), b"\xff", "not UTF-8"),
     ("mysql", mysql.VARBINARY(4), b"abcde", "4 bytes"),
