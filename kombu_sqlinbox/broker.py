@@ -144,8 +144,9 @@ class Broker:
             )
         def ensure(conn: Connection) -> QueueTable:
             payload_is_text = self.dialect.ensure_table(conn, spec, self.options.create_tables)
+            exact, as_json = row_checks(conn, spec)
             return QueueTable(queue, spec, options, payload_is_text, created, form,
-                              exact=row_checks(conn, spec))
+                              exact=exact, as_json=as_json)
 
         if (caller is not None and self.dialect.transactional_ddl
                 and not self.database.has_table(spec)):

@@ -19,6 +19,7 @@ from reprlib import repr as saferepr
 from typing import TYPE_CHECKING, Any, cast
 
 from .errors import ConfigurationError
+from .exact import as_written, json_text, tagged
 from .tables import Role, TableSpec
 
 if TYPE_CHECKING:
@@ -274,10 +275,11 @@ def stores_plain(spec: TableSpec) -> bool:
 
 
 def _jsonable(value: Any) -> Any:
-    """A column value JSON has no type for: bytes as text, decimals as numbers, times in
-    ISO 8601, the rest (UUIDs) as text."""
+    """A column value JSON has no type for: bytes as text (whole: a byte that is not UTF-8
+    as the lone surrogate of Python's ``surrogateescape``, ``"\\udcff"`` in the JSON),
+    decimals as numbers, times in ISO 8601, the rest (UUIDs) as text."""
     if isinstance(value, (bytes, memoryview)):
-        return bytes(value).decode("utf-8", errors="replace")
+        return bytes(value).decode("utf-8", "surrogateescape")
     if isinstance(value, Decimal):
         return int(value) if value == value.to_integral_value() else float(value)
     if isinstance(value, (date, time)):  # datetime is a date
@@ -320,7 +322,7 @@ def encode_plain(message: dict[str, Any], table: QueueTable
                     f"queue {table.queue!r} takes keyword arguments "
                     f"{', '.join(rows.arguments)} only, got args {args!r}, "
                     f"kwargs {sorted(kwargs)!r}")
-            columns.update((name, kwargs.get(name)) for name in rows.arguments)
+            columns.update((name, tagged(kwargs.get(name))) for name in rows.arguments)
             body = None
         elif (args if rows.arguments == "kwargs" else kwargs):
             raise ConfigurationError(
@@ -333,9 +335,11 @@ def encode_plain(message: dict[str, Any], table: QueueTable
             if why is not None:
                 what = "the task name" if name == rows.column else f"argument {name}"
                 raise ConfigurationError(
-                    f"queue {table.queue!r}: {what}={columns.get(name)!r} does not "
+                    f"queue {table.queue!r}: {what}={saferepr(columns.get(name))} does not "
                     f"fit column {name} of table {spec.table!r} exactly: {why}; "
                     "nothing was written")
+        columns = {name: json_text(value) if name in table.as_json and value is not None
+                   else as_written(value) for name, value in columns.items()}
     if spec.has(Role.PAYLOAD) and body is None:
         body = b""
     payload = None if body is None else convert_payload(body, table.payload_is_text)
@@ -389,6 +393,9 @@ def _row_task(row: ClaimedRow, table: QueueTable) -> dict[str, Any]:
     kwargs: Any = {}
     if isinstance(rows.arguments, tuple):
         kwargs = {column: values[column] for column in rows.arguments}
+        for column, value in kwargs.items():
+            if isinstance(value, (bytes, memoryview)):  # a binary column: its bytes' text
+                kwargs[column] = _text(value, f"column {column!r}")
     else:
         raw = _text(row.payload, "payload column") or ""  # never None: not nullable
         try:

@@ -81,6 +81,8 @@ class QueueTable:
     #: row mode: each argument column whose type converts what it is given, and why a
     #: value would not come back as it was sent (:mod:`.exact`)
     exact: tuple[tuple[str, Callable[[Any], str | None]], ...] = ()
+    #: row mode: the argument columns written the argument's JSON text (:mod:`.exact`)
+    as_json: frozenset[str] = frozenset()
 
     @property
     def fifo(self) -> bool:

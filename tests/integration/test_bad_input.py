@@ -253,13 +253,30 @@ def test_a_column_holding_another_type_is_parked_and_the_next_delivered(
     assert count_rows(engine, table) == 2  # the good ones, held; nothing else
 
 
+@pytest.mark.databases("sqlite")
+def test_a_parked_row_keeps_headers_that_are_not_utf8_byte_for_byte(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """A BLOB in the headers column that is not UTF-8 is parked; the death record keeps
+    the stored headers whole (each byte that is not UTF-8 as its ``surrogateescape``
+    surrogate), as the payload is kept, so the row can be put back as it was."""
+    conn = connect(queues={"jobs": {"dead_letter_queue": "jobs.dead"}})
+    conn.default_channel.queue_declare("jobs")
+    insert_raw(engine, table_of("jobs", table_prefix), b"{}", headers=b"\xff{}")  # type: ignore[arg-type]
+    publish(conn, "jobs", {"good": True})
+    assert get_within(conn, "jobs").decode() == {"good": True}
+    kept = death(get_within(conn, "jobs.dead"))["original_headers"]
+    assert kept.encode("utf-8", "surrogateescape") == b"\xff{}"
+
+
 def row_mode_jobs(prefix: str) -> TableSpec:
     """Row mode: the payload column holds the keyword arguments of ``rows.handle``."""
     return (TableBuilder(f"{prefix}row_jobs").id().payload().attempt().locked_until()
             .task("rows.handle").build())
 
 
-@pytest.mark.parametrize("attempt", [0, 5], ids=["first-claim", "past-max-attempts"])
+@pytest.mark.parametrize("attempt", [0, 2, 3, 5],
+                         ids=["first-claim", "claim-at-max-attempts", "one-past", "far-past"])
 def test_a_row_mode_payload_that_is_not_utf8_is_parked_and_the_next_delivered(
     connect: Connect, engine: Engine, table_prefix: str, attempt: int,
 ) -> None:
@@ -273,7 +290,9 @@ def test_a_row_mode_payload_that_is_not_utf8_is_parked_and_the_next_delivered(
     assert get_within(conn, "jobs").payload[1] == {"n": 2}
     parked = get_within(conn, "jobs.dead")
     reason = death(parked)["reason"]
-    assert ("max_attempts is 3" if attempt else "the payload column is not UTF-8") in reason
+    # the claim makes the stored count one more: a row whose claim reaches max_attempts is
+    # still read (and found unreadable), one past it is parked unread
+    assert ("max_attempts is 3" if attempt >= 3 else "the payload column is not UTF-8") in reason
     kept = parked.decode()["payload"]
     assert death(parked)["columns"]["payload"] == "base64"
     assert base64.b64decode(kept) == b"\xff\xfe{}", "not kept byte for byte"

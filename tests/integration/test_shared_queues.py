@@ -6,6 +6,8 @@ one that does not fit the schema fails at start-up."""
 from __future__ import annotations
 
 import json
+from datetime import date, time
+from decimal import Decimal
 
 import pytest
 from sqlalchemy import text
@@ -16,7 +18,7 @@ from kombu_sqlinbox import ConfigurationError, Role, SchemaMismatch, TableBuilde
 from kombu_sqlinbox.dialects import dialect_for
 
 from .conftest import Connect
-from .support import get, get_within, publish, quoted, settled
+from .support import death, get, get_within, publish, quoted, settled
 
 #: what a driver returns for a payload, a headers column, a time: every variant
 pytestmark = pytest.mark.drivers
@@ -196,13 +198,19 @@ def test_a_publish_statement_binds_row_mode_columns_by_name(
 #: the argument columns of a service's own table, as each database spells them
 TYPED_COLUMNS = {
     "postgresql": "order_id BIGINT, kind VARCHAR(8), price NUMERIC(8, 2), ratio REAL, "
-                  "due DATE, paid BOOLEAN",
+                  "due DATE, paid BOOLEAN, starts TIME, bin BYTEA, mood VARCHAR(8), "
+                  "stamp TIMESTAMP",
     "mysql": "order_id BIGINT, kind VARCHAR(8), price DECIMAL(8, 2), ratio FLOAT, "
-             "due DATE, paid BOOLEAN",
+             "due DATE, paid BOOLEAN, starts TIME, bin VARBINARY(4), mood ENUM('sad', 'ok'), "
+             "stamp TIMESTAMP NULL",
     "sqlite": "order_id BIGINT, kind VARCHAR(8), price NUMERIC(8, 2), ratio REAL, "
-              "due DATE, paid BOOLEAN",
+              "due DATE, paid BOOLEAN, starts TIME, bin BLOB, mood VARCHAR(8), "
+              "stamp TIMESTAMP",
 }
-ARGUMENTS = ("order_id", "kind", "price", "ratio", "due", "paid")
+ARGUMENTS = ("order_id", "kind", "price", "ratio", "due", "paid", "starts", "bin", "mood",
+             "stamp")
+
+
 def typed_events(engine: Engine, database: str, prefix: str) -> TableSpec:
     """Row mode on a table the service made, its argument columns typed."""
     dialect = dialect_for(engine)
@@ -217,7 +225,8 @@ def typed_events(engine: Engine, database: str, prefix: str) -> TableSpec:
 
 
 GOOD = {"order_id": 2**40 + 1, "kind": "paid", "price": 12.5, "ratio": 0.5,
-        "due": "2026-12-03", "paid": True}
+        "due": "2026-12-03", "paid": True, "starts": "10:00:00", "bin": "ab", "mood": "ok",
+        "stamp": "2026-12-03T10:00:00"}
 
 
 @pytest.mark.parametrize(("argument", "value", "why"), [
@@ -257,6 +266,158 @@ def test_an_argument_its_column_cannot_hold_exactly_is_refused_at_publish(
     message.ack()
     settled(conn)
     assert get(conn, "typed") is None, "the refused publish wrote a row"
+
+
+#: values a column converts, or a driver fails on with an error naming neither the
+#: argument nor the column, and the databases where they do (each is refused everywhere)
+ODD_VALUES = [
+    ("order_id", 10**400, "out of range", "an int beyond a float's range: OverflowError"),
+    ("ratio", -(10**400), "out of range", "an int beyond a float's range: OverflowError"),
+    ("starts", "1000", "extended form", "MariaDB stores 00:10:00, SQLite the number 1000"),
+    ("starts", "100000", "extended form", "SQLite stores the number 100000"),
+    ("kind", "a\x00b", "NUL", "PostgreSQL refuses it unnamed; refused everywhere alike"),
+    ("kind", "\udcff", "surrogate", "a UnicodeEncodeError in the driver"),
+    ("bin", "\\x41", "backslash", "PostgreSQL's bytea reads it as escapes: 'A'"),
+    ("bin", "\u00e9\u00e9\u00e9", "longer than 4 bytes", "MariaDB: data too long, unnamed"),
+    ("mood", 1, "one of|not text", "MariaDB's ENUM takes 1 as its first value"),
+    ("mood", "OK", "one of", "MariaDB's ENUM takes 'OK' as 'ok' (its collation)"),
+    ("kind", "x" * 100_000, "longer than 8", "the whole value in the error, a log line of 100 kB"),
+    ("stamp", "2040-01-01T00:00:00", "range", "MariaDB: OperationalError, retried as a lost "
+     "connection"),
+]
+#: where a value is held exactly as it was sent (the column has no such rule there)
+HELD = {("bin", "\\x41"): ("mysql", "sqlite"), ("mood", "OK"): ("postgresql", "sqlite"),
+        ("stamp", "2040-01-01T00:00:00"): ("postgresql", "sqlite"),
+        ("bin", "\u00e9\u00e9\u00e9"): ("postgresql", "sqlite")}
+
+
+@pytest.mark.parametrize(("argument", "value", "why", "before"), ODD_VALUES,
+                         ids=[f"{case[0]}-{case[3][:40]}" for case in ODD_VALUES])
+def test_an_odd_value_is_refused_at_publish_naming_argument_and_column(
+        connect: Connect, engine: Engine, database: str, table_prefix: str,
+        argument: str, value: object, why: str, before: str) -> None:
+    """Values at the edges of each column type: refused before anything is written, the
+    error naming the argument, the column and why (``before``: what happened without the
+    check)."""
+    if database in HELD.get((argument, value), ()):  # type: ignore[arg-type]
+        pytest.skip(f"{database} holds {value!r} in column {argument} as it was sent")
+    spec = typed_events(engine, database, table_prefix)
+    conn = connect(queues={"typed": {"table": spec}})
+    with pytest.raises(ConfigurationError, match=rf"argument {argument}=.*column "
+                                                 rf"{argument}\b.*({why}).*nothing was written"
+                       ) as refused:
+        publish(conn, "typed", [[], {**GOOD, argument: value}, {}],
+                headers={"task": "rows.handle", "id": "x"})
+    assert len(str(refused.value)) < 500, "the error quotes a value at length"
+    assert get(conn, "typed") is None, "the refused publish wrote a row"
+
+
+def test_decimals_dates_and_times_as_python_objects_are_checked_as_their_values(
+        connect: Connect, engine: Engine, database: str, table_prefix: str) -> None:
+    """Celery's JSON writes a ``Decimal``, ``date``, ``time`` or ``bytes`` argument as a
+    tagged object (``{"__type__": "decimal", ...}``): each is checked and written as the
+    value it stands for (bytes bound as they are: bytea reads no escapes in them), and
+    arrives as a row written with SQL gives it (a number, ISO 8601 text, text)."""
+    spec = typed_events(engine, database, table_prefix)
+    conn = connect(queues={"typed": {"table": spec}})
+    typed = {"order_id": Decimal("42"), "price": Decimal("12.50"), "due": date(2026, 12, 3),
+             "starts": time(10, 0), "bin": b"a\\b"}
+    with pytest.raises(ConfigurationError, match=r"argument price=Decimal\('12.345'\) does "
+                                                 r"not fit column price .*3 decimal places"):
+        publish(conn, "typed", [[], {**GOOD, **typed, "price": Decimal("12.345")}, {}],
+                headers={"task": "rows.handle", "id": "x"})
+    publish(conn, "typed", [[], {**GOOD, **typed}, {}],
+            headers={"task": "rows.handle", "id": "y"})
+    message = get_within(conn, "typed")
+    assert {name: message.payload[1][name] for name in typed} == {
+        "order_id": 42, "price": 12.5, "due": "2026-12-03", "starts": "10:00:00",
+        "bin": "a\\b"}
+
+
+def test_an_argument_column_holding_bytes_that_are_not_utf8_is_parked_not_replaced(
+        connect: Connect, engine: Engine, database: str, table_prefix: str) -> None:
+    """A binary argument column arrives as its text; bytes that are not UTF-8 have no text:
+    the row is parked saying which column (as a payload that is not UTF-8 is), kept byte
+    for byte, rather than run with U+FFFD in place of the bytes."""
+    spec = typed_events(engine, database, table_prefix)
+    conn = connect(queues={"typed": {"table": spec, "dead_letter_queue": "typed.dead"}})
+    conn.default_channel.queue_declare("typed")
+    for value in (b"\xffab", b"ab"):
+        insert(engine, f"{table_prefix}typed", order_id=1, bin=value)
+    assert get_within(conn, "typed").payload[1]["bin"] == "ab"
+    parked = get_within(conn, "typed.dead")
+    assert "column 'bin' is not UTF-8" in death(parked)["reason"]
+    assert parked.decode()["bin"].encode("utf-8", "surrogateescape") == b"\xffab"
+
+
+@pytest.mark.parametrize("kwargs", [{"kind": "paid"}, {"order_id": None, "kind": "paid"}],
+                         ids=["argument-missing", "argument-none"])
+def test_null_for_a_not_null_column_is_refused_at_publish_naming_argument_and_column(
+        connect: Connect, engine: Engine, table_prefix: str, kwargs: dict[str, object]) -> None:
+    """A missing argument is written as NULL (row mode writes every argument column, so
+    a column's default never applies): for a NOT NULL column that is refused before the
+    INSERT, saying so, rather than the database's constraint error."""
+    dialect = dialect_for(engine)
+    table = quoted(engine, f"{table_prefix}events")
+    with engine.begin() as sql:
+        sql.execute(text(
+            f"CREATE TABLE {table} (id {dialect.generated_id_type}, "
+            f"attempt {dialect.column_types[Role.ATTEMPT]}, "
+            f"locked_until {dialect.column_types[Role.LOCKED_UNTIL]}, "
+            f"available_at {dialect.column_types[Role.AVAILABLE_AT]}, "
+            "order_id VARCHAR(16) NOT NULL DEFAULT 'none', kind VARCHAR(16))"))
+    conn = connect(queues={"events": {"table": events(table_prefix)}})
+    with pytest.raises(ConfigurationError, match=r"argument order_id=None does not fit column "
+                                                 r"order_id .*NOT NULL.*nothing was written"):
+        publish(conn, "events", [[], kwargs, {}], headers={"task": "rows.handle", "id": "x"})
+    assert get(conn, "events") is None, "the refused publish wrote a row"
+
+
+@pytest.mark.databases("sqlite")
+def test_sqlite_columns_of_a_type_it_does_not_know_take_what_they_hold_as_sqlite_does(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """SQLite gives a type name it does not know (``UUID``), and ``JSON``, numeric affinity:
+    text that reads as a number is stored as that number, any other text as it is. A UUID
+    arrives as sent; ``"123"`` would arrive as ``123`` and is refused."""
+    table = quoted(engine, f"{table_prefix}events")
+    with engine.begin() as sql:
+        sql.execute(text(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+                         "attempt INTEGER NOT NULL DEFAULT 0, locked_until REAL, "
+                         "available_at REAL NOT NULL DEFAULT 0, order_id UUID, kind JSON)"))
+    conn = connect(queues={"events": {"table": events(table_prefix)}})
+    ref = "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"
+    publish(conn, "events", [[], {"order_id": ref, "kind": "paid"}, {}],
+            headers={"task": "rows.handle", "id": "y"})
+    assert get_within(conn, "events").payload[1] == {"order_id": ref, "kind": "paid"}
+    for argument in ("order_id", "kind"):
+        with pytest.raises(ConfigurationError, match=rf"argument {argument}='123'.*as a number"):
+            publish(conn, "events", [[], {"order_id": ref, "kind": "paid", argument: "123"}, {}],
+                    headers={"task": "rows.handle", "id": "x"})
+
+
+@pytest.mark.databases("postgresql")
+def test_a_postgresql_json_column_holds_any_json_argument_exactly(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """A ``json``/``jsonb`` argument column is written the argument's JSON text: an object
+    or a number arrives as it was sent (the drivers bound neither), text stays text
+    (``"123"`` arrived as ``123``); what JSON cannot hold (NaN) is refused."""
+    table = quoted(engine, f"{table_prefix}events")
+    dialect = dialect_for(engine)
+    with engine.begin() as sql:
+        sql.execute(text(
+            f"CREATE TABLE {table} (id {dialect.generated_id_type}, "
+            f"attempt {dialect.column_types[Role.ATTEMPT]}, "
+            f"locked_until {dialect.column_types[Role.LOCKED_UNTIL]}, "
+            f"available_at {dialect.column_types[Role.AVAILABLE_AT]}, "
+            "order_id JSONB, kind JSON)"))
+    conn = connect(queues={"events": {"table": events(table_prefix)}})
+    for sent in ({"order_id": {"n": [1, "x", None]}, "kind": "123"},
+                 {"order_id": 7, "kind": [True, 2.5]}, {"order_id": None, "kind": "paid"}):
+        publish(conn, "events", [[], sent, {}], headers={"task": "rows.handle", "id": "x"})
+        assert get_within(conn, "events").payload[1] == sent
+    with pytest.raises(ConfigurationError, match=r"argument kind=nan .*column kind .*JSON"):
+        publish(conn, "events", [[], {"order_id": 1, "kind": float("nan")}, {}],
+                headers={"task": "rows.handle", "id": "x"})
 
 
 @pytest.mark.databases("mysql")
