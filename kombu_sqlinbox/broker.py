@@ -73,6 +73,7 @@ class Broker:
         self.routes = Routes(self.database, options.table_prefix, options.create_tables,
                              wake=self.wakeup.published, sweep_interval=options.sweep_interval,
                              sweep_batch=options.sweep_batch)
+        self.routes.restore_table = self._restore_table
         #: how a message for transient queues is encoded (the codec's view of their table)
         self.transient_template = QueueTable("", self.routes.spec, options.defaults, False,
                                              True, self.routes, transient=True)
@@ -190,6 +191,12 @@ class Broker:
         queue with a table of its own is deleted as ``queue_delete`` would."""
         for queue in self.routes.sweep():
             self.delete_queue(queue)
+
+    def _restore_table(self, queue: str) -> None:
+        """A consumed queue a sweep deleted is registered again: its table, which the
+        sweep may have dropped, is looked for (and created) again first."""
+        self.forget_table(queue)
+        self.table(queue)
 
     def forget_table(self, queue: str) -> None:
         with self._tables_lock:
@@ -314,6 +321,7 @@ class Broker:
 
     def close(self) -> None:
         self.closed = True
+        self.routes.renewer.stop()
         self.keeper.stop()
         self.wakeup.close()
         self.database.dispose()

@@ -23,6 +23,7 @@ import logging
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -33,6 +34,7 @@ from sqlalchemy.exc import DBAPIError
 from .database import Database
 from .dialects import RoutingStatements, plain_payload
 from .errors import SchemaMismatch
+from .renewal import Renewer
 from .rows import ClaimedRow, Held, QueueTable, Settlement
 from .tables import TableBuilder, TableSpec, check_name
 
@@ -93,6 +95,13 @@ class Routes:
         self._touched: dict[str, float] = {}
         self._tables_of: dict[str, tuple[float, list[tuple[str, str, str, str]]]] = {}
         self._next_sweep = 0.0
+        #: how many consumers of this process are on each queue: those never expire
+        self._consumers: Counter[str] = Counter()
+        self._renewing = threading.Lock()
+        self.renewer = Renewer(self.renew)
+        #: called with a table-backed queue before it is registered again (a sweep may
+        #: have dropped its table): the broker creates the table again
+        self.restore_table: Callable[[str], None] = lambda queue: None
 
     # -- tables ----------------------------------------------------------------
     def available(self) -> bool:
@@ -194,26 +203,69 @@ class Routes:
         return set(self._read(
             lambda conn: conn.execute(self.sql.registered, {"ids": list(queues)}).scalars().all()))
 
+    def consuming(self, queue: str, added: bool) -> None:
+        """A consumer of this process started (``added``) or stopped consuming ``queue``:
+        while one is on it, the queue never expires (:meth:`renew`)."""
+        if added:
+            self._consumers[queue] += 1
+            declared = self._declared.get(queue)
+            if declared is not None and declared.expires is not None:
+                self.renewer.start()
+        elif self._consumers[queue] > 1:
+            self._consumers[queue] -= 1
+        else:
+            del self._consumers[queue]
+
     def keep_alive(self, queue: str) -> None:
-        """A consumer is on ``queue``: push its expiry back (at most every quarter of it),
-        and register it again, bindings included, if a sweep took it meanwhile (a
-        consumer that could not reach the database for longer than its expiry)."""
+        """A consumer claims from ``queue``: :meth:`renew` it (a ``basic_get`` without a
+        consumer keeps a queue too, as on RabbitMQ)."""
         declared = self._declared.get(queue)
-        if declared is None or declared.expires is None:
-            return
-        now = time.monotonic()
-        if now < self._touched.get(queue, 0.0):
-            return
-        self._touched[queue] = now + min(declared.expires / 4, 30.0)
+        if declared is not None and declared.expires is not None:
+            self.renew([queue])
+
+    def renew(self, queues: Iterable[str] | None = None) -> float | None:
+        """Push back the expiry of ``queues`` (by default every queue a consumer of this
+        process is on) that declare one, each at most every quarter of it (at most every
+        30 s), in one statement; register again, bindings included, any a sweep took
+        meanwhile (this process could not reach the database for longer than its expiry).
+        Returns the seconds until the next is due (None: nothing to renew)."""
+        if not self._renewing.acquire(blocking=queues is None):
+            return None  # the renewal thread is at it: a claim does not wait for it
+        try:
+            now = time.monotonic()
+            due: dict[str, float] = {}
+            next_at: float | None = None
+            for queue in list(self._consumers if queues is None else queues):
+                declared = self._declared.get(queue)
+                if declared is None or declared.expires is None:
+                    continue
+                at = self._touched.get(queue, 0.0)
+                if at <= now:
+                    at = due[queue] = now + min(declared.expires / 4, 30.0)
+                next_at = at if next_at is None else min(next_at, at)
+            if due:
+                self._touch(list(due))
+                self._touched.update(due)
+            return None if next_at is None else max(0.0, next_at - now)
+        finally:
+            self._renewing.release()
+
+    def _touch(self, queues: list[str]) -> None:
         touched = self.database.run(
-            lambda conn: conn.execute(self.sql.touch, {"ids": [queue]}).rowcount,
-            durable=False)
-        if touched:
+            lambda conn: conn.execute(self.sql.touch, {"ids": queues}).rowcount, durable=False)
+        if touched >= len(queues):
             return
-        logger.warning("sqlinbox: queue %r expired while consumed; registering it again", queue)
-        self.declare(queue, declared)
-        for binding in self._bound.get(queue, ()):
-            self.bind(*binding)
+        for queue in set(queues) - self._registered(queues):
+            declared = self._declared.get(queue)
+            if declared is None:  # deleted here meanwhile
+                continue
+            logger.warning("sqlinbox: queue %r expired while consumed; registering it again",
+                           queue)
+            if not declared.transient:
+                self.restore_table(queue)
+            self.declare(queue, declared)
+            for binding in list(self._bound.get(queue, ())):
+                self.bind(*binding)
 
     def forget(self, queue: str) -> None:
         """Delete a queue's registry row, bindings and transient messages."""
@@ -352,7 +404,11 @@ class Routes:
         self._next_sweep = now + self.sweep_interval
         limit = {"limit": self.sweep_batch}
 
+        consumed = [queue for queue in list(self._consumers) if queue in self._declared]
+
         def expire(conn: Connection) -> list[tuple[str, int]]:
+            if consumed:  # a queue consumed here never expires, whenever it was renewed
+                conn.execute(self.sql.touch, {"ids": consumed})
             expired = [(row[0], row[1]) for row in conn.execute(self.sql.expired_queues, limit)]
             if expired:
                 self._forget(conn, [name for name, _ in expired])

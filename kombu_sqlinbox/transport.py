@@ -419,7 +419,9 @@ class Channel(virtual.Channel):
         self.connection.served = None  # another queue to take turns with
         if no_ack:
             callback = self._completed_on_delivery(callback)
-        return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        self.broker.routes.consuming(queue, added=True)
+        return result
 
     def _completed_on_delivery(self, callback: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """A ``no_ack`` consumer's messages are settled as they are handed over: nothing
@@ -441,6 +443,7 @@ class Channel(virtual.Channel):
         queue = self._tag_to_queue.get(consumer_tag)
         result = super().basic_cancel(consumer_tag)
         if queue:
+            self.broker.routes.consuming(queue, added=False)
             if self._release_buffered([queue]):
                 self.broker.keeper.flush(timeout=SETTLE_LIMIT)
             if queue in self._auto_delete and queue not in self._active_queues:

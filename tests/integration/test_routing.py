@@ -203,6 +203,28 @@ def test_consumed_queue_outlives_its_expiry_and_comes_back_after_a_sweep_took_it
     assert get_within(consumer, "kept").payload == {"back": True}
 
 
+def test_a_busy_consumer_keeps_its_queue_through_its_own_processs_sweeps(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """A consumer that claims nothing for several expiries (its task runs, every prefetch
+    slot taken) keeps its auto-delete broadcast queue: its own process sweeps meanwhile,
+    and fanout messages published after still reach it."""
+    conn = other(connect, 1, sweep_interval=0.01)
+    received: list[Any] = []
+    queue = transient("node1.broadcast", FANOUT, expires=0.3)
+    with conn.Consumer([queue], callbacks=[lambda body, message: received.append(body)]):
+        broker = broker_of(conn)
+        until = time.monotonic() + 1.0  # three expiries without a claim is the point
+        while time.monotonic() < until:
+            broker.sweep()
+            time.sleep(0.05)
+        assert count(engine, table_prefix, "queues") == 1
+        other(connect, 2).Producer().publish({"after": True}, exchange=FANOUT,
+                                             declare=[FANOUT])
+        conn.drain_events(timeout=5)
+    assert received == [{"after": True}]
+
+
 def test_auto_delete_queue_goes_with_its_last_consumer(
     connect: Connect, engine: Engine, table_prefix: str,
 ) -> None:
