@@ -27,8 +27,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from weakref import WeakSet
 
-from sqlalchemy import Connection, inspect
+from sqlalchemy import Connection, event, inspect
 from sqlalchemy.exc import DBAPIError
 
 from .database import Database
@@ -41,8 +42,11 @@ from .tables import TableBuilder, TableSpec, check_name
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: seconds a process keeps the table-backed bindings of an exchange it publishes to
+#: seconds a process keeps the bindings of an exchange it publishes to
 BINDINGS_CACHE = 2.0
+#: bound callers' connections whose transaction wrote bindings (until it ends): their
+#: publishes read the bindings in it, not from a cache
+_BINDING_CALLERS: WeakSet[Connection] = WeakSet()
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,7 @@ class Routes:
         self._declared: dict[str, Declared] = {}
         self._bound: dict[str, set[tuple[str, str, str, str, str]]] = {}
         self._touched: dict[str, float] = {}
-        self._tables_of: dict[str, tuple[float, list[tuple[str, str, str, str]]]] = {}
+        self._tables_of: dict[str, tuple[float, list[tuple[str, str, str, str, int]]]] = {}
         self._next_sweep = 0.0
         #: how many consumers of this process are on each queue: those never expire
         self._consumers: Counter[str] = Counter()
@@ -283,6 +287,16 @@ class Routes:
             conn.execute(statement, {"ids": queues})
 
     # -- bindings --------------------------------------------------------------
+    def _wrote_bindings(self) -> None:
+        """Bindings are about to be written in the bound caller's transaction, if any: its
+        publishes must see them, which other processes' caches do not yet."""
+        caller = self.database.bound_caller()
+        if caller is not None and caller not in _BINDING_CALLERS:
+            _BINDING_CALLERS.add(caller)
+            for ended in ("commit", "rollback"):
+                if not event.contains(caller, ended, _BINDING_CALLERS.discard):
+                    event.listen(caller, ended, _BINDING_CALLERS.discard)
+
     def bind(self, exchange: str, kind: str, queue: str, routing_key: str, pattern: str) -> None:
         check_name(exchange, "exchange name")
         check_name(routing_key, "routing key", empty=True)
@@ -290,6 +304,7 @@ class Routes:
         self._tables_of.pop(exchange, None)
         if not self.available():
             return
+        self._wrote_bindings()
         self._write(lambda conn: conn.execute(self.sql.bind, {
             "exchange": exchange, "type": kind, "queue": queue, "routing_key": routing_key,
             "pattern": pattern}))
@@ -300,28 +315,43 @@ class Routes:
         self._tables_of.pop(exchange, None)
         if not self.available():
             return
+        self._wrote_bindings()
         self._write(lambda conn: conn.execute(self.sql.unbind, {
             "exchange": exchange, "queue": queue, "routing_key": routing_key}))
 
     def delete_exchange(self, exchange: str) -> None:
         self._tables_of.pop(exchange, None)
         if self.available():
+            self._wrote_bindings()
             self._write(lambda conn: conn.execute(self.sql.unbind_exchange,
                                                   {"exchange": exchange}))
 
-    def table_queues(self, exchange: str, routing_key: str) -> set[str]:
-        """The table-backed queues bound to ``exchange`` that take ``routing_key``, by the
-        bindings table (read at most every :data:`BINDINGS_CACHE` seconds per exchange)."""
-        now = time.monotonic()
-        cached = self._tables_of.get(exchange)
-        if cached is None or cached[0] < now:
-            if not self.available():
-                return set()
-            rows = self._read(lambda conn: [tuple(row) for row in conn.execute(
-                self.sql.bound, {"exchange": exchange})])
-            cached = self._tables_of[exchange] = (now + BINDINGS_CACHE, rows)
-        return {queue for bound_key, pattern, queue, kind in cached[1]
-                if matches(kind, routing_key, bound_key, pattern)}
+    def bound(self, exchange: str, routing_key: str) -> tuple[set[str], bool]:
+        """The table-backed queues bound to ``exchange`` that take ``routing_key``, and
+        whether a transient one takes it, by the bindings table: read at most every
+        :data:`BINDINGS_CACHE` seconds per exchange, but in a caller's transaction that
+        wrote bindings, on every publish in it (what it bound routes at once)."""
+        caller = self.database.bound_caller()
+        if caller is not None and caller in _BINDING_CALLERS:
+            rows = self._read_bindings(exchange)
+        else:
+            now = time.monotonic()
+            cached = self._tables_of.get(exchange)
+            if cached is None or cached[0] < now:
+                if not self.available():
+                    return set(), False
+                cached = self._tables_of[exchange] = (now + BINDINGS_CACHE,
+                                                      self._read_bindings(exchange))
+            rows = cached[1]
+        taking = [(queue, transient) for bound_key, pattern, queue, kind, transient in rows
+                  if matches(kind, routing_key, bound_key, pattern)]
+        return ({queue for queue, transient in taking if not transient},
+                any(transient for _, transient in taking))
+
+    def _read_bindings(self, exchange: str) -> list[tuple[str, str, str, str, int]]:
+        return self._read(lambda conn: [
+            (row[0], row[1], row[2], row[3], int(row[4]))
+            for row in conn.execute(self.sql.bound, {"exchange": exchange})])
 
     # -- messages --------------------------------------------------------------
     def route(self, exchange: str, routing_key: str, payload: bytes | str,

@@ -215,10 +215,11 @@ class Channel(virtual.Channel):
 
     def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str,
                       **kwargs: Any) -> None:
-        """Route through the bindings of every process. A direct exchange with a queue
-        bound here for the key keeps kombu's in-process routing (a task publish costs no
-        lookup); otherwise the transient queues bound anywhere get the message in one
-        statement, and the table-backed ones read from the bindings table."""
+        """Route through the bindings of every process: kombu's in-process routing and the
+        bindings table together (:meth:`~.routing.Routes.bound`). The transient queues
+        bound anywhere get the message in one statement; a direct exchange with a
+        table-backed queue bound here for the key (a task publish) runs it only when the
+        bindings table has a transient queue taking the key."""
         if not exchange:
             super().basic_publish(message, exchange, routing_key, **kwargs)
             return
@@ -229,12 +230,12 @@ class Channel(virtual.Channel):
         except KeyError:
             here = set()
         tables = {queue for queue in here if not self.broker.table(queue).transient}
-        if kind.type != "direct" or not tables:
-            tables |= self.broker.routes.table_queues(exchange, routing_key)
+        elsewhere, transient = self.broker.routes.bound(exchange, routing_key)
+        if transient or kind.type != "direct" or not tables:
             payload, headers = encode_message(message, self.broker.transient_template)
             self.broker.routes.route(exchange, routing_key, payload, headers,
-                                    expiration_seconds(message))
-        for queue in tables:
+                                     expiration_seconds(message))
+        for queue in tables | elsewhere:
             self._put(queue, message, **kwargs)
 
     # -- consume ---------------------------------------------------------------

@@ -1503,9 +1503,10 @@ class Dialect:
             unbind=sql(f"DELETE FROM {bindings} WHERE exchange = :exchange "
                        "AND queue = :queue AND routing_key = :routing_key"),
             unbind_exchange=sql(f"DELETE FROM {bindings} WHERE exchange = :exchange"),
-            bound=sql(f"SELECT b.routing_key, b.pattern, b.queue, b.type FROM {bindings} AS b "
+            bound=sql("SELECT b.routing_key, b.pattern, b.queue, b.type, "
+                      f"COALESCE(q.transient, 0) FROM {bindings} AS b "
                       f"LEFT JOIN {queues} AS q ON q.name = b.queue "
-                      "WHERE b.exchange = :exchange AND COALESCE(q.transient, 0) = 0"),
+                      "WHERE b.exchange = :exchange"),
             forget=tuple(sql(statement) for statement in (
                 f"DELETE FROM {bindings} WHERE queue IN :ids",
                 f"DELETE FROM {messages} WHERE queue IN :ids",

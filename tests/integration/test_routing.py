@@ -20,7 +20,8 @@ from kombu.transport.virtual.exchange import TopicExchange
 from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
 
-from kombu_sqlinbox import ConfigurationError
+from celery_ext.binding import bind
+from kombu_sqlinbox import ConfigurationError, routing
 from kombu_sqlinbox.dialects import RoutingStatements
 
 from .conftest import Connect
@@ -122,6 +123,60 @@ def test_durable_queue_bound_to_a_fanout_elsewhere_gets_a_copy(connect: Connect)
     assert message.payload == {"audit": 1}
     assert not broker_of(consumer).table("audit").transient
     message.ack()
+
+
+def test_direct_publish_reaches_queues_bound_here_and_elsewhere(connect: Connect) -> None:
+    """A publisher with a binding of its own for the exchange and key still reaches the
+    queues other processes bound to them: the union, as on an AMQP broker."""
+    orders = Exchange("orders", type="direct")
+    consumer, publisher = other(connect, 1), other(connect, 2)
+    declare(consumer, Queue("audit", orders, "created"))
+    declare(consumer, transient("watch", orders, "created"))
+    declare(publisher, Queue("billing", orders, "created"))
+    publisher.Producer().publish({"order": 1}, exchange=orders, routing_key="created")
+    for conn, queue in ((publisher, "billing"), (consumer, "audit"), (consumer, "watch")):
+        message = get_within(conn, queue)
+        assert message.payload == {"order": 1}, queue
+        message.ack()
+        assert get(conn, queue) is None, queue  # one copy each
+
+
+AUDITED = Exchange("audited", type="fanout")
+
+
+def test_a_queue_bound_elsewhere_reaches_a_warm_publisher_within_the_bindings_cache(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The documented window: a publisher reads an exchange's bindings at most every
+    ``BINDINGS_CACHE`` seconds, so a queue another process bound just now misses its
+    publishes until then."""
+    monkeypatch.setattr(routing, "BINDINGS_CACHE", 0.5)
+    publisher, binder = other(connect, 1), other(connect, 2)
+    producer = publisher.Producer()
+    producer.publish({"n": 0}, exchange=AUDITED, declare=[AUDITED])  # bindings read
+    declare(binder, Queue("late", AUDITED))
+    producer.publish({"n": 1}, exchange=AUDITED)
+    assert get(binder, "late") is None
+    time.sleep(0.5)  # the cache's age passing is the point
+    producer.publish({"n": 2}, exchange=AUDITED)
+    assert get_within(binder, "late").payload == {"n": 2}
+
+
+def test_a_binding_made_in_the_publishing_transaction_routes_at_once(
+    connect: Connect, engine: Engine,
+) -> None:
+    """A queue bound in the database transaction a publish is made in gets the message,
+    whichever connection of the process bound it, the publisher's cache warm or not."""
+    publisher, binder = other(connect, 1), other(connect, 2)
+    producer = publisher.Producer()
+    producer.publish({"n": 0}, exchange=AUDITED, declare=[AUDITED])  # bindings read
+    with engine.connect() as caller:
+        caller.begin()
+        with bind(caller):
+            declare(binder, Queue("late", AUDITED))
+            producer.publish({"n": 1}, exchange=AUDITED)
+        caller.commit()
+    assert get_within(binder, "late").payload == {"n": 1}
 
 
 @pytest.mark.parametrize("how", ["queue x-message-ttl", "message expiration"])
