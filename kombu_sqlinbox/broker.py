@@ -341,7 +341,7 @@ class Broker:
         self.dialect.check_message_size(
             table.queue, len(payload or b"") + (len(headers) if headers else 0))
         if table.transient:
-            self.routes.put(table.queue, payload or b"", headers, ttl)
+            self.routes.put(table.queue, payload or b"", headers, ttl, priority)
             return
         self.publish(table, self.dialect.publish_params(
             table.spec, payload, headers, priority, eta, group, partition_key, task, columns),

@@ -19,6 +19,7 @@ a message of an AMQP transient queue without acknowledgement).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -32,6 +33,7 @@ from weakref import WeakSet
 from sqlalchemy import Connection, event, inspect
 from sqlalchemy.exc import DBAPIError
 
+from .codec import priority_of
 from .database import Database
 from .dialects import RoutingStatements, plain_payload
 from .errors import SchemaMismatch
@@ -130,11 +132,17 @@ class Routes:
 
     def _find_or_create(self, caller: Connection | None) -> bool:
         def missing(conn: Connection) -> list[str]:
-            return [name for name in self.sql.names if not inspect(conn).has_table(name)]
+            tables = [name for name in self.sql.names if not inspect(conn).has_table(name)]
+            return tables or self._outdated(conn)
 
-        if not (missing(caller) if caller is not None else self._read(missing)):
+        lacking = missing(caller) if caller is not None else self._read(missing)
+        if not lacking:
             return True
         if not self.create:
+            if lacking == [self.sql.upgrade[1]]:
+                raise SchemaMismatch(
+                    f"table {self.sql.names[2]!r} has no column {self.sql.upgrade[0]!r} "
+                    f"(create_tables is off); add it with:\n{self.sql.upgrade[1]};")
             return False
         if caller is not None:
             self._create(caller)
@@ -160,8 +168,21 @@ class Routes:
                 + ";\n".join(self.sql.ddl) + ";")
 
     def _create(self, conn: Connection) -> None:
+        """The tables, what an earlier release's table lacks, then the indexes (which may
+        be on what it lacked)."""
+        indexes = [statement for statement in self.sql.ddl
+                   if statement.startswith("CREATE INDEX")]
         for statement in self.sql.ddl:
+            if statement not in indexes:
+                conn.exec_driver_sql(statement)
+        for statement in [*self._outdated(conn), *indexes]:
             conn.exec_driver_sql(statement)
+
+    def _outdated(self, conn: Connection) -> list[str]:
+        """What the transient messages' table, made by an earlier release, needs."""
+        column, alter = self.sql.upgrade
+        found = {c["name"] for c in inspect(conn).get_columns(self.sql.names[2])}
+        return [] if column in found else [alter]
 
     def _write(self, work: Callable[[Connection], T], durable: bool = True) -> T:
         """Run ``work`` in the bound caller's transaction when there is one on this
@@ -355,7 +376,7 @@ class Routes:
 
     # -- messages --------------------------------------------------------------
     def route(self, exchange: str, routing_key: str, payload: bytes | str,
-              headers: str | None, ttl: float | None) -> None:
+              headers: str | None, ttl: float | None, priority: int = 0) -> None:
         """Publish to every transient queue bound to ``exchange`` that takes
         ``routing_key``: one statement, whatever the number of queues."""
         check_name(exchange, "exchange name")
@@ -363,13 +384,14 @@ class Routes:
         if not self.available():
             return
         self._publish(self.sql.route, {"exchange": exchange, "routing_key": routing_key,
-                                       "payload": payload, "headers": headers, "ttl": ttl})
+                                       "payload": payload, "headers": headers, "ttl": ttl,
+                                       "priority": priority})
 
     def put(self, queue: str, payload: bytes | str, headers: str | None,
-            ttl: float | None) -> None:
+            ttl: float | None, priority: int = 0) -> None:
         """Publish to one transient queue (nothing when it is no longer registered)."""
         self._publish(self.sql.put, {"queue": queue, "payload": payload, "headers": headers,
-                                     "ttl": ttl})
+                                     "ttl": ttl, "priority": priority})
 
     def _publish(self, statement: Any, params: dict[str, Any]) -> None:
         params["channel_prefix"] = self.prefix + "t_"
@@ -401,10 +423,9 @@ class Routes:
             return rows
 
         rows = self.database.run_fenced(take)
-        return sorted((ClaimedRow(id=row[0], attempt=1, payload=plain_payload(row[1]),
-                                  headers=row[2], group=None, partition_key=None)
-                       for row in rows),
-                      key=lambda row: row.id)
+        rows.sort(key=lambda row: (-row[3], row[0]))  # higher priority first, then oldest
+        return [ClaimedRow(id=row[0], attempt=1, payload=plain_payload(row[1]),
+                           headers=row[2], group=None, partition_key=None) for row in rows]
 
     def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
         return TransientHeld(table, row.id, row.attempt, row=row)
@@ -414,7 +435,8 @@ class Routes:
         row = getattr(held, "row", None)
         if how is Settlement.COMPLETE or row is None:
             return
-        self.put(held.table.queue, row.payload, row.headers, None)
+        properties = json.loads(row.headers or "{}").get("properties") or {}
+        self.put(held.table.queue, row.payload, row.headers, None, priority_of(properties))
 
     def run_held(self, held: Held, work: Callable[[Connection], T]) -> T:
         return self.database.run(work)

@@ -35,6 +35,7 @@ from .codec import (
     eta_epoch,
     expiration_seconds,
     expiry,
+    priority_of,
     stores_plain,
 )
 from .dialects import ClaimedRow
@@ -201,11 +202,7 @@ class Channel(virtual.Channel):
             expires_at = None if table.transient else expiry(
                 message, self.broker.message_ttls.get(queue), time())
             payload, headers = encode_message(message, table, expires_at)
-        priority = message["properties"].get("priority") or 0
-        try:
-            priority = max(0, min(255, int(priority)))
-        except (TypeError, ValueError):
-            priority = 0
+        priority = priority_of(message["properties"])
         message_headers = message.get("headers") or {}
         self.broker.publish_message(
             table, payload, headers, priority, eta_epoch(message_headers),
@@ -234,7 +231,8 @@ class Channel(virtual.Channel):
         if transient or kind.type != "direct" or not tables:
             payload, headers = encode_message(message, self.broker.transient_template)
             self.broker.routes.route(exchange, routing_key, payload, headers,
-                                     expiration_seconds(message))
+                                     expiration_seconds(message),
+                                     priority_of(message["properties"]))
         for queue in tables | elsewhere:
             self._put(queue, message, **kwargs)
 

@@ -21,7 +21,7 @@ from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
 
 from celery_ext.binding import bind
-from kombu_sqlinbox import ConfigurationError, routing
+from kombu_sqlinbox import ConfigurationError, SchemaMismatch, routing
 from kombu_sqlinbox.dialects import RoutingStatements
 
 from .conftest import Connect
@@ -378,6 +378,27 @@ def test_undecodable_transient_message_is_dropped_with_a_warning(
         assert get(conn, "garbled") is None
     assert "transient message of queue 'garbled' dropped" in caplog.text
     assert count(engine, table_prefix, "transient") == 0
+
+
+def test_a_transient_table_of_an_earlier_release_gets_its_priority_column(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """Earlier releases made the transient messages' table without a priority column: it
+    is added where the transport creates tables, and named where it may not."""
+    broker_of(other(connect, 1)).routes.available()
+    table = quoted(engine, table_prefix + "transient")
+    index = quoted(engine, table_prefix + "transient_claim")
+    on_table = f" ON {table}" if engine.dialect.name == "mysql" else ""
+    with engine.begin() as db:  # the earlier layout
+        db.execute(text(f"DROP INDEX {index}{on_table}"))
+        db.execute(text(f"ALTER TABLE {table} DROP COLUMN priority"))
+        db.execute(text(f"CREATE INDEX {index} ON {table} (queue, id)"))
+    with pytest.raises(SchemaMismatch, match="ADD COLUMN priority"):
+        broker_of(other(connect, 2, create_tables=False)).routes.available()
+    buffer = other(connect, 3).SimpleBuffer("buffer", queue_opts={"max_priority": 9})
+    for priority in (1, 9):
+        buffer.put(priority, priority=priority)
+    assert [buffer.get(timeout=10).payload for _ in range(2)] == [9, 1]
 
 
 def test_queue_declared_durable_again_leaves_the_registry(
