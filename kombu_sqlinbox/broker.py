@@ -64,8 +64,6 @@ class Broker:
         self._inserts: dict[str, tuple[QueueTable, RowsInsert | None]] = {}
         #: the engines of bound transactions found on this database
         self._same_engines: WeakSet[Engine] = WeakSet()
-        #: queues declared with a message TTL (seconds; ``x-message-ttl``) in this process
-        self.message_ttls: dict[str, float] = {}
         self.dialect.notify = options.notify and self.dialect.notify
         self.wakeup = Wakeup(self.database, local=options.notify)
         self.keeper = LeaseKeeper(self.database, wake=self.wakeup.poke)
@@ -169,8 +167,6 @@ class Broker:
             expires = self.options.idle_queue_expires
         message_ttl = _seconds(arguments.get("x-message-ttl"))
         self.routes.declare(queue, Declared(transient, expires, message_ttl))
-        if message_ttl is not None:  # what this process publishes to the queue next
-            self.message_ttls[queue] = message_ttl
         known = self._tables.get(queue)
         if known is not None and known.transient != transient:
             self.forget_table(queue)

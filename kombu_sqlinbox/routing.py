@@ -101,6 +101,8 @@ class Routes:
         self._touched: dict[str, float] = {}
         self._tables_of: dict[str, tuple[float, list[tuple[str, str, str, str, int]]]] = {}
         self._next_sweep = 0.0
+        #: queues' message TTLs as registered elsewhere: (read again after, seconds)
+        self._ttls: dict[str, tuple[float, float | None]] = {}
         #: how many consumers of this process are on each queue: those never expire
         self._consumers: Counter[str] = Counter()
         self._renewing = threading.Lock()
@@ -223,6 +225,24 @@ class Routes:
                 lambda conn: conn.execute(self.sql.kind, {"name": queue}).scalar())
             found = self._transient[queue] = bool(kind)
         return found
+
+    def message_ttl(self, queue: str) -> float | None:
+        """The queue's ``x-message-ttl`` (seconds), as whichever process declared it
+        registered it: this process's own declaration at once, others' read at most
+        every :data:`BINDINGS_CACHE` seconds per queue."""
+        declared = self._declared.get(queue)
+        if declared is not None:
+            return declared.message_ttl
+        now = time.monotonic()
+        cached = self._ttls.get(queue)
+        if cached is None or cached[0] < now:
+            if not self.available():
+                return None
+            found = self._read(lambda conn: conn.execute(
+                self.sql.message_ttl, {"name": queue}).scalar())
+            cached = self._ttls[queue] = (now + BINDINGS_CACHE,
+                                          None if found is None else float(found))
+        return cached[1]
 
     def _registered(self, queues: Sequence[str]) -> set[str]:
         return set(self._read(

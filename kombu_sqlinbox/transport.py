@@ -200,7 +200,7 @@ class Channel(virtual.Channel):
         else:
             # a transient message's expiry is a column its claim reads, not in the envelope
             expires_at = None if table.transient else expiry(
-                message, self.broker.message_ttls.get(queue), time())
+                message, self.broker.routes.message_ttl(queue), time())
             payload, headers = encode_message(message, table, expires_at)
         priority = priority_of(message["properties"])
         message_headers = message.get("headers") or {}

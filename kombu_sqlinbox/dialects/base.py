@@ -129,6 +129,7 @@ class RoutingStatements:
     drop: list[str]
     declare: TextClause
     kind: TextClause
+    message_ttl: TextClause
     touch: TextClause
     registered: TextClause
     bind: TextClause
@@ -1500,6 +1501,7 @@ class Dialect:
             drop=[f"DROP TABLE IF EXISTS {table}" for table in (messages, bindings, queues)],
             declare=sql(declare.replace(":expires_at", f"{now} + {expires}")),
             kind=sql(f"SELECT transient FROM {queues} WHERE name = :name"),
+            message_ttl=sql(f"SELECT message_ttl FROM {queues} WHERE name = :name"),
             touch=sql(f"UPDATE {queues} SET expires_at = {now} + expires "
                       "WHERE name IN :ids AND expires IS NOT NULL"),
             registered=sql(f"SELECT name FROM {queues} WHERE name IN :ids"),

@@ -202,6 +202,22 @@ def test_expired_message_is_never_delivered_and_is_swept(
     assert count(engine, table_prefix, "transient") == 0
 
 
+def test_a_durable_queues_message_ttl_applies_to_every_publisher(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``x-message-ttl`` is the queue's, registered where every process sees it: a
+    publisher that never declared the queue applies it too (within the bindings cache's
+    two seconds of the declaration)."""
+    monkeypatch.setattr(routing, "BINDINGS_CACHE", 0.2)
+    consumer, publisher = other(connect, 1), other(connect, 2)
+    declare(consumer, Queue("short", Exchange("short"), "short", message_ttl=0.3))
+    publisher.Producer().publish({"n": 1}, routing_key="short")  # not declared there
+    time.sleep(0.4)  # the TTL passing is the point
+    assert get(consumer, "short") is None
+    publisher.Producer().publish({"n": 2}, routing_key="short")
+    assert get_within(consumer, "short").payload == {"n": 2}
+
+
 def test_queue_unused_past_x_expires_goes_with_its_bindings_and_messages(
     connect: Connect, engine: Engine, table_prefix: str,
 ) -> None:
