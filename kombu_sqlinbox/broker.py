@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from weakref import WeakSet
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, NoSuchTableError
 
 from . import binding
 from .claims import LeaseKeeper, Wakeup, claim_forms
@@ -142,9 +142,10 @@ class Broker:
             return QueueTable(queue, spec, options, ensure(caller), created, form), False
         try:
             payload_is_text = self.run(ensure, read_only=True)
-        except DBAPIError:
+        except (DBAPIError, NoSuchTableError):
             # another process created the table at the same moment (PostgreSQL reports
-            # a duplicate type); the second look finds and checks it
+            # a duplicate type), or dropped it between its creation and its check (the
+            # sweep of an expired queue): the second look finds and checks it
             payload_is_text = self.run(ensure, read_only=True)
         return QueueTable(queue, spec, options, payload_is_text, created, form), True
 
@@ -184,9 +185,34 @@ class Broker:
 
     def sweep(self) -> None:
         """Delete what expired (bounded, at most every ``sweep_interval``); an expired
-        queue with a table of its own is deleted as ``queue_delete`` would."""
+        queue with a table of its own is deleted as ``queue_delete`` would, unless its
+        consumer registered it again meanwhile (back from an outage)."""
         for queue in self.routes.sweep():
-            self.delete_queue(queue)
+            if not self.routes.registered(queue):
+                self._drop_expired(queue)
+
+    def _drop_expired(self, queue: str) -> None:
+        """Drop the table of a queue a sweep took (its registry row and bindings went
+        with the sweep) if the transport created it, else empty it; looked up, never
+        created: another process's sweep may have dropped it first."""
+        known = self._tables.get(queue)
+        spec = known.spec if known is not None else self.spec_for(queue)
+        statements = self.dialect.statements(spec)
+        own = self.options.for_queue(queue).table is None
+        self.run(lambda conn: conn.execute(statements.drop if own else statements.purge))
+        self.forget_table(queue)
+
+    def restore_dropped(self, table: QueueTable) -> bool:
+        """After a claim failed: whether the next round may claim again, its table back.
+        A sweep that raced this process's registering the queue again may have dropped
+        it: a queue this process declared with an expiry is registered again, its table
+        and bindings included (unless the renewal did so meanwhile). False: a queue of
+        another kind, whose failure propagates."""
+        if table.transient or not self.routes.expires_here(table.queue):
+            return False
+        if not self.database.has_table(table.spec):
+            self.routes.register_again(table.queue)
+        return True
 
     def _restore_table(self, queue: str) -> None:
         """A consumed queue a sweep deleted is registered again: its table, which the

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from weakref import WeakSet
 
 from sqlalchemy import Connection, event, inspect
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from .codec import priority_of
 from .database import Database
@@ -244,6 +244,10 @@ class Routes:
                                           None if found is None else float(found))
         return cached[1]
 
+    def registered(self, queue: str) -> bool:
+        """Whether the queue is in the registry (committed)."""
+        return bool(self._registered([queue]))
+
     def _registered(self, queues: Sequence[str]) -> set[str]:
         return set(self._read(
             lambda conn: conn.execute(self.sql.registered, {"ids": list(queues)}).scalars().all()))
@@ -253,8 +257,7 @@ class Routes:
         while one is on it, the queue never expires (:meth:`renew`)."""
         if added:
             self._consumers[queue] += 1
-            declared = self._declared.get(queue)
-            if declared is not None and declared.expires is not None:
+            if self.expires_here(queue):
                 self.renewer.start()
         elif self._consumers[queue] > 1:
             self._consumers[queue] -= 1
@@ -264,8 +267,7 @@ class Routes:
     def keep_alive(self, queue: str) -> None:
         """A consumer claims from ``queue``: :meth:`renew` it (a ``basic_get`` without a
         consumer keeps a queue too, as on RabbitMQ)."""
-        declared = self._declared.get(queue)
-        if declared is not None and declared.expires is not None:
+        if self.expires_here(queue):
             self.renew([queue])
 
     def renew(self, queues: Iterable[str] | None = None) -> float | None:
@@ -301,16 +303,33 @@ class Routes:
         if touched >= len(queues):
             return
         for queue in set(queues) - self._registered(queues):
-            declared = self._declared.get(queue)
-            if declared is None:  # deleted here meanwhile
-                continue
-            logger.warning("sqlinbox: queue %r expired while consumed; registering it again",
-                           queue)
+            self.register_again(queue)
+
+    def expires_here(self, queue: str) -> bool:
+        """Whether this process declared ``queue`` with an ``x-expires``."""
+        declared = self._declared.get(queue)
+        return declared is not None and declared.expires is not None
+
+    def register_again(self, queue: str) -> bool:
+        """Register a queue a sweep took again, as this process declared it, its table
+        and bindings included; False when this process holds no declaration of it."""
+        declared = self._declared.get(queue)
+        if declared is None:  # deleted here meanwhile, or never declared with an expiry
+            return False
+        logger.warning("sqlinbox: queue %r expired while consumed; registering it again",
+                       queue)
+        try:
+            self.declare(queue, declared)
             if not declared.transient:
                 self.restore_table(queue)
-            self.declare(queue, declared)
             for binding in list(self._bound.get(queue, ())):
                 self.bind(*binding)
+        except SQLAlchemyError as exc:
+            # its table dropped again meanwhile (sweeps racing, each after a missed
+            # renewal), or the database out of reach: the next renewal or claim tries again
+            logger.warning("sqlinbox: queue %r could not be registered again yet (%s)",
+                           queue, exc)
+        return True
 
     def forget(self, queue: str) -> None:
         """Delete a queue's registry row, bindings and transient messages."""

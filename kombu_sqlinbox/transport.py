@@ -7,6 +7,7 @@ turns ack, requeue and reject into settlements the lease keeper batches.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from celery.signals import worker_shutting_down
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 
 from .broker import Broker, QueueTable, broker_for, shutting_down, stop_waiting
 from .claims import SETTLE_LIMIT, Held, Settlement
@@ -57,6 +58,7 @@ def _driver_connection_errors() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+logger = logging.getLogger(__name__)
 DRIVER_CONNECTION_ERRORS = _driver_connection_errors()
 #: how a broker URL names this transport
 URL_PREFIX = "sqlinbox+"
@@ -273,7 +275,14 @@ class Channel(virtual.Channel):
                 if limit <= 0:
                     self._starved = True
                     raise Empty()
-                claimed = self.broker.claim(table, limit, self._keys_in_work(queue))
+                try:
+                    claimed = self.broker.claim(table, limit, self._keys_in_work(queue))
+                except DBAPIError as exc:
+                    if exc.connection_invalidated or not self.broker.restore_dropped(table):
+                        raise
+                    logger.warning("sqlinbox: a claim on queue %r failed (%s); claiming "
+                                   "again next round", queue, exc.orig)
+                    raise Empty() from None
                 if table.transient:
                     if not claimed:
                         self._found_empty[queue] = monotonic()
