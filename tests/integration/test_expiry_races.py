@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from kombu import Connection, Exchange, Queue
-from sqlalchemy import inspect, text
+from sqlalchemy import event, inspect, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
@@ -108,6 +108,63 @@ def test_a_table_dropped_after_its_consumer_registered_it_again_is_created_again
         connect(polling_interval=0.07).Producer().publish(
             "after", exchange=JOBS, routing_key="jobs")
         receive(consumer, received, "after")
+
+
+@pytest.mark.databases("postgresql", "mysql")  # SQLite: one writer, no such interleaving
+@pytest.mark.parametrize("drops", [1, 2])
+def test_a_table_dropped_again_while_its_consumer_restores_it(
+    connect: Connect, engine: Engine, table_prefix: str, caplog: pytest.LogCaptureFixture,
+    drops: int,
+) -> None:
+    """Sweeps racing the consumer's restoring the table: another process creates the table
+    and a sweep drops it again between the consumer's ``CREATE TABLE IF NOT EXISTS`` and
+    its check of the table. Once: the check looks again and creates it. Twice: the
+    consumer registers the queue again at a later claim. Either way it comes back."""
+    consumer = connect()
+    creator = broker_of(connect(polling_interval=0.06))
+    received: list[Any] = []
+    with consumer.Consumer([jobs(expires=EXPIRES)],
+                           callbacks=[lambda body, m: received.append(body)]):
+        broker = broker_of(consumer)
+        table = broker.table("jobs").spec.table
+        drop = text(f"DROP TABLE IF EXISTS {quoted(engine, table)}")
+        left = [drops]
+
+        def ensuring(statement: str) -> bool:
+            return bool(left[0]) and statement.startswith("CREATE TABLE IF NOT EXISTS") and (
+                table in statement)
+
+        def created_elsewhere(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            if ensuring(statement):
+                creator.forget_table("jobs")
+                creator.table("jobs")
+
+        def dropped_by_a_sweep(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            if ensuring(statement):
+                left[0] -= 1
+                with engine.begin() as db:
+                    db.execute(drop)
+
+        event.listen(broker.engine, "before_cursor_execute", created_elsewhere)
+        event.listen(broker.engine, "after_cursor_execute", dropped_by_a_sweep)
+        try:
+            with engine.begin() as db:  # the sweep that raced the registration
+                db.execute(drop)
+            def raced() -> bool | None:
+                with contextlib.suppress(TimeoutError):
+                    consumer.drain_events(timeout=0.2)
+                return not left[0] or None
+
+            with caplog.at_level(logging.WARNING, logger="kombu_sqlinbox"):
+                wait_for(raced, "the consumer to restore the table, the sweeps racing it")
+        finally:
+            event.remove(broker.engine, "before_cursor_execute", created_elsewhere)
+            event.remove(broker.engine, "after_cursor_execute", dropped_by_a_sweep)
+        connect(polling_interval=0.07).Producer().publish(
+            "after", exchange=JOBS, routing_key="jobs")
+        receive(consumer, received, "after")
+    assert inspect(engine).has_table(table)
+    assert ("could not be registered again yet" in caplog.text) == (drops == 2)
 
 
 def test_a_dropped_table_of_a_queue_without_expiry_still_fails_its_consumer(
