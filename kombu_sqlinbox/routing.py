@@ -95,6 +95,8 @@ class Routes:
         self.spec: TableSpec = TableBuilder(self.sql.names[2]).id().payload().headers().build()
         self._lock = threading.Lock()
         self._ready = False
+        #: why transient messages cannot be written or claimed (an earlier release's table)
+        self._outdated_by: str | None = None
         self._transient: dict[str, bool] = {}
         self._declared: dict[str, Declared] = {}
         self._bound: dict[str, set[tuple[str, str, str, str, str]]] = {}
@@ -141,11 +143,13 @@ class Routes:
         if not lacking:
             return True
         if not self.create:
-            if lacking == [self.sql.upgrade[1]]:
-                raise SchemaMismatch(
-                    f"table {self.sql.names[2]!r} has no column {self.sql.upgrade[0]!r} "
-                    f"(create_tables is off); add it with:\n{self.sql.upgrade[1]};")
-            return False
+            if lacking != [self.sql.upgrade[1]]:
+                return False
+            # bindings and the registry serve as they are; transient messages wait for it
+            self._outdated_by = (
+                f"table {self.sql.names[2]!r} has no column {self.sql.upgrade[0]!r} "
+                f"(create_tables is off); add it with:\n{self.sql.upgrade[1]};")
+            return True
         if caller is not None:
             self._create(caller)
             return True
@@ -432,7 +436,13 @@ class Routes:
         self._publish(self.sql.put, {"queue": queue, "payload": payload, "headers": headers,
                                      "ttl": ttl, "priority": priority})
 
+    def _current(self) -> None:
+        """Refuse transient messages while their table lacks what this release needs."""
+        if self._outdated_by is not None:
+            raise SchemaMismatch(self._outdated_by)
+
     def _publish(self, statement: Any, params: dict[str, Any]) -> None:
+        self._current()
         params["channel_prefix"] = self.prefix + "t_"
         self._write(lambda conn: conn.execute(statement, params), durable=False)
         self.wake()
@@ -450,7 +460,9 @@ class Routes:
 
     # -- the claim form of transient queues ----------------------------------------
     def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
-        """Take up to ``limit`` unexpired messages of the queue, oldest first."""
+        """Take up to ``limit`` unexpired messages of the queue, higher priority first,
+        then oldest."""
+        self._current()
         params = {"queue": table.queue, "limit": limit}
 
         def take(conn: Connection) -> list[Any]:
