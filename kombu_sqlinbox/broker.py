@@ -206,8 +206,9 @@ class Broker:
         """After a claim failed: whether the next round may claim again, its table back.
         A sweep that raced this process's registering the queue again may have dropped
         it: a queue this process declared with an expiry is registered again, its table
-        and bindings included (unless the renewal did so meanwhile). False: a queue of
-        another kind, whose failure propagates."""
+        and bindings included (unless the renewal did so meanwhile; a database out of
+        reach fails the look for the table). False: a queue of another kind, whose
+        failure propagates."""
         if table.transient or not self.routes.expires_here(table.queue):
             return False
         if not self.database.has_table(table.spec):
@@ -216,7 +217,7 @@ class Broker:
 
     def _restore_table(self, queue: str) -> None:
         """A consumed queue a sweep deleted is registered again: its table, which the
-        sweep may have dropped, is looked for (and created) again first."""
+        sweep may have dropped, is looked for (and created) again."""
         self.forget_table(queue)
         self.table(queue)
 

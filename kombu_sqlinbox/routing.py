@@ -109,8 +109,8 @@ class Routes:
         self._consumers: Counter[str] = Counter()
         self._renewing = threading.Lock()
         self.renewer = Renewer(self.renew)
-        #: called with a table-backed queue before it is registered again (a sweep may
-        #: have dropped its table): the broker creates the table again
+        #: called with a table-backed queue as it is registered again (a sweep may have
+        #: dropped its table): the broker creates the table again
         self.restore_table: Callable[[str], None] = lambda queue: None
 
     # -- tables ----------------------------------------------------------------
@@ -314,12 +314,12 @@ class Routes:
         declared = self._declared.get(queue)
         return declared is not None and declared.expires is not None
 
-    def register_again(self, queue: str) -> bool:
+    def register_again(self, queue: str) -> None:
         """Register a queue a sweep took again, as this process declared it, its table
-        and bindings included; False when this process holds no declaration of it."""
+        and bindings included (nothing when this process holds no declaration of it)."""
         declared = self._declared.get(queue)
-        if declared is None:  # deleted here meanwhile, or never declared with an expiry
-            return False
+        if declared is None:  # deleted here meanwhile
+            return
         logger.warning("sqlinbox: queue %r expired while consumed; registering it again",
                        queue)
         try:
@@ -333,7 +333,6 @@ class Routes:
             # renewal), or the database out of reach: the next renewal or claim tries again
             logger.warning("sqlinbox: queue %r could not be registered again yet (%s)",
                            queue, exc)
-        return True
 
     def forget(self, queue: str) -> None:
         """Delete a queue's registry row, bindings and transient messages."""

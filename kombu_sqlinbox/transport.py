@@ -278,7 +278,7 @@ class Channel(virtual.Channel):
                 try:
                     claimed = self.broker.claim(table, limit, self._keys_in_work(queue))
                 except DBAPIError as exc:
-                    if exc.connection_invalidated or not self.broker.restore_dropped(table):
+                    if not self.broker.restore_dropped(table):
                         raise
                     logger.warning("sqlinbox: a claim on queue %r failed (%s); claiming "
                                    "again next round", queue, exc.orig)
