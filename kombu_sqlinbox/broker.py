@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from weakref import WeakSet
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, NoSuchTableError
 
 from . import binding
 from .claims import LeaseKeeper, Wakeup, claim_forms
@@ -71,8 +71,6 @@ class Broker:
         self._inserts: dict[str, tuple[QueueTable, RowsInsert | None]] = {}
         #: the engines of bound transactions found on this database
         self._same_engines: WeakSet[Engine] = WeakSet()
-        #: queues declared with a message TTL (seconds; ``x-message-ttl``) in this process
-        self.message_ttls: dict[str, float] = {}
         self.dialect.notify = options.notify and self.dialect.notify
         self.wakeup = Wakeup(self.database, local=options.notify)
         self.keeper = LeaseKeeper(self.database, wake=self.wakeup.poke)
@@ -80,6 +78,7 @@ class Broker:
         self.routes = Routes(self.database, options.table_prefix, options.create_tables,
                              wake=self.wakeup.published, sweep_interval=options.sweep_interval,
                              sweep_batch=options.sweep_batch)
+        self.routes.restore_table = self._restore_table
         #: how a message for transient queues is encoded (the codec's view of their table)
         self.transient_template = QueueTable("", self.routes.spec, options.defaults, False,
                                              True, self.routes, transient=True)
@@ -153,9 +152,10 @@ class Broker:
             return ensure(caller), False
         try:
             return self.run(ensure, read_only=True), True
-        except DBAPIError:
+        except (DBAPIError, NoSuchTableError):
             # another process created the table at the same moment (PostgreSQL reports
-            # a duplicate type); the second look finds and checks it
+            # a duplicate type), or dropped it between its creation and its check (the
+            # sweep of an expired queue): the second look finds and checks it
             return self.run(ensure, read_only=True), True
 
     def has_own_table(self, queue: str) -> bool:
@@ -177,8 +177,6 @@ class Broker:
             expires = self.options.idle_queue_expires
         message_ttl = _seconds(arguments.get("x-message-ttl"))
         self.routes.declare(queue, Declared(transient, expires, message_ttl))
-        if message_ttl is not None:  # what this process publishes to the queue next
-            self.message_ttls[queue] = message_ttl
         known = self._tables.get(queue)
         if known is not None and known.transient != transient:
             self.forget_table(queue)
@@ -196,9 +194,41 @@ class Broker:
 
     def sweep(self) -> None:
         """Delete what expired (bounded, at most every ``sweep_interval``); an expired
-        queue with a table of its own is deleted as ``queue_delete`` would."""
+        queue with a table of its own is deleted as ``queue_delete`` would, unless its
+        consumer registered it again meanwhile (back from an outage)."""
         for queue in self.routes.sweep():
-            self.delete_queue(queue)
+            if not self.routes.registered(queue):
+                self._drop_expired(queue)
+
+    def _drop_expired(self, queue: str) -> None:
+        """Drop the table of a queue a sweep took (its registry row and bindings went
+        with the sweep) if the transport created it, else empty it; looked up, never
+        created: another process's sweep may have dropped it first."""
+        known = self._tables.get(queue)
+        spec = known.spec if known is not None else self.spec_for(queue)
+        statements = self.dialect.statements(spec)
+        own = self.options.for_queue(queue).table is None
+        self.run(lambda conn: conn.execute(statements.drop if own else statements.purge))
+        self.forget_table(queue)
+
+    def restore_dropped(self, table: QueueTable) -> bool:
+        """After a claim failed: whether the next round may claim again, its table back.
+        A sweep that raced this process's registering the queue again may have dropped
+        it: a queue this process declared with an expiry is registered again, its table
+        and bindings included (unless the renewal did so meanwhile; a database out of
+        reach fails the look for the table). False: a queue of another kind, whose
+        failure propagates."""
+        if table.transient or not self.routes.expires_here(table.queue):
+            return False
+        if not self.database.has_table(table.spec):
+            self.routes.register_again(table.queue)
+        return True
+
+    def _restore_table(self, queue: str) -> None:
+        """A consumed queue a sweep deleted is registered again: its table, which the
+        sweep may have dropped, is looked for (and created) again."""
+        self.forget_table(queue)
+        self.table(queue)
 
     def forget_table(self, queue: str) -> None:
         with self._tables_lock:
@@ -323,6 +353,7 @@ class Broker:
 
     def close(self) -> None:
         self.closed = True
+        self.routes.renewer.stop()
         self.keeper.stop()
         self.wakeup.close()
         self.database.dispose()
@@ -342,7 +373,7 @@ class Broker:
         self.dialect.check_message_size(
             table.queue, len(payload or b"") + (len(headers) if headers else 0))
         if table.transient:
-            self.routes.put(table.queue, payload or b"", headers, ttl)
+            self.routes.put(table.queue, payload or b"", headers, ttl, priority)
             return
         self.publish(table, self.dialect.publish_params(
             table.spec, payload, headers, priority, eta, group, partition_key, task, columns),

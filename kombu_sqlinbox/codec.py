@@ -121,6 +121,14 @@ def expiration_seconds(message: dict[str, Any]) -> float | None:
     return None
 
 
+def priority_of(properties: dict[str, Any]) -> int:
+    """A message's ``priority`` property as stored: 0-255, higher first (as RabbitMQ); 0
+    when it has none, or none that is a number."""
+    with contextlib.suppress(TypeError, ValueError):
+        return max(0, min(255, int(properties.get("priority") or 0)))
+    return 0
+
+
 def encode_message(message: dict[str, Any], table: QueueTable,
                    expires_at: float | None = None) -> tuple[bytes | str, str | None]:
     """Split a kombu message into the payload column (the body) and the headers envelope.

@@ -19,28 +19,36 @@ a message of an AMQP transient queue without acknowledgement).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from weakref import WeakSet
 
-from sqlalchemy import Connection, inspect
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy import Connection, event, inspect
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
+from .codec import priority_of
 from .database import Database
 from .dialects import RoutingStatements, plain_payload
 from .errors import SchemaMismatch
+from .renewal import Renewer
 from .rows import ClaimedRow, Held, QueueTable, Settlement
 from .tables import TableBuilder, TableSpec, check_name
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: seconds a process keeps the table-backed bindings of an exchange it publishes to
+#: seconds a process keeps the bindings of an exchange it publishes to
 BINDINGS_CACHE = 2.0
+#: bound callers' connections whose transaction wrote bindings (until it ends): their
+#: publishes read the bindings in it, not from a cache
+_BINDING_CALLERS: WeakSet[Connection] = WeakSet()
 
 
 @dataclass(frozen=True)
@@ -87,12 +95,23 @@ class Routes:
         self.spec: TableSpec = TableBuilder(self.sql.names[2]).id().payload().headers().build()
         self._lock = threading.Lock()
         self._ready = False
+        #: why transient messages cannot be written or claimed (an earlier release's table)
+        self._outdated_by: str | None = None
         self._transient: dict[str, bool] = {}
         self._declared: dict[str, Declared] = {}
         self._bound: dict[str, set[tuple[str, str, str, str, str]]] = {}
         self._touched: dict[str, float] = {}
-        self._tables_of: dict[str, tuple[float, list[tuple[str, str, str, str]]]] = {}
+        self._tables_of: dict[str, tuple[float, list[tuple[str, str, str, str, int]]]] = {}
         self._next_sweep = 0.0
+        #: queues' message TTLs as registered elsewhere: (read again after, seconds)
+        self._ttls: dict[str, tuple[float, float | None]] = {}
+        #: how many consumers of this process are on each queue: those never expire
+        self._consumers: Counter[str] = Counter()
+        self._renewing = threading.Lock()
+        self.renewer = Renewer(self.renew)
+        #: called with a table-backed queue as it is registered again (a sweep may have
+        #: dropped its table): the broker creates the table again
+        self.restore_table: Callable[[str], None] = lambda queue: None
 
     # -- tables ----------------------------------------------------------------
     def available(self) -> bool:
@@ -117,18 +136,27 @@ class Routes:
 
     def _find_or_create(self, caller: Connection | None) -> bool:
         def missing(conn: Connection) -> list[str]:
-            """The tables missing; when none is, what the dialect finds wrong in them is
-            logged (tables an earlier version made, say)."""
+            """The tables missing, or what an earlier release's transient table needs;
+            what the dialect finds wrong in tables that are there is logged (tables an
+            earlier version made, say)."""
             absent = [name for name in self.sql.names if not inspect(conn).has_table(name)]
-            for table, problem in [] if absent else self.dialect.routing_problems(
-                    conn, self.sql.names):
+            if absent:
+                return absent
+            for table, problem in self.dialect.routing_problems(conn, self.sql.names):
                 logger.warning("sqlinbox: routing table %s: %s", table, problem)
-            return absent
+            return self._outdated(conn)
 
-        if not (missing(caller) if caller is not None else self._read(missing)):
+        lacking = missing(caller) if caller is not None else self._read(missing)
+        if not lacking:
             return True
         if not self.create:
-            return False
+            if lacking != [self.sql.upgrade[1]]:
+                return False
+            # bindings and the registry serve as they are; transient messages wait for it
+            self._outdated_by = (
+                f"table {self.sql.names[2]!r} has no column {self.sql.upgrade[0]!r} "
+                f"(create_tables is off); add it with:\n{self.sql.upgrade[1]};")
+            return True
         if caller is not None:
             self._create(caller)
             return True
@@ -153,8 +181,21 @@ class Routes:
                 + ";\n".join(self.sql.ddl) + ";")
 
     def _create(self, conn: Connection) -> None:
+        """The tables, what an earlier release's table lacks, then the indexes (which may
+        be on what it lacked)."""
+        indexes = [statement for statement in self.sql.ddl
+                   if statement.startswith("CREATE INDEX")]
         for statement in self.sql.ddl:
+            if statement not in indexes:
+                conn.exec_driver_sql(statement)
+        for statement in [*self._outdated(conn), *indexes]:
             conn.exec_driver_sql(statement)
+
+    def _outdated(self, conn: Connection) -> list[str]:
+        """What the transient messages' table, made by an earlier release, needs."""
+        column, alter = self.sql.upgrade
+        found = {c["name"] for c in inspect(conn).get_columns(self.sql.names[2])}
+        return [] if column in found else [alter]
 
     def _write(self, work: Callable[[Connection], T], durable: bool = True) -> T:
         """Run ``work`` in the bound caller's transaction when there is one on this
@@ -196,30 +237,109 @@ class Routes:
             found = self._transient[queue] = bool(kind)
         return found
 
+    def message_ttl(self, queue: str) -> float | None:
+        """The queue's ``x-message-ttl`` (seconds), as whichever process declared it
+        registered it: this process's own declaration at once, others' read at most
+        every :data:`BINDINGS_CACHE` seconds per queue."""
+        declared = self._declared.get(queue)
+        if declared is not None:
+            return declared.message_ttl
+        now = time.monotonic()
+        cached = self._ttls.get(queue)
+        if cached is None or cached[0] < now:
+            if not self.available():
+                return None
+            found = self._read(lambda conn: conn.execute(
+                self.sql.message_ttl, {"name": queue}).scalar())
+            cached = self._ttls[queue] = (now + BINDINGS_CACHE,
+                                          None if found is None else float(found))
+        return cached[1]
+
+    def registered(self, queue: str) -> bool:
+        """Whether the queue is in the registry (committed)."""
+        return bool(self._registered([queue]))
+
     def _registered(self, queues: Sequence[str]) -> set[str]:
         return set(self._read(
             lambda conn: conn.execute(self.sql.registered, {"ids": list(queues)}).scalars().all()))
 
+    def consuming(self, queue: str, added: bool) -> None:
+        """A consumer of this process started (``added``) or stopped consuming ``queue``:
+        while one is on it, the queue never expires (:meth:`renew`)."""
+        if added:
+            self._consumers[queue] += 1
+            if self.expires_here(queue):
+                self.renewer.start()
+        elif self._consumers[queue] > 1:
+            self._consumers[queue] -= 1
+        else:
+            del self._consumers[queue]
+
     def keep_alive(self, queue: str) -> None:
-        """A consumer is on ``queue``: push its expiry back (at most every quarter of it),
-        and register it again, bindings included, if a sweep took it meanwhile (a
-        consumer that could not reach the database for longer than its expiry)."""
-        declared = self._declared.get(queue)
-        if declared is None or declared.expires is None:
-            return
-        now = time.monotonic()
-        if now < self._touched.get(queue, 0.0):
-            return
-        self._touched[queue] = now + min(declared.expires / 4, 30.0)
+        """A consumer claims from ``queue``: :meth:`renew` it (a ``basic_get`` without a
+        consumer keeps a queue too, as on RabbitMQ)."""
+        if self.expires_here(queue):
+            self.renew([queue])
+
+    def renew(self, queues: Iterable[str] | None = None) -> float | None:
+        """Push back the expiry of ``queues`` (by default every queue a consumer of this
+        process is on) that declare one, each at most every quarter of it (at most every
+        30 s), in one statement; register again, bindings included, any a sweep took
+        meanwhile (this process could not reach the database for longer than its expiry).
+        Returns the seconds until the next is due (None: nothing to renew)."""
+        if not self._renewing.acquire(blocking=queues is None):
+            return None  # the renewal thread is at it: a claim does not wait for it
+        try:
+            now = time.monotonic()
+            due: dict[str, float] = {}
+            next_at: float | None = None
+            for queue in list(self._consumers if queues is None else queues):
+                declared = self._declared.get(queue)
+                if declared is None or declared.expires is None:
+                    continue
+                at = self._touched.get(queue, 0.0)
+                if at <= now:
+                    at = due[queue] = now + min(declared.expires / 4, 30.0)
+                next_at = at if next_at is None else min(next_at, at)
+            if due:
+                self._touch(list(due))
+                self._touched.update(due)
+            return None if next_at is None else max(0.0, next_at - now)
+        finally:
+            self._renewing.release()
+
+    def _touch(self, queues: list[str]) -> None:
         touched = self.database.run(
-            lambda conn: conn.execute(self.sql.touch, {"ids": [queue]}).rowcount,
-            durable=False)
-        if touched:
+            lambda conn: conn.execute(self.sql.touch, {"ids": queues}).rowcount, durable=False)
+        if touched >= len(queues):
             return
-        logger.warning("sqlinbox: queue %r expired while consumed; registering it again", queue)
-        self.declare(queue, declared)
-        for binding in self._bound.get(queue, ()):
-            self.bind(*binding)
+        for queue in set(queues) - self._registered(queues):
+            self.register_again(queue)
+
+    def expires_here(self, queue: str) -> bool:
+        """Whether this process declared ``queue`` with an ``x-expires``."""
+        declared = self._declared.get(queue)
+        return declared is not None and declared.expires is not None
+
+    def register_again(self, queue: str) -> None:
+        """Register a queue a sweep took again, as this process declared it, its table
+        and bindings included (nothing when this process holds no declaration of it)."""
+        declared = self._declared.get(queue)
+        if declared is None:  # deleted here meanwhile
+            return
+        logger.warning("sqlinbox: queue %r expired while consumed; registering it again",
+                       queue)
+        try:
+            self.declare(queue, declared)
+            if not declared.transient:
+                self.restore_table(queue)
+            for binding in list(self._bound.get(queue, ())):
+                self.bind(*binding)
+        except SQLAlchemyError as exc:
+            # its table dropped again meanwhile (sweeps racing, each after a missed
+            # renewal), or the database out of reach: the next renewal or claim tries again
+            logger.warning("sqlinbox: queue %r could not be registered again yet (%s)",
+                           queue, exc)
 
     def forget(self, queue: str) -> None:
         """Delete a queue's registry row, bindings and transient messages."""
@@ -237,6 +357,16 @@ class Routes:
             conn.execute(statement, {"ids": queues})
 
     # -- bindings --------------------------------------------------------------
+    def _wrote_bindings(self) -> None:
+        """Bindings are about to be written in the bound caller's transaction, if any: its
+        publishes must see them, which other processes' caches do not yet."""
+        caller = self.database.bound_caller()
+        if caller is not None and caller not in _BINDING_CALLERS:
+            _BINDING_CALLERS.add(caller)
+            for ended in ("commit", "rollback"):
+                if not event.contains(caller, ended, _BINDING_CALLERS.discard):
+                    event.listen(caller, ended, _BINDING_CALLERS.discard)
+
     def bind(self, exchange: str, kind: str, queue: str, routing_key: str, pattern: str) -> None:
         check_name(exchange, "exchange name")
         check_name(routing_key, "routing key", empty=True)
@@ -244,6 +374,7 @@ class Routes:
         self._tables_of.pop(exchange, None)
         if not self.available():
             return
+        self._wrote_bindings()
         self._write(lambda conn: conn.execute(self.sql.bind, {
             "exchange": exchange, "type": kind, "queue": queue, "routing_key": routing_key,
             "pattern": pattern}))
@@ -254,32 +385,47 @@ class Routes:
         self._tables_of.pop(exchange, None)
         if not self.available():
             return
+        self._wrote_bindings()
         self._write(lambda conn: conn.execute(self.sql.unbind, {
             "exchange": exchange, "queue": queue, "routing_key": routing_key}))
 
     def delete_exchange(self, exchange: str) -> None:
         self._tables_of.pop(exchange, None)
         if self.available():
+            self._wrote_bindings()
             self._write(lambda conn: conn.execute(self.sql.unbind_exchange,
                                                   {"exchange": exchange}))
 
-    def table_queues(self, exchange: str, routing_key: str) -> set[str]:
-        """The table-backed queues bound to ``exchange`` that take ``routing_key``, by the
-        bindings table (read at most every :data:`BINDINGS_CACHE` seconds per exchange)."""
-        now = time.monotonic()
-        cached = self._tables_of.get(exchange)
-        if cached is None or cached[0] < now:
-            if not self.available():
-                return set()
-            rows = self._read(lambda conn: [tuple(row) for row in conn.execute(
-                self.sql.bound, {"exchange": exchange})])
-            cached = self._tables_of[exchange] = (now + BINDINGS_CACHE, rows)
-        return {queue for bound_key, pattern, queue, kind in cached[1]
-                if matches(kind, routing_key, bound_key, pattern)}
+    def bound(self, exchange: str, routing_key: str) -> tuple[set[str], bool]:
+        """The table-backed queues bound to ``exchange`` that take ``routing_key``, and
+        whether a transient one takes it, by the bindings table: read at most every
+        :data:`BINDINGS_CACHE` seconds per exchange, but in a caller's transaction that
+        wrote bindings, on every publish in it (what it bound routes at once)."""
+        caller = self.database.bound_caller()
+        if caller is not None and caller in _BINDING_CALLERS:
+            rows = self._read_bindings(exchange)
+        else:
+            now = time.monotonic()
+            cached = self._tables_of.get(exchange)
+            if cached is None or cached[0] < now:
+                if not self.available():
+                    return set(), False
+                cached = self._tables_of[exchange] = (now + BINDINGS_CACHE,
+                                                      self._read_bindings(exchange))
+            rows = cached[1]
+        taking = [(queue, transient) for bound_key, pattern, queue, kind, transient in rows
+                  if matches(kind, routing_key, bound_key, pattern)]
+        return ({queue for queue, transient in taking if not transient},
+                any(transient for _, transient in taking))
+
+    def _read_bindings(self, exchange: str) -> list[tuple[str, str, str, str, int]]:
+        return self._read(lambda conn: [
+            (row[0], row[1], row[2], row[3], int(row[4]))
+            for row in conn.execute(self.sql.bound, {"exchange": exchange})])
 
     # -- messages --------------------------------------------------------------
     def route(self, exchange: str, routing_key: str, payload: bytes | str,
-              headers: str | None, ttl: float | None) -> None:
+              headers: str | None, ttl: float | None, priority: int = 0) -> None:
         """Publish to every transient queue bound to ``exchange`` that takes
         ``routing_key``: one statement, whatever the number of queues."""
         check_name(exchange, "exchange name")
@@ -287,15 +433,22 @@ class Routes:
         if not self.available():
             return
         self._publish(self.sql.route, {"exchange": exchange, "routing_key": routing_key,
-                                       "payload": payload, "headers": headers, "ttl": ttl})
+                                       "payload": payload, "headers": headers, "ttl": ttl,
+                                       "priority": priority})
 
     def put(self, queue: str, payload: bytes | str, headers: str | None,
-            ttl: float | None) -> None:
+            ttl: float | None, priority: int = 0) -> None:
         """Publish to one transient queue (nothing when it is no longer registered)."""
         self._publish(self.sql.put, {"queue": queue, "payload": payload, "headers": headers,
-                                     "ttl": ttl})
+                                     "ttl": ttl, "priority": priority})
+
+    def _current(self) -> None:
+        """Refuse transient messages while their table lacks what this release needs."""
+        if self._outdated_by is not None:
+            raise SchemaMismatch(self._outdated_by)
 
     def _publish(self, statement: Any, params: dict[str, Any]) -> None:
+        self._current()
         params["channel_prefix"] = self.prefix + "t_"
         self._write(lambda conn: conn.execute(statement, params), durable=False)
         self.wake()
@@ -313,7 +466,9 @@ class Routes:
 
     # -- the claim form of transient queues ----------------------------------------
     def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
-        """Take up to ``limit`` unexpired messages of the queue, oldest first."""
+        """Take up to ``limit`` unexpired messages of the queue, higher priority first,
+        then oldest."""
+        self._current()
         params = {"queue": table.queue, "limit": limit}
 
         def take(conn: Connection) -> list[Any]:
@@ -325,10 +480,9 @@ class Routes:
             return rows
 
         rows = self.database.run_fenced(take)
-        return sorted((ClaimedRow(id=row[0], attempt=1, payload=plain_payload(row[1]),
-                                  headers=row[2], group=None, partition_key=None)
-                       for row in rows),
-                      key=lambda row: row.id)
+        rows.sort(key=lambda row: (-row[3], row[0]))  # higher priority first, then oldest
+        return [ClaimedRow(id=row[0], attempt=1, payload=plain_payload(row[1]),
+                           headers=row[2], group=None, partition_key=None) for row in rows]
 
     def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
         return TransientHeld(table, row.id, row.attempt, row=row)
@@ -338,7 +492,8 @@ class Routes:
         row = getattr(held, "row", None)
         if how is Settlement.COMPLETE or row is None:
             return
-        self.put(held.table.queue, row.payload, row.headers, None)
+        properties = json.loads(row.headers or "{}").get("properties") or {}
+        self.put(held.table.queue, row.payload, row.headers, None, priority_of(properties))
 
     def run_held(self, held: Held, work: Callable[[Connection], T]) -> T:
         return self.database.run(work)
@@ -358,7 +513,11 @@ class Routes:
         self._next_sweep = now + self.sweep_interval
         limit = {"limit": self.sweep_batch}
 
+        consumed = [queue for queue in list(self._consumers) if queue in self._declared]
+
         def expire(conn: Connection) -> list[tuple[str, int]]:
+            if consumed:  # a queue consumed here never expires, whenever it was renewed
+                conn.execute(self.sql.touch, {"ids": consumed})
             expired = [(row[0], row[1]) for row in conn.execute(self.sql.expired_queues, limit)]
             if expired:
                 self._forget(conn, [name for name, _ in expired])

@@ -20,7 +20,7 @@ import sqlalchemy
 from celery.signals import worker_shutting_down
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
-from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 
 from .broker import Broker, QueueTable, broker_for, shutting_down, stop_waiting
 from .claims import SETTLE_LIMIT, Held, Settlement, next_backoff
@@ -34,6 +34,7 @@ from .codec import (
     eta_epoch,
     expiration_seconds,
     expiry,
+    priority_of,
     stores_plain,
 )
 from .dialects import ClaimedRow
@@ -198,13 +199,9 @@ class Channel(virtual.Channel):
         else:
             # a transient message's expiry is a column its claim reads, not in the envelope
             expires_at = None if table.transient else expiry(
-                message, self.broker.message_ttls.get(queue), time())
+                message, self.broker.routes.message_ttl(queue), time())
             payload, headers = encode_message(message, table, expires_at)
-        priority = message["properties"].get("priority") or 0
-        try:
-            priority = max(0, min(255, int(priority)))
-        except (TypeError, ValueError):
-            priority = 0
+        priority = priority_of(message["properties"])
         message_headers = message.get("headers") or {}
         self.broker.publish_message(
             table, payload, headers, priority, eta_epoch(message_headers),
@@ -214,10 +211,11 @@ class Channel(virtual.Channel):
 
     def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str,
                       **kwargs: Any) -> None:
-        """Route through the bindings of every process. A direct exchange with a queue
-        bound here for the key keeps kombu's in-process routing (a task publish costs no
-        lookup); otherwise the transient queues bound anywhere get the message in one
-        statement, and the table-backed ones read from the bindings table."""
+        """Route through the bindings of every process: kombu's in-process routing and the
+        bindings table together (:meth:`~.routing.Routes.bound`). The transient queues
+        bound anywhere get the message in one statement; a direct exchange with a
+        table-backed queue bound here for the key (a task publish) runs it only when the
+        bindings table has a transient queue taking the key."""
         if not exchange:
             super().basic_publish(message, exchange, routing_key, **kwargs)
             return
@@ -228,12 +226,13 @@ class Channel(virtual.Channel):
         except KeyError:
             here = set()
         tables = {queue for queue in here if not self.broker.table(queue).transient}
-        if kind.type != "direct" or not tables:
-            tables |= self.broker.routes.table_queues(exchange, routing_key)
+        elsewhere, transient = self.broker.routes.bound(exchange, routing_key)
+        if transient or kind.type != "direct" or not tables:
             payload, headers = encode_message(message, self.broker.transient_template)
             self.broker.routes.route(exchange, routing_key, payload, headers,
-                                    expiration_seconds(message))
-        for queue in tables:
+                                     expiration_seconds(message),
+                                     priority_of(message["properties"]))
+        for queue in tables | elsewhere:
             self._put(queue, message, **kwargs)
 
     # -- consume ---------------------------------------------------------------
@@ -273,7 +272,14 @@ class Channel(virtual.Channel):
                 if limit <= 0:
                     self._starved = True
                     raise Empty()
-                claimed = self.broker.claim(table, limit, self._keys_in_work(queue))
+                try:
+                    claimed = self.broker.claim(table, limit, self._keys_in_work(queue))
+                except DBAPIError as exc:
+                    if not self.broker.restore_dropped(table):
+                        raise
+                    logger.warning("sqlinbox: a claim on queue %r failed (%s); claiming "
+                                   "again next round", queue, exc.orig)
+                    raise Empty() from None
                 if table.transient:
                     if not claimed:
                         self._found_empty[queue] = monotonic()
@@ -412,7 +418,9 @@ class Channel(virtual.Channel):
         self.connection.served = None  # another queue to take turns with
         if no_ack:
             callback = self._completed_on_delivery(callback)
-        return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        result = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+        self.broker.routes.consuming(queue, added=True)
+        return result
 
     def _completed_on_delivery(self, callback: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """A ``no_ack`` consumer's messages are settled as they are handed over: nothing
@@ -434,6 +442,7 @@ class Channel(virtual.Channel):
         queue = self._tag_to_queue.get(consumer_tag)
         result = super().basic_cancel(consumer_tag)
         if queue:
+            self.broker.routes.consuming(queue, added=False)
             if self._release_buffered([queue]):
                 self.broker.keeper.flush(timeout=SETTLE_LIMIT)
             if queue in self._auto_delete and queue not in self._active_queues:

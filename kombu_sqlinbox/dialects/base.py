@@ -129,6 +129,7 @@ class RoutingStatements:
     drop: list[str]
     declare: TextClause
     kind: TextClause
+    message_ttl: TextClause
     touch: TextClause
     registered: TextClause
     bind: TextClause
@@ -147,6 +148,8 @@ class RoutingStatements:
     #: the columns of each table that hold a name (of type :attr:`Dialect.name_type`)
     name_columns: ClassVar[tuple[tuple[str, ...], ...]] = (
         ("name",), ("exchange", "queue", "routing_key", "type", "pattern"), ("queue",))
+    #: what a transient messages' table of an earlier release lacks: column, ALTER TABLE
+    upgrade: tuple[str, str]
 
     @staticmethod
     def tables(prefix: str) -> tuple[str, str, str]:
@@ -156,6 +159,9 @@ class RoutingStatements:
         return queues, bindings, transient
 
 
+#: the priority column of the transient messages' table, and the order their claim takes
+TRANSIENT_PRIORITY = "priority SMALLINT NOT NULL DEFAULT 0"
+TRANSIENT_ORDER = "priority DESC, id"
 #: a named parameter in a statement's text (``:name``; not a ``::`` cast)
 NAMED_PARAMETER = re.compile(r"(?<![:\w]):(\w+)")
 #: parameter styles a statement can be rewritten into for the driver's own cursor
@@ -1539,12 +1545,12 @@ class Dialect:
         matching = (f"b.exchange = :exchange AND (b.type = 'fanout' OR (b.type = 'direct' "
                     f"AND b.routing_key = :routing_key) OR (b.type = 'topic' AND "
                     f"{self.matches(':routing_key', 'b.pattern')}))")
-        route = (f"INSERT INTO {messages} (queue, payload, headers, expires_at) "
-                 f"SELECT m.queue, :payload, :headers, {expiry} FROM "
+        route = (f"INSERT INTO {messages} (queue, payload, headers, expires_at, priority) "
+                 f"SELECT m.queue, :payload, :headers, {expiry}, :priority FROM "
                  f"(SELECT DISTINCT b.queue FROM {bindings} AS b WHERE {matching}) AS m "
                  f"JOIN {queues} AS q ON q.name = m.queue AND q.transient = 1")
-        put = (f"INSERT INTO {messages} (queue, payload, headers, expires_at) "
-               f"SELECT q.name, :payload, :headers, {expiry} FROM {queues} AS q "
+        put = (f"INSERT INTO {messages} (queue, payload, headers, expires_at, priority) "
+               f"SELECT q.name, :payload, :headers, {expiry}, :priority FROM {queues} AS q "
                f"WHERE q.name = :queue AND q.transient = 1")
         expires = self.seconds_param.format("expires")
         lock = self.lock_clause.replace(" OF r", "")
@@ -1563,6 +1569,7 @@ class Dialect:
             drop=[f"DROP TABLE IF EXISTS {table}" for table in (messages, bindings, queues)],
             declare=sql(declare.replace(":expires_at", f"{now} + {expires}")),
             kind=sql(f"SELECT transient FROM {queues} WHERE name = :name"),
+            message_ttl=sql(f"SELECT message_ttl FROM {queues} WHERE name = :name"),
             touch=sql(f"UPDATE {queues} SET expires_at = {now} + expires "
                       "WHERE name IN :ids AND expires IS NOT NULL"),
             registered=sql(f"SELECT {name} FROM {queues} WHERE name IN :ids"),
@@ -1571,9 +1578,9 @@ class Dialect:
             unbind=sql(f"DELETE FROM {bindings} WHERE exchange = :exchange "
                        "AND queue = :queue AND routing_key = :routing_key"),
             unbind_exchange=sql(f"DELETE FROM {bindings} WHERE exchange = :exchange"),
-            bound=sql(f"SELECT {bound} FROM {bindings} AS b "
+            bound=sql(f"SELECT {bound}, COALESCE(q.transient, 0) FROM {bindings} AS b "
                       f"LEFT JOIN {queues} AS q ON q.name = b.queue "
-                      "WHERE b.exchange = :exchange AND COALESCE(q.transient, 0) = 0"),
+                      "WHERE b.exchange = :exchange"),
             forget=tuple(sql(statement) for statement in (
                 f"DELETE FROM {bindings} WHERE queue IN :ids",
                 f"DELETE FROM {messages} WHERE queue IN :ids",
@@ -1589,6 +1596,7 @@ class Dialect:
             expired_messages=sql(self.delete_some(messages, f"expires_at < {now}")),
             orphans=sql(self.delete_some(messages, (
                 f"NOT EXISTS (SELECT 1 FROM {queues} AS q WHERE q.name = {messages}.queue)"))),
+            upgrade=("priority", f"ALTER TABLE {messages} ADD COLUMN {TRANSIENT_PRIORITY}"),
         )
 
     def route_statement(self, insert: str, messages: str) -> TextClause:
@@ -1597,13 +1605,15 @@ class Dialect:
         return text(insert)
 
     def transient_claim(self, messages: str, fresh: str) -> tuple[TextClause, ...]:
-        """Take (delete) up to ``:limit`` unexpired messages of ``:queue``, oldest first,
-        returning ``id, payload, headers``: one DELETE ... RETURNING where the database has
-        it, else a locking SELECT, then a DELETE of its ids."""
+        """Take (delete) up to ``:limit`` unexpired messages of ``:queue``, higher priority
+        first, then oldest, returning ``id, payload, headers, priority``: one DELETE ...
+        RETURNING where the database has it, else a locking SELECT, then a DELETE of its
+        ids."""
         pick = (f"SELECT id FROM {messages} WHERE queue = :queue AND {fresh} "
-                f"ORDER BY id LIMIT :limit {self.lock_clause.replace(' OF r', '')}")
+                f"ORDER BY {TRANSIENT_ORDER} LIMIT :limit "
+                f"{self.lock_clause.replace(' OF r', '')}")
         return (text(f"DELETE FROM {messages} WHERE id IN ({pick}) "
-                     "RETURNING id, payload, headers"),)
+                     "RETURNING id, payload, headers, priority"),)
 
     def routing_ddl(self, queues: str, bindings: str, messages: str,
                     names: tuple[str, str, str]) -> list[str]:
@@ -1622,9 +1632,10 @@ class Dialect:
             f"ON {bindings} (queue)",
             f"CREATE {self.transient_table_kind} IF NOT EXISTS {messages} "
             f"(id {self.generated_id_type}, queue {name} NOT NULL, "
-            f"payload {self.body_type} NOT NULL, headers TEXT, expires_at {seconds})",
+            f"payload {self.body_type} NOT NULL, headers TEXT, expires_at {seconds}, "
+            f"{TRANSIENT_PRIORITY})",
             f"CREATE INDEX IF NOT EXISTS {self.quote(names[2] + '_claim')} "
-            f"ON {messages} (queue, id)",
+            f"ON {messages} (queue, {TRANSIENT_ORDER})",
             f"CREATE INDEX IF NOT EXISTS {self.quote(names[2] + '_expiry')} "
             f"ON {messages} (expires_at)",
         ]

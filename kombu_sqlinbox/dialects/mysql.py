@@ -21,7 +21,7 @@ from sqlalchemy import types as sqltypes
 from sqlalchemy.exc import DBAPIError
 
 from ..tables import ColumnSpec, Role, TableSpec
-from .base import Capabilities, Dialect, RoutingStatements, _expanding, no_wakeups
+from .base import TRANSIENT_ORDER, Capabilities, Dialect, RoutingStatements, _expanding, no_wakeups
 
 NOW = "UTC_TIMESTAMP(6)"
 #: column types that hold at most 64 KiB: too small for a Celery message
@@ -138,8 +138,9 @@ class MySQLDialect(Dialect):
         return f"DELETE FROM {table} WHERE {condition} LIMIT :limit"
 
     def transient_claim(self, messages: str, fresh: str) -> tuple[TextClause, ...]:
-        return (text(f"SELECT id, payload, headers FROM {messages} WHERE queue = :queue "
-                     f"AND {fresh} ORDER BY id LIMIT :limit {self.lock_clause}"),
+        return (text(f"SELECT id, payload, headers, priority FROM {messages} "
+                     f"WHERE queue = :queue AND {fresh} ORDER BY {TRANSIENT_ORDER} "
+                     f"LIMIT :limit {self.lock_clause}"),
                 _expanding(f"DELETE FROM {messages} WHERE id IN :ids"))
 
     def routing_ddl(self, queues: str, bindings: str, messages: str,

@@ -291,6 +291,36 @@ def test_priority_higher_first(connect: Connect, names: Callable[[], str]) -> No
     assert [queue.get(timeout=10).payload for _ in range(3)] == [9, 5, 1]
 
 
+@pytest.mark.databases(*HIGHER_FIRST)
+def test_priority_higher_first_on_a_transient_queue(connect: Connect) -> None:
+    """kombu's ``SimpleBuffer`` (not durable, auto-delete, exclusive on RabbitMQ: gone
+    with its connection, so not one of ``names``) with ``max_priority``."""
+    conn = connect()
+    buffer = conn.SimpleBuffer(f"k{uuid.uuid4().hex[:10]}", queue_opts={"max_priority": 9})
+    for priority in (1, 9, 5, 1):
+        buffer.put(priority, priority=priority)
+    assert [buffer.get(timeout=10).payload for _ in range(4)] == [9, 5, 1, 1]
+
+
+@pytest.mark.databases(*HIGHER_FIRST)
+def test_a_requeued_transient_message_keeps_its_priority(
+        connect: Connect, names: Callable[[], str]) -> None:
+    """One message prefetched at a time: what a consumer prefetched is not overtaken."""
+    conn = connect()
+    queue = conn.SimpleQueue(queue_of(names(), max_priority=9, durable=False,
+                                      auto_delete=True))
+    queue.consumer.qos(prefetch_count=1)
+    for priority in (5, 9, 1):
+        queue.put(priority, priority=priority)
+    queue.get(timeout=10).requeue()
+    got = []
+    for _ in range(3):
+        message = queue.get(timeout=10)
+        got.append(message.payload)
+        message.ack()
+    assert got == [9, 5, 1]
+
+
 def test_requeue_delivers_again_and_reject_drops(
         connect: Connect, names: Callable[[], str]) -> None:
     conn = connect()

@@ -20,7 +20,8 @@ from kombu.transport.virtual.exchange import TopicExchange
 from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
 
-from kombu_sqlinbox import ConfigurationError
+from celery_ext.binding import bind
+from kombu_sqlinbox import ConfigurationError, SchemaMismatch, routing
 from kombu_sqlinbox.dialects import RoutingStatements, dialect_for
 
 from .conftest import Connect
@@ -124,6 +125,60 @@ def test_durable_queue_bound_to_a_fanout_elsewhere_gets_a_copy(connect: Connect)
     message.ack()
 
 
+def test_direct_publish_reaches_queues_bound_here_and_elsewhere(connect: Connect) -> None:
+    """A publisher with a binding of its own for the exchange and key still reaches the
+    queues other processes bound to them: the union, as on an AMQP broker."""
+    orders = Exchange("orders", type="direct")
+    consumer, publisher = other(connect, 1), other(connect, 2)
+    declare(consumer, Queue("audit", orders, "created"))
+    declare(consumer, transient("watch", orders, "created"))
+    declare(publisher, Queue("billing", orders, "created"))
+    publisher.Producer().publish({"order": 1}, exchange=orders, routing_key="created")
+    for conn, queue in ((publisher, "billing"), (consumer, "audit"), (consumer, "watch")):
+        message = get_within(conn, queue)
+        assert message.payload == {"order": 1}, queue
+        message.ack()
+        assert get(conn, queue) is None, queue  # one copy each
+
+
+AUDITED = Exchange("audited", type="fanout")
+
+
+def test_a_queue_bound_elsewhere_reaches_a_warm_publisher_within_the_bindings_cache(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The documented window: a publisher reads an exchange's bindings at most every
+    ``BINDINGS_CACHE`` seconds, so a queue another process bound just now misses its
+    publishes until then."""
+    monkeypatch.setattr(routing, "BINDINGS_CACHE", 0.5)
+    publisher, binder = other(connect, 1), other(connect, 2)
+    producer = publisher.Producer()
+    producer.publish({"n": 0}, exchange=AUDITED, declare=[AUDITED])  # bindings read
+    declare(binder, Queue("late", AUDITED))
+    producer.publish({"n": 1}, exchange=AUDITED)
+    assert get(binder, "late") is None
+    time.sleep(0.5)  # the cache's age passing is the point
+    producer.publish({"n": 2}, exchange=AUDITED)
+    assert get_within(binder, "late").payload == {"n": 2}
+
+
+def test_a_binding_made_in_the_publishing_transaction_routes_at_once(
+    connect: Connect, engine: Engine,
+) -> None:
+    """A queue bound in the database transaction a publish is made in gets the message,
+    whichever connection of the process bound it, the publisher's cache warm or not."""
+    publisher, binder = other(connect, 1), other(connect, 2)
+    producer = publisher.Producer()
+    producer.publish({"n": 0}, exchange=AUDITED, declare=[AUDITED])  # bindings read
+    with engine.connect() as caller:
+        caller.begin()
+        with bind(caller):
+            declare(binder, Queue("late", AUDITED))
+            producer.publish({"n": 1}, exchange=AUDITED)
+        caller.commit()
+    assert get_within(binder, "late").payload == {"n": 1}
+
+
 @pytest.mark.parametrize("how", ["queue x-message-ttl", "message expiration"])
 def test_expired_message_is_never_delivered_and_is_swept(
     connect: Connect, engine: Engine, table_prefix: str, how: str,
@@ -145,6 +200,22 @@ def test_expired_message_is_never_delivered_and_is_swept(
         assert get(conn, "short") is None
     broker_of(conn).sweep()
     assert count(engine, table_prefix, "transient") == 0
+
+
+def test_a_durable_queues_message_ttl_applies_to_every_publisher(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``x-message-ttl`` is the queue's, registered where every process sees it: a
+    publisher that never declared the queue applies it too (within the bindings cache's
+    two seconds of the declaration)."""
+    monkeypatch.setattr(routing, "BINDINGS_CACHE", 0.2)
+    consumer, publisher = other(connect, 1), other(connect, 2)
+    declare(consumer, Queue("short", Exchange("short"), "short", message_ttl=0.3))
+    publisher.Producer().publish({"n": 1}, routing_key="short")  # not declared there
+    time.sleep(0.4)  # the TTL passing is the point
+    assert get(consumer, "short") is None
+    publisher.Producer().publish({"n": 2}, routing_key="short")
+    assert get_within(consumer, "short").payload == {"n": 2}
 
 
 def test_queue_unused_past_x_expires_goes_with_its_bindings_and_messages(
@@ -201,6 +272,28 @@ def test_consumed_queue_outlives_its_expiry_and_comes_back_after_a_sweep_took_it
     assert "expired while consumed" in caplog.text
     other(connect, 3).Producer().publish({"back": True}, exchange=FANOUT, declare=[FANOUT])
     assert get_within(consumer, "kept").payload == {"back": True}
+
+
+def test_a_busy_consumer_keeps_its_queue_through_its_own_processs_sweeps(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """A consumer that claims nothing for several expiries (its task runs, every prefetch
+    slot taken) keeps its auto-delete broadcast queue: its own process sweeps meanwhile,
+    and fanout messages published after still reach it."""
+    conn = other(connect, 1, sweep_interval=0.01)
+    received: list[Any] = []
+    queue = transient("node1.broadcast", FANOUT, expires=0.3)
+    with conn.Consumer([queue], callbacks=[lambda body, message: received.append(body)]):
+        broker = broker_of(conn)
+        until = time.monotonic() + 1.0  # three expiries without a claim is the point
+        while time.monotonic() < until:
+            broker.sweep()
+            time.sleep(0.05)
+        assert count(engine, table_prefix, "queues") == 1
+        other(connect, 2).Producer().publish({"after": True}, exchange=FANOUT,
+                                             declare=[FANOUT])
+        conn.drain_events(timeout=5)
+    assert received == [{"after": True}]
 
 
 def test_auto_delete_queue_goes_with_its_last_consumer(
@@ -301,6 +394,30 @@ def test_undecodable_transient_message_is_dropped_with_a_warning(
         assert get(conn, "garbled") is None
     assert "transient message of queue 'garbled' dropped" in caplog.text
     assert count(engine, table_prefix, "transient") == 0
+
+
+def test_a_transient_table_of_an_earlier_release_gets_its_priority_column(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """Earlier releases made the transient messages' table without a priority column: it
+    is added where the transport creates tables, and named where it may not."""
+    other(connect, 1).default_channel.queue_declare("jobs")  # the routing tables too
+    table = quoted(engine, table_prefix + "transient")
+    index = quoted(engine, table_prefix + "transient_claim")
+    on_table = f" ON {table}" if engine.dialect.name == "mysql" else ""
+    with engine.begin() as db:  # the earlier layout
+        db.execute(text(f"DROP INDEX {index}{on_table}"))
+        db.execute(text(f"ALTER TABLE {table} DROP COLUMN priority"))
+        db.execute(text(f"CREATE INDEX {index} ON {table} (queue, id)"))
+    as_it_was = other(connect, 2, create_tables=False)  # table-backed queues work as before
+    as_it_was.SimpleQueue("jobs").put("kept")
+    assert as_it_was.SimpleQueue("jobs").get(timeout=10).payload == "kept"
+    with pytest.raises(SchemaMismatch, match="ADD COLUMN priority"):
+        as_it_was.SimpleBuffer("buffer").put("refused")
+    buffer = other(connect, 3).SimpleBuffer("buffer", queue_opts={"max_priority": 9})
+    for priority in (1, 9):
+        buffer.put(priority, priority=priority)
+    assert [buffer.get(timeout=10).payload for _ in range(2)] == [9, 1]
 
 
 def test_queue_declared_durable_again_leaves_the_registry(

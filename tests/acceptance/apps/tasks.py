@@ -17,11 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery, Task
+from kombu import Queue
 
 BROKER_ENV = "SQLINBOX_ACC_BROKER"
 OPTIONS_ENV = "SQLINBOX_ACC_OPTIONS"
 CONF_ENV = "SQLINBOX_ACC_CONF"
 RUNS_ENV = "SQLINBOX_ACC_RUNS"
+#: ``x-expires`` (seconds) of the default queue, when set
+EXPIRES_ENV = "SQLINBOX_ACC_QUEUE_EXPIRES"
 #: how long a held task waits for its release file before giving up
 HOLD_LIMIT = 120.0
 
@@ -31,6 +34,9 @@ def make_app(broker_url: str, transport_options: dict[str, Any], **conf: Any) ->
     import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox alias)
 
     made = Celery("acceptance", broker=broker_url, set_as_current=False)
+    expires = os.environ.get(EXPIRES_ENV)
+    if expires:
+        made.conf.task_queues = [Queue("celery", expires=float(expires))]
     made.conf.update({  # ``conf`` may override any of these
         "broker_transport_options": transport_options,
         "broker_connection_retry_on_startup": True,
