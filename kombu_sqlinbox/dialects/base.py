@@ -269,6 +269,8 @@ def _json_text(headers: Any) -> str | None:
 
 #: the list parameters of statements: each renders as a parenthesized list of its values
 EXPANDING = ("ids", "skip")
+#: the parameters of the routing statements that carry a name (``:ids`` may too)
+ROUTING_NAMES = ("name", "exchange", "queue", "routing_key", "type", "pattern")
 
 
 def _expanding(sql: str) -> TextClause:
@@ -1448,6 +1450,20 @@ class Dialect:
         """SQL: a name column of the routing tables (:attr:`name_type`) read as text."""
         return column
 
+    #: how a name is bound where :attr:`name_type` needs more than the driver's string
+    #: (``None``: as it is)
+    name_bind: ClassVar[sqltypes.TypeEngine[Any] | None] = None
+
+    def named(self, statement: TextClause, ids: bool = True) -> TextClause:
+        """``statement`` with the parameters that carry a name (``:ids`` too, unless
+        ``ids`` is false: they are then message ids) bound as :attr:`name_bind`."""
+        if self.name_bind is None:
+            return statement
+        names = (*ROUTING_NAMES, *(("ids",) if ids else ()))
+        return statement.bindparams(*(
+            bindparam(name, type_=self.name_bind, expanding=name == "ids")
+            for name in names if re.search(rf":{name}\b", statement.text)))
+
     def matches(self, value: str, pattern: str) -> str:
         """SQL: ``value`` matches the regular expression ``pattern`` (a topic binding)."""
         return f"{value} REGEXP {pattern}"
@@ -1498,7 +1514,7 @@ class Dialect:
         lock = self.lock_clause.replace(" OF r", "")
 
         def sql(statement: str) -> TextClause:
-            return self.clocked(_expanding(statement))
+            return self.clocked(self.named(_expanding(statement)))
 
         declare = self.upsert(queues, ["name"], ["transient", "expires", "message_ttl",
                                                  "expires_at"])
@@ -1526,9 +1542,9 @@ class Dialect:
                 f"DELETE FROM {bindings} WHERE queue IN :ids",
                 f"DELETE FROM {messages} WHERE queue IN :ids",
                 f"DELETE FROM {queues} WHERE name IN :ids")),
-            route=self.clocked(self.route_statement(route, messages)),
-            put=self.clocked(self.route_statement(put, messages)),
-            claim=tuple(self.clocked(statement)
+            route=self.clocked(self.named(self.route_statement(route, messages))),
+            put=self.clocked(self.named(self.route_statement(put, messages))),
+            claim=tuple(self.clocked(self.named(statement, ids=False))
                         for statement in self.transient_claim(messages, fresh)),
             size=sql(f"SELECT COUNT(*) FROM {messages} WHERE queue = :queue AND {fresh}"),
             purge=sql(f"DELETE FROM {messages} WHERE queue = :queue"),

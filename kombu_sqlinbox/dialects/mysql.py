@@ -27,6 +27,16 @@ NOW = "UTC_TIMESTAMP(6)"
 SMALL_LOB_TYPES = ("TINYBLOB", "BLOB", "TINYTEXT", "TEXT", "VARCHAR", "VARBINARY", "CHAR")
 
 
+class Utf8Name(sqltypes.TypeDecorator[str]):
+    """A name bound as its UTF-8 bytes (:attr:`MySQLDialect.name_bind`)."""
+
+    impl = sqltypes.LargeBinary
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Any) -> bytes | None:
+        return None if value is None else value.encode("utf-8")
+
+
 class MySQLDialect(Dialect):
     names = ("mysql", "mariadb")
     #: the isolation level is set once per connection by SQLAlchemy, which also restores
@@ -98,6 +108,11 @@ class MySQLDialect(Dialect):
 
     def epoch(self, moment: str) -> str:
         return f"UNIX_TIMESTAMP({moment})"
+
+    #: names are bound as their UTF-8 bytes: a binary column stores a string as the bytes
+    #: of the connection's character set, so a process whose URL names another
+    #: (``?charset=latin1``) would write names no other process's match
+    name_bind = Utf8Name()
 
     def name_text(self, column: str) -> str:
         """A name read back as text (the driver returns a binary string as bytes)."""

@@ -382,6 +382,33 @@ def test_routing_tables_of_an_earlier_version_are_named_at_start_up_with_their_f
     assert "trailing spaces" in warned[0] and "ALTER TABLE" in warned[0], warned
 
 
+@pytest.mark.parametrize("database", ["mysql"], indirect=True)
+def test_names_route_alike_whatever_the_connection_charset(
+        connect: Connect, broker_url: str, table_prefix: str, engine: Engine) -> None:
+    """A process whose URL names another character set (``?charset=latin1``, an older
+    service's) writes its names as the bytes of that set: stored in binary columns as they
+    arrive, they would match no other process's names, and read back garbled (a queue
+    bound elsewhere gets nothing; an expired queue is never deleted)."""
+    options = {"table_prefix": table_prefix, "polling_interval": 0.05, "sweep_interval": 0.01}
+    latin1 = Connection(broker_url + "?charset=latin1", transport_options=options)
+    try:
+        durable = Exchange("cafés", type="direct", durable=True)
+        declare(latin1, Queue("café", durable, routing_key="crème", durable=True))
+        declare(latin1, transient("thé", REPLIES, "thé", expires=0.2))
+        publisher = other(connect, 2)
+        publisher.Producer().publish({"to": "café"}, exchange=durable, routing_key="crème",
+                                     declare=[durable])
+        publisher.Producer().publish({"to": "thé"}, exchange=REPLIES, routing_key="thé")
+        assert get_within(latin1, "café").payload == {"to": "café"}
+        assert get_within(latin1, "thé").payload == {"to": "thé"}
+        sweeper = broker_of(other(connect, 3, sweep_interval=0.01))
+        sweeper.routes.available()
+        wait_for(lambda: sweeper.sweep() or count(engine, table_prefix, "queues") == 0,
+                 "the expired queue deleted", timeout=5)
+    finally:
+        latin1.release()
+
+
 def test_hostile_exchange_names_and_keys_are_bound_values(connect: Connect) -> None:
     hostile = Exchange("x'); DROP TABLE users; --", type="topic", durable=False)
     conn = other(connect, 1)
