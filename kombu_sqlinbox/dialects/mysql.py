@@ -137,7 +137,9 @@ class MySQLDialect(Dialect):
                 problems.append((table, (
                     f"column(s) {', '.join(text_columns)} hold names as text, whose "
                     "comparison may ignore trailing spaces ('alice' = 'alice '); make them "
-                    f"binary strings with:\nALTER TABLE {self.quote(table)} {modify};")))
+                    "binary strings once no process of an earlier version uses them (it "
+                    "would read the names as bytes and route nothing through them) with:"
+                    f"\nALTER TABLE {self.quote(table)} {modify};")))
         return problems
 
     def upsert(self, table: str, keys: Sequence[str], values: Sequence[str]) -> str:

@@ -380,6 +380,7 @@ def test_routing_tables_of_an_earlier_version_are_named_at_start_up_with_their_f
     assert [message.split(":")[1] for message in warned] == [
         f" routing table {name}" for name in routing.names], warned
     assert "trailing spaces" in warned[0] and "ALTER TABLE" in warned[0], warned
+    assert "once no process of an earlier version uses them" in warned[0], warned
 
 
 @pytest.mark.parametrize("database", ["mysql"], indirect=True)
