@@ -144,7 +144,8 @@ class RoutingStatements:
     expired_queues: TextClause
     expired_messages: TextClause
     orphans: TextClause
-    #: the columns of each table that hold a name (of type :attr:`Dialect.name_type`)
+    #: the columns of each table that hold a name (of type :attr:`Dialect.name_type`; a
+    #: topic binding's ``pattern``, made of one, of :attr:`Dialect.pattern_type`)
     name_columns: ClassVar[tuple[tuple[str, ...], ...]] = (
         ("name",), ("exchange", "queue", "routing_key", "type", "pattern"), ("queue",))
 
@@ -1431,6 +1432,9 @@ class Dialect:
     name_type: ClassVar[str] = "TEXT"
     seconds_type: ClassVar[str] = "DOUBLE PRECISION"
     body_type: ClassVar[str] = "BLOB"
+    #: the type of a topic binding's pattern: the regular expression kombu makes of a
+    #: binding key is longer than the key (each character may be escaped)
+    pattern_type: ClassVar[str] = "TEXT"
     #: how the transient messages' table is created (PostgreSQL: without WAL)
     transient_table_kind: ClassVar[str] = "TABLE"
     #: a bound number of seconds, typed where the database must be told
@@ -1581,7 +1585,7 @@ class Dialect:
             f"ON {queues} (expires_at)",
             f"CREATE TABLE IF NOT EXISTS {bindings} (exchange {name} NOT NULL, "
             f"queue {name} NOT NULL, routing_key {name} NOT NULL, type {name} NOT NULL, "
-            f"pattern {name} NOT NULL, PRIMARY KEY (exchange, queue, routing_key))",
+            f"pattern {self.pattern_type} NOT NULL, PRIMARY KEY (exchange, queue, routing_key))",
             f"CREATE INDEX IF NOT EXISTS {self.quote(names[1] + '_queue')} "
             f"ON {bindings} (queue)",
             f"CREATE {self.transient_table_kind} IF NOT EXISTS {messages} "

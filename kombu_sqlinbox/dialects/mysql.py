@@ -105,6 +105,8 @@ class MySQLDialect(Dialect):
     name_type = "VARBINARY(1020)"
     seconds_type = "DOUBLE"
     body_type = "LONGBLOB"
+    #: 255 characters of emoji make a pattern of 1277 bytes: more than a name column holds
+    pattern_type = "BLOB"
 
     def epoch(self, moment: str) -> str:
         return f"UNIX_TIMESTAMP({moment})"
@@ -132,8 +134,10 @@ class MySQLDialect(Dialect):
                             if column["name"] in columns
                             and not isinstance(column["type"], sqltypes._Binary)]
             if text_columns:
-                modify = ", ".join(f"MODIFY {self.quote(column)} {self.name_type} NOT NULL"
-                                   for column in text_columns)
+                modify = ", ".join(
+                    f"MODIFY {self.quote(column)} "
+                    f"{self.pattern_type if column == 'pattern' else self.name_type} NOT NULL"
+                    for column in text_columns)
                 problems.append((table, (
                     f"column(s) {', '.join(text_columns)} hold names as text, whose "
                     "comparison may ignore trailing spaces ('alice' = 'alice '); make them "

@@ -410,6 +410,25 @@ def test_names_route_alike_whatever_the_connection_charset(
         latin1.release()
 
 
+@pytest.mark.drivers
+def test_a_topic_binding_of_the_longest_key_routes_exactly(connect: Connect) -> None:
+    """The pattern kombu makes of a binding key is longer than the key (a character
+    escaped, ``^`` and ``$``): 255 characters of emoji make 1277 bytes. It is stored
+    whole: not refused, nor cut short where a server is not strict (a pattern that would
+    then match other keys)."""
+    key = "😀" * 255
+    consumer = other(connect, 1)
+    declare(consumer, transient("longest", TOPIC, key))
+    declare(consumer, Queue("kept", TOPIC, routing_key=key, durable=True))
+    producer = other(connect, 2).Producer()
+    producer.publish({"key": "other"}, exchange=TOPIC, routing_key="😀" * 254 + "x",
+                     declare=[TOPIC])
+    producer.publish({"key": "exact"}, exchange=TOPIC, routing_key=key)
+    for queue in ("longest", "kept"):
+        assert get_within(consumer, queue).payload == {"key": "exact"}, queue
+        assert get(consumer, queue) is None, queue
+
+
 def test_hostile_exchange_names_and_keys_are_bound_values(connect: Connect) -> None:
     hostile = Exchange("x'); DROP TABLE users; --", type="topic", durable=False)
     conn = other(connect, 1)
