@@ -120,6 +120,12 @@ class MySQLDialect(Dialect):
         """A name read back as text (the driver returns a binary string as bytes)."""
         return f"CONVERT({column} USING utf8mb4)"
 
+    def matches(self, value: str, pattern: str) -> str:
+        """Both sides read as text: MySQL 8.0.22 and later refuse a binary string in REGEXP
+        (MariaDB takes it); ``utf8mb4_bin`` keeps the match case-sensitive."""
+        return (f"{self.name_text(value)} COLLATE utf8mb4_bin REGEXP "
+                f"{self.name_text(pattern)} COLLATE utf8mb4_bin")
+
     def routing_problems(self, conn: Connection,
                          names: Sequence[str]) -> list[tuple[str, str]]:
         """Routing tables made when names were text: its collation ignores trailing spaces

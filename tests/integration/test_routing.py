@@ -17,7 +17,7 @@ import pytest
 from kombu import Connection, Consumer, Exchange, Queue
 from kombu.exceptions import ChannelError
 from kombu.transport.virtual.exchange import TopicExchange
-from sqlalchemy import inspect, text
+from sqlalchemy import bindparam, inspect, text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox import ConfigurationError
@@ -427,6 +427,40 @@ def test_a_topic_binding_of_the_longest_key_routes_exactly(connect: Connect) -> 
     for queue in ("longest", "kept"):
         assert get_within(consumer, queue).payload == {"key": "exact"}, queue
         assert get(consumer, queue) is None, queue
+
+
+@pytest.mark.parametrize("routing_key", ["café.crème", "x.ünï", "x.ÜNÏ", "😀.a.b", "Café.x"])
+def test_topic_patterns_of_non_ascii_words_match_as_kombus_own(
+        connect: Connect, routing_key: str) -> None:
+    """Case-sensitive, a character at a time, as kombu's topic exchange matches."""
+    patterns = {"cafe": "café.*", "any": "#.ünï", "emoji": "😀.#", "upper": "Café.*"}
+    consumer = other(connect, 1)
+    for queue, pattern in patterns.items():
+        declare(consumer, transient(queue, TOPIC, pattern))
+    other(connect, 2).Producer().publish({"key": routing_key}, exchange=TOPIC,
+                                         routing_key=routing_key, declare=[TOPIC])
+    topic = TopicExchange(None)
+    expected = {queue for queue, pattern in patterns.items()
+                if re.match(topic.key_to_pattern(pattern), routing_key)}
+    assert {queue for queue in patterns if get(consumer, queue) is not None} == expected
+
+
+@pytest.mark.parametrize("database", ["mysql"], indirect=True)
+def test_a_topic_match_on_mysql_takes_no_binary_string(engine: Engine) -> None:
+    """MySQL 8.0.22 and later refuse a binary string on either side of REGEXP (error
+    3995, ER_CHARACTER_SET_MISMATCH: every publish to an exchange would fail), where
+    MariaDB takes it; names are binary strings there, so the match reads both as text."""
+    dialect = dialect_for(engine)
+    value, pattern = dialect.matches(":routing_key", "b.pattern").split(" REGEXP ")
+    with engine.connect() as conn:
+        charsets = conn.execute(text(
+            f"SELECT CHARSET({value}), CHARSET({pattern}), "
+            f"{dialect.matches(':routing_key', 'b.pattern')} "
+            "FROM (SELECT CAST(:pattern AS BINARY) AS pattern) AS b").bindparams(
+                bindparam("routing_key", type_=dialect.name_bind),
+                bindparam("pattern", type_=dialect.name_bind)),
+            {"routing_key": "Café.crème", "pattern": r"^Café\.[^.]+$"}).one()
+    assert tuple(charsets) == ("utf8mb4", "utf8mb4", 1)
 
 
 def test_hostile_exchange_names_and_keys_are_bound_values(connect: Connect) -> None:
