@@ -1590,7 +1590,8 @@ class Dialect:
             f"ON {bindings} (queue)",
             f"CREATE {self.transient_table_kind} IF NOT EXISTS {messages} "
             f"(id {self.generated_id_type}, queue {name} NOT NULL, "
-            f"payload {self.body_type} NOT NULL, headers TEXT, expires_at {seconds})",
+            f"payload {self.body_type} NOT NULL, headers {self.column_types[Role.HEADERS]}, "
+            f"expires_at {seconds})",
             f"CREATE INDEX IF NOT EXISTS {self.quote(names[2] + '_claim')} "
             f"ON {messages} (queue, id)",
             f"CREATE INDEX IF NOT EXISTS {self.quote(names[2] + '_expiry')} "

@@ -130,15 +130,16 @@ class MySQLDialect(Dialect):
                          names: Sequence[str]) -> list[tuple[str, str]]:
         """Routing tables made when names were text: its collation ignores trailing spaces
         (``'alice' = 'alice '``: one queue's messages go to the other). Changing the
-        columns to binary strings keeps every name as it is."""
+        columns to binary strings keeps every name as it is. Also a transient messages'
+        headers column of at most 64 KiB (made by an earlier version)."""
         inspector = inspect(conn)
         problems = []
         for table, columns in zip(names, RoutingStatements.name_columns, strict=True):
             if not inspector.has_table(table):
                 continue
-            text_columns = [column["name"] for column in inspector.get_columns(table)
-                            if column["name"] in columns
-                            and not isinstance(column["type"], sqltypes._Binary)]
+            found = {column["name"]: column["type"] for column in inspector.get_columns(table)}
+            text_columns = [name for name in columns
+                            if name in found and not isinstance(found[name], sqltypes._Binary)]
             if text_columns:
                 modify = ", ".join(
                     f"MODIFY {self.quote(column)} "
@@ -150,6 +151,12 @@ class MySQLDialect(Dialect):
                     "binary strings once no process of an earlier version uses them (it "
                     "would read the names as bytes and route nothing through them) with:"
                     f"\nALTER TABLE {self.quote(table)} {modify};")))
+            if table == names[2] and type(found.get("headers")).__name__ in SMALL_LOB_TYPES:
+                problems.append((table, (
+                    "column headers holds at most 64 KiB: a message with larger headers "
+                    "is refused, or cut short and lost on a server that is not strict; "
+                    f"make it LONGTEXT with:\nALTER TABLE {self.quote(table)} "
+                    f"MODIFY headers {self.column_types[Role.HEADERS]};")))
         return problems
 
     def upsert(self, table: str, keys: Sequence[str], values: Sequence[str]) -> str:
