@@ -145,7 +145,8 @@ class RoutingStatements:
     expired_queues: TextClause
     expired_messages: TextClause
     orphans: TextClause
-    #: the columns of each table that hold a name (of type :attr:`Dialect.name_type`)
+    #: the columns of each table that hold a name (of type :attr:`Dialect.name_type`; a
+    #: topic binding's ``pattern``, made of one, of :attr:`Dialect.pattern_type`)
     name_columns: ClassVar[tuple[tuple[str, ...], ...]] = (
         ("name",), ("exchange", "queue", "routing_key", "type", "pattern"), ("queue",))
     #: what a transient messages' table of an earlier release lacks: column, ALTER TABLE
@@ -276,6 +277,8 @@ def json_text(headers: Any) -> str | None:
 
 #: the list parameters of statements: each renders as a parenthesized list of its values
 EXPANDING = ("ids", "skip")
+#: the parameters of the routing statements that carry a name (``:ids`` may too)
+ROUTING_NAMES = ("name", "exchange", "queue", "routing_key", "type", "pattern")
 
 
 def _expanding(sql: str) -> TextClause:
@@ -1487,6 +1490,9 @@ class Dialect:
     name_type: ClassVar[str] = "TEXT"
     seconds_type: ClassVar[str] = "DOUBLE PRECISION"
     body_type: ClassVar[str] = "BLOB"
+    #: the type of a topic binding's pattern: the regular expression kombu makes of a
+    #: binding key is longer than the key (each character may be escaped)
+    pattern_type: ClassVar[str] = "TEXT"
     #: how the transient messages' table is created (PostgreSQL: without WAL)
     transient_table_kind: ClassVar[str] = "TABLE"
     #: a bound number of seconds, typed where the database must be told
@@ -1505,6 +1511,20 @@ class Dialect:
     def name_text(self, column: str) -> str:
         """SQL: a name column of the routing tables (:attr:`name_type`) read as text."""
         return column
+
+    #: how a name is bound where :attr:`name_type` needs more than the driver's string
+    #: (``None``: as it is)
+    name_bind: ClassVar[sqltypes.TypeEngine[Any] | None] = None
+
+    def named(self, statement: TextClause, ids: bool = True) -> TextClause:
+        """``statement`` with the parameters that carry a name (``:ids`` too, unless
+        ``ids`` is false: they are then message ids) bound as :attr:`name_bind`."""
+        if self.name_bind is None:
+            return statement
+        names = (*ROUTING_NAMES, *(("ids",) if ids else ()))
+        return statement.bindparams(*(
+            bindparam(name, type_=self.name_bind, expanding=name == "ids")
+            for name in names if re.search(rf":{name}\b", statement.text)))
 
     def matches(self, value: str, pattern: str) -> str:
         """SQL: ``value`` matches the regular expression ``pattern`` (a topic binding)."""
@@ -1556,7 +1576,7 @@ class Dialect:
         lock = self.lock_clause.replace(" OF r", "")
 
         def sql(statement: str) -> TextClause:
-            return self.clocked(_expanding(statement))
+            return self.clocked(self.named(_expanding(statement)))
 
         declare = self.upsert(queues, ["name"], ["transient", "expires", "message_ttl",
                                                  "expires_at"])
@@ -1585,9 +1605,9 @@ class Dialect:
                 f"DELETE FROM {bindings} WHERE queue IN :ids",
                 f"DELETE FROM {messages} WHERE queue IN :ids",
                 f"DELETE FROM {queues} WHERE name IN :ids")),
-            route=self.clocked(self.route_statement(route, messages)),
-            put=self.clocked(self.route_statement(put, messages)),
-            claim=tuple(self.clocked(statement)
+            route=self.clocked(self.named(self.route_statement(route, messages))),
+            put=self.clocked(self.named(self.route_statement(put, messages))),
+            claim=tuple(self.clocked(self.named(statement, ids=False))
                         for statement in self.transient_claim(messages, fresh)),
             size=sql(f"SELECT COUNT(*) FROM {messages} WHERE queue = :queue AND {fresh}"),
             purge=sql(f"DELETE FROM {messages} WHERE queue = :queue"),
@@ -1627,13 +1647,13 @@ class Dialect:
             f"ON {queues} (expires_at)",
             f"CREATE TABLE IF NOT EXISTS {bindings} (exchange {name} NOT NULL, "
             f"queue {name} NOT NULL, routing_key {name} NOT NULL, type {name} NOT NULL, "
-            f"pattern {name} NOT NULL, PRIMARY KEY (exchange, queue, routing_key))",
+            f"pattern {self.pattern_type} NOT NULL, PRIMARY KEY (exchange, queue, routing_key))",
             f"CREATE INDEX IF NOT EXISTS {self.quote(names[1] + '_queue')} "
             f"ON {bindings} (queue)",
             f"CREATE {self.transient_table_kind} IF NOT EXISTS {messages} "
             f"(id {self.generated_id_type}, queue {name} NOT NULL, "
-            f"payload {self.body_type} NOT NULL, headers TEXT, expires_at {seconds}, "
-            f"{TRANSIENT_PRIORITY})",
+            f"payload {self.body_type} NOT NULL, headers {self.column_types[Role.HEADERS]}, "
+            f"expires_at {seconds}, {TRANSIENT_PRIORITY})",
             f"CREATE INDEX IF NOT EXISTS {self.quote(names[2] + '_claim')} "
             f"ON {messages} (queue, {TRANSIENT_ORDER})",
             f"CREATE INDEX IF NOT EXISTS {self.quote(names[2] + '_expiry')} "

@@ -28,6 +28,16 @@ NOW = "UTC_TIMESTAMP(6)"
 SMALL_LOB_TYPES = ("TINYBLOB", "BLOB", "TINYTEXT", "TEXT", "VARCHAR", "VARBINARY", "CHAR")
 
 
+class Utf8Name(sqltypes.TypeDecorator[str]):
+    """A name bound as its UTF-8 bytes (:attr:`MySQLDialect.name_bind`)."""
+
+    impl = sqltypes.LargeBinary
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Any) -> bytes | None:
+        return None if value is None else value.encode("utf-8")
+
+
 class MySQLDialect(Dialect):
     names = ("mysql", "mariadb")
     #: the isolation level is set once per connection by SQLAlchemy, which also restores
@@ -97,34 +107,58 @@ class MySQLDialect(Dialect):
     name_type = "VARBINARY(1020)"
     seconds_type = "DOUBLE"
     body_type = "LONGBLOB"
+    #: 255 characters of emoji make a pattern of 1277 bytes: more than a name column holds
+    pattern_type = "BLOB"
 
     def epoch(self, moment: str) -> str:
         return f"UNIX_TIMESTAMP({moment})"
+
+    #: names are bound as their UTF-8 bytes: a binary column stores a string as the bytes
+    #: of the connection's character set, so a process whose URL names another
+    #: (``?charset=latin1``) would write names no other process's match
+    name_bind = Utf8Name()
 
     def name_text(self, column: str) -> str:
         """A name read back as text (the driver returns a binary string as bytes)."""
         return f"CONVERT({column} USING utf8mb4)"
 
+    def matches(self, value: str, pattern: str) -> str:
+        """Both sides read as text: MySQL 8.0.22 and later refuse a binary string in REGEXP
+        (MariaDB takes it); ``utf8mb4_bin`` keeps the match case-sensitive."""
+        return (f"{self.name_text(value)} COLLATE utf8mb4_bin REGEXP "
+                f"{self.name_text(pattern)} COLLATE utf8mb4_bin")
+
     def routing_problems(self, conn: Connection,
                          names: Sequence[str]) -> list[tuple[str, str]]:
         """Routing tables made when names were text: its collation ignores trailing spaces
         (``'alice' = 'alice '``: one queue's messages go to the other). Changing the
-        columns to binary strings keeps every name as it is."""
+        columns to binary strings keeps every name as it is. Also a transient messages'
+        headers column of at most 64 KiB (made by an earlier version)."""
         inspector = inspect(conn)
         problems = []
         for table, columns in zip(names, RoutingStatements.name_columns, strict=True):
             if not inspector.has_table(table):
                 continue
-            text_columns = [column["name"] for column in inspector.get_columns(table)
-                            if column["name"] in columns
-                            and not isinstance(column["type"], sqltypes._Binary)]
+            found = {column["name"]: column["type"] for column in inspector.get_columns(table)}
+            text_columns = [name for name in columns
+                            if name in found and not isinstance(found[name], sqltypes._Binary)]
             if text_columns:
-                modify = ", ".join(f"MODIFY {self.quote(column)} {self.name_type} NOT NULL"
-                                   for column in text_columns)
+                modify = ", ".join(
+                    f"MODIFY {self.quote(column)} "
+                    f"{self.pattern_type if column == 'pattern' else self.name_type} NOT NULL"
+                    for column in text_columns)
                 problems.append((table, (
                     f"column(s) {', '.join(text_columns)} hold names as text, whose "
                     "comparison may ignore trailing spaces ('alice' = 'alice '); make them "
-                    f"binary strings with:\nALTER TABLE {self.quote(table)} {modify};")))
+                    "binary strings once no process of an earlier version uses them (it "
+                    "would read the names as bytes and route nothing through them) with:"
+                    f"\nALTER TABLE {self.quote(table)} {modify};")))
+            if table == names[2] and type(found.get("headers")).__name__ in SMALL_LOB_TYPES:
+                problems.append((table, (
+                    "column headers holds at most 64 KiB: a message with larger headers "
+                    "is refused, or cut short and lost on a server that is not strict; "
+                    f"make it LONGTEXT with:\nALTER TABLE {self.quote(table)} "
+                    f"MODIFY headers {self.column_types[Role.HEADERS]};")))
         return problems
 
     def upsert(self, table: str, keys: Sequence[str], values: Sequence[str]) -> str:

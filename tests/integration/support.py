@@ -23,6 +23,14 @@ T = TypeVar("T")
 #: the type MariaDB/MySQL routing tables gave names before they were binary strings: a
 #: collation that ignores trailing spaces when it compares
 PADDED_NAME_TYPE = "VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
+
+
+def earlier_routing_ddl(ddl: list[str]) -> list[str]:
+    """MariaDB/MySQL routing tables as an earlier version made them: names and patterns
+    as text (:data:`PADDED_NAME_TYPE`), transient headers in a TEXT (64 KiB)."""
+    return [statement.replace("VARBINARY(1020)", PADDED_NAME_TYPE)
+            .replace("pattern BLOB", f"pattern {PADDED_NAME_TYPE}")
+            .replace("headers LONGTEXT", "headers TEXT") for statement in ddl]
 #: transport options giving queue "jobs" the dead-letter queue "jobs.dead"
 DEAD_LETTERS: dict[str, Any] = {"queues": {"jobs": {"dead_letter_queue": "jobs.dead"}}}
 

@@ -17,7 +17,7 @@ import pytest
 from kombu import Connection, Consumer, Exchange, Queue
 from kombu.exceptions import ChannelError
 from kombu.transport.virtual.exchange import TopicExchange
-from sqlalchemy import inspect, text
+from sqlalchemy import bindparam, inspect, text
 from sqlalchemy.engine import Engine
 
 from celery_ext.binding import bind
@@ -25,7 +25,15 @@ from kombu_sqlinbox import ConfigurationError, SchemaMismatch, routing
 from kombu_sqlinbox.dialects import RoutingStatements, dialect_for
 
 from .conftest import Connect
-from .support import PADDED_NAME_TYPE, broker_of, get, get_within, quoted, statements_run, wait_for
+from .support import (
+    broker_of,
+    earlier_routing_ddl,
+    get,
+    get_within,
+    quoted,
+    statements_run,
+    wait_for,
+)
 from .test_kombu import EventLoop
 
 FANOUT = Exchange("broadcast", type="fanout", durable=False)
@@ -489,14 +497,109 @@ def test_routing_tables_of_an_earlier_version_are_named_at_start_up_with_their_f
     still runs on them, and says what to change."""
     routing = dialect_for(engine).routing_statements(table_prefix)
     with engine.begin() as conn:
-        for statement in routing.ddl:
-            conn.execute(text(statement.replace("VARBINARY(1020)", PADDED_NAME_TYPE)))
+        for statement in earlier_routing_ddl(routing.ddl):
+            conn.execute(text(statement))
     with caplog.at_level(logging.WARNING, logger="kombu_sqlinbox.routing"):
         declare(other(connect, 1), transient("alice", REPLIES, "alice"))
     warned = [record.getMessage() for record in caplog.records]
     assert [message.split(":")[1] for message in warned] == [
-        f" routing table {name}" for name in routing.names], warned
+        f" routing table {name}" for name in (*routing.names, routing.names[2])], warned
     assert "trailing spaces" in warned[0] and "ALTER TABLE" in warned[0], warned
+    assert "once no process of an earlier version uses them" in warned[0], warned
+
+
+@pytest.mark.parametrize("database", ["mysql"], indirect=True)
+def test_names_route_alike_whatever_the_connection_charset(
+        connect: Connect, broker_url: str, table_prefix: str, engine: Engine) -> None:
+    """A process whose URL names another character set (``?charset=latin1``, an older
+    service's) writes its names as the bytes of that set: stored in binary columns as they
+    arrive, they would match no other process's names, and read back garbled (a queue
+    bound elsewhere gets nothing; an expired queue is never deleted)."""
+    options = {"table_prefix": table_prefix, "polling_interval": 0.05, "sweep_interval": 0.01}
+    latin1 = Connection(broker_url + "?charset=latin1", transport_options=options)
+    try:
+        durable = Exchange("cafés", type="direct", durable=True)
+        declare(latin1, Queue("café", durable, routing_key="crème", durable=True))
+        declare(latin1, transient("thé", REPLIES, "thé", expires=0.2))
+        publisher = other(connect, 2)
+        publisher.Producer().publish({"to": "café"}, exchange=durable, routing_key="crème",
+                                     declare=[durable])
+        publisher.Producer().publish({"to": "thé"}, exchange=REPLIES, routing_key="thé")
+        assert get_within(latin1, "café").payload == {"to": "café"}
+        assert get_within(latin1, "thé").payload == {"to": "thé"}
+        sweeper = broker_of(other(connect, 3, sweep_interval=0.01))
+        sweeper.routes.available()
+        wait_for(lambda: sweeper.sweep() or count(engine, table_prefix, "queues") == 0,
+                 "the expired queue deleted", timeout=5)
+    finally:
+        latin1.release()
+
+
+@pytest.mark.drivers
+def test_a_topic_binding_of_the_longest_key_routes_exactly(connect: Connect) -> None:
+    """The pattern kombu makes of a binding key is longer than the key (a character
+    escaped, ``^`` and ``$``): 255 characters of emoji make 1277 bytes. It is stored
+    whole: not refused, nor cut short where a server is not strict (a pattern that would
+    then match other keys)."""
+    key = "😀" * 255
+    consumer = other(connect, 1)
+    declare(consumer, transient("longest", TOPIC, key))
+    declare(consumer, Queue("kept", TOPIC, routing_key=key, durable=True))
+    producer = other(connect, 2).Producer()
+    producer.publish({"key": "other"}, exchange=TOPIC, routing_key="😀" * 254 + "x",
+                     declare=[TOPIC])
+    producer.publish({"key": "exact"}, exchange=TOPIC, routing_key=key)
+    for queue in ("longest", "kept"):
+        assert get_within(consumer, queue).payload == {"key": "exact"}, queue
+        assert get(consumer, queue) is None, queue
+
+
+@pytest.mark.parametrize("routing_key", ["café.crème", "x.ünï", "x.ÜNÏ", "😀.a.b", "Café.x"])
+def test_topic_patterns_of_non_ascii_words_match_as_kombus_own(
+        connect: Connect, routing_key: str) -> None:
+    """Case-sensitive, a character at a time, as kombu's topic exchange matches."""
+    patterns = {"cafe": "café.*", "any": "#.ünï", "emoji": "😀.#", "upper": "Café.*"}
+    consumer = other(connect, 1)
+    for queue, pattern in patterns.items():
+        declare(consumer, transient(queue, TOPIC, pattern))
+    other(connect, 2).Producer().publish({"key": routing_key}, exchange=TOPIC,
+                                         routing_key=routing_key, declare=[TOPIC])
+    topic = TopicExchange(None)
+    expected = {queue for queue, pattern in patterns.items()
+                if re.match(topic.key_to_pattern(pattern), routing_key)}
+    assert {queue for queue in patterns if get(consumer, queue) is not None} == expected
+
+
+@pytest.mark.parametrize("database", ["mysql"], indirect=True)
+def test_a_topic_match_on_mysql_takes_no_binary_string(engine: Engine) -> None:
+    """MySQL 8.0.22 and later refuse a binary string on either side of REGEXP (error
+    3995, ER_CHARACTER_SET_MISMATCH: every publish to an exchange would fail), where
+    MariaDB takes it; names are binary strings there, so the match reads both as text."""
+    dialect = dialect_for(engine)
+    value, pattern = dialect.matches(":routing_key", "b.pattern").split(" REGEXP ")
+    with engine.connect() as conn:
+        charsets = conn.execute(text(
+            f"SELECT CHARSET({value}), CHARSET({pattern}), "
+            f"{dialect.matches(':routing_key', 'b.pattern')} "
+            "FROM (SELECT CAST(:pattern AS BINARY) AS pattern) AS b").bindparams(
+                bindparam("routing_key", type_=dialect.name_bind),
+                bindparam("pattern", type_=dialect.name_bind)),
+            {"routing_key": "Café.crème", "pattern": r"^Café\.[^.]+$"}).one()
+    assert tuple(charsets) == ("utf8mb4", "utf8mb4", 1)
+
+
+@pytest.mark.drivers
+def test_a_transient_message_with_headers_past_64_kib_arrives_whole(connect: Connect) -> None:
+    """A queue table's headers column holds what a message carries; so does the transient
+    messages' (a MySQL TEXT holds 64 KiB: refused raw on a strict server, cut short and
+    then dropped as undecodable on one that is not)."""
+    conn = other(connect, 1)
+    declare(conn, transient("big", REPLIES, "big"))
+    headers = {"note": "y" * 70_000}
+    other(connect, 2).Producer().publish({"to": "big"}, exchange=REPLIES, routing_key="big",
+                                         headers=headers, declare=[REPLIES])
+    message = get_within(conn, "big")
+    assert (message.payload, message.headers["note"]) == ({"to": "big"}, headers["note"])
 
 
 def test_hostile_exchange_names_and_keys_are_bound_values(connect: Connect) -> None:

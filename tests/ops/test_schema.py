@@ -9,7 +9,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox.dialects import dialect_for
-from tests.integration.support import PADDED_NAME_TYPE, quoted
+from tests.integration.support import earlier_routing_ddl, quoted
 from tests.ops.conftest import Cli
 
 
@@ -128,18 +128,21 @@ def test_check_finds_routing_tables_comparing_names_without_trailing_spaces(
     the ALTER that migrates them, which keeps every row and makes names compare exactly."""
     routing = dialect_for(engine).routing_statements(table_prefix)
     with engine.begin() as conn:
-        for statement in routing.ddl:
-            conn.execute(text(statement.replace("VARBINARY(1020)", PADDED_NAME_TYPE)))
+        for statement in earlier_routing_ddl(routing.ddl):
+            conn.execute(text(statement))
         conn.execute(text(f"INSERT INTO {quoted(engine, routing.names[1])} VALUES "
                           "('ünï', 'alice', 'alice', 'direct', 'alice')"))
     failed = cli("check", check=False)
     assert failed.returncode == 1, failed.stdout
     problems = [line for line in failed.stdout.splitlines() if line.startswith("PROBLEM")]
     assert [line.split(":")[0] for line in problems] == [
-        f"PROBLEM (routing) ({name})" for name in routing.names]
+        f"PROBLEM (routing) ({name})" for name in (*routing.names, routing.names[2])]
     assert "ignore trailing spaces" in problems[0], failed.stdout
+    assert "headers holds at most 64 KiB" in problems[3], failed.stdout
+    # an earlier version reads binary names as bytes: it would route nothing through them
+    assert "once no process of an earlier version uses them" in problems[0], failed.stdout
     alters = [line for line in failed.stdout.splitlines() if line.startswith("ALTER TABLE")]
-    assert len(alters) == 3, failed.stdout
+    assert len(alters) == 4, failed.stdout
     with engine.begin() as conn:
         for statement in alters:
             conn.execute(text(statement.rstrip(";")))

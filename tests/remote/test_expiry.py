@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from kombu_sqlinbox.broker import close_all, sqlalchemy_url
+from kombu_sqlinbox.dialects import dialect_for
 from tests.remote.conftest import HOST, Cluster, at_once, cluster_on, example_app
 
 #: seconds the test's own reply queue and the monitor's event queue outlive their use
@@ -25,11 +26,12 @@ def transient_state(cluster: Cluster) -> dict[str, set[str]]:
     """The queues named in each routing table: the registry, the bindings, the messages."""
     engine = create_engine(sqlalchemy_url(cluster.broker_url.removeprefix("sqlinbox+")))
     quote = engine.dialect.identifier_preparer.quote
+    name_text = dialect_for(engine).name_text  # MariaDB/MySQL: binary strings
     prefix = cluster.table_prefix
     try:
         with engine.connect() as conn:
             return {table: set(conn.execute(text(
-                f"SELECT DISTINCT {column} FROM {quote(prefix + table)}")).scalars())
+                f"SELECT DISTINCT {name_text(column)} FROM {quote(prefix + table)}")).scalars())
                 for table, column in (("queues", "name"), ("bindings", "queue"),
                                       ("transient", "queue"))}
     finally:
