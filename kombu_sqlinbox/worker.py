@@ -27,12 +27,24 @@ def consume_without_pool_waits(instance: Any, conf: Any, **_: Any) -> None:
     task to the prefork pool with a wait for a free process: the worker then answers no
     remote control (ping, revoke, inspect) until a running task ends, seconds while a
     backlog comes in. Without that wait a task waits in the pool instead, and the loop
-    goes on serving control commands (as Celery's event loop does on Redis)."""
+    goes on serving control commands (as Celery's event loop does on Redis).
+
+    A ``worker_pool_putlocks`` the user set (in the app's settings or a config object)
+    is kept: one who wants a warm shutdown to run only the tasks already started keeps
+    the wait."""
     from .transport import Transport  # here: importing the package loads no transport
 
+    if chosen(conf, "worker_pool_putlocks"):
+        return
     transport, options = transport_of(instance.app)
     if issubclass(transport, Transport) and not parse_options(options).event_loop:
         conf.worker_pool_putlocks = False
+
+
+def chosen(conf: Any, key: str) -> bool:
+    """Whether a Celery setting was set by the user, not left at Celery's default (the
+    last of the settings' maps)."""
+    return any(key in layer for layer in conf.maps[:-1])
 
 
 celeryd_init.connect(consume_without_pool_waits, weak=False,
