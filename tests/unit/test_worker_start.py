@@ -14,14 +14,19 @@ from celery.apps.worker import Worker
 import kombu_sqlinbox  # noqa: F401  (the start-up hook and the sqlinbox+ alias)
 
 
-def started(broker: str, **conf: Any) -> Worker:
+def built(app: Celery, **options: Any) -> Worker:
     """A worker as ``celery worker`` builds it (its start-up signal sent), not started."""
-    app = Celery("start", broker=broker, set_as_current=False)
-    app.conf.update(worker_redirect_stdouts=False, **conf)
     worker = Worker(app=app, pool_cls="prefork", concurrency=1, hostname="start@test",
-                    quiet=True, without_mingle=True, without_gossip=True)
+                    quiet=True, without_mingle=True, without_gossip=True, **options)
     app.close()
     return worker
+
+
+def started(broker: str, **conf: Any) -> Worker:
+    """:func:`built` for an app with these settings."""
+    app = Celery("start", broker=broker, set_as_current=False)
+    app.conf.update(worker_redirect_stdouts=False, **conf)
+    return built(app)
 
 
 @pytest.fixture
@@ -46,10 +51,7 @@ def test_a_putlocks_setting_from_a_config_object_is_kept(sqlite: str) -> None:
         worker_redirect_stdouts = False
 
     app.config_from_object(Config)
-    worker = Worker(app=app, pool_cls="prefork", concurrency=1, hostname="start@test",
-                    quiet=True, without_mingle=True, without_gossip=True)
-    app.close()
-    assert worker.pool_putlocks is True
+    assert built(app).pool_putlocks is True
 
 
 @pytest.mark.parametrize("broker, options", [
@@ -60,3 +62,10 @@ def test_other_brokers_and_the_event_loop_keep_celerys_default(
         sqlite: str, broker: str | None, options: dict[str, Any]) -> None:
     worker = started(broker or sqlite, broker_transport_options=options)
     assert worker.pool_putlocks is True
+
+
+def test_without_a_prefetch_limit_the_wait_stays(sqlite: str) -> None:
+    """The pool would take in the whole queue, and a warm shutdown would run it all."""
+    assert started(sqlite, worker_prefetch_multiplier=0).pool_putlocks is True
+    app = Celery("start", broker=sqlite, set_as_current=False)
+    assert built(app, prefetch_multiplier=0).pool_putlocks is True
