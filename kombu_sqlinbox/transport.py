@@ -655,6 +655,12 @@ class Transport(virtual.Transport):
         except self.connection_errors:
             raise
         except Exception as exc:
+            if self._round_backoff and not sweep:
+                # a wake-up's round while the back-off's timer is set: that round reports
+                # (here each published message would log a traceback); the other queues
+                # are still served at once
+                logger.debug("sqlinbox: a polling round failed (%s)", exc, exc_info=True)
+                return None
             self._round_backoff = next_backoff(self._round_backoff)
             logger.error("sqlinbox: a polling round failed (%s); the next in %.1fs", exc,
                          self._round_backoff, exc_info=True)

@@ -22,17 +22,34 @@ def transport_of(app: Any) -> tuple[type, dict[str, Any]]:
         return resolve_transport(conn.transport_cls), dict(conn.transport_options or {})
 
 
-def consume_without_pool_waits(instance: Any, conf: Any, **_: Any) -> None:
+def consume_without_pool_waits(instance: Any, conf: Any, options: dict[str, Any],
+                               **_: Any) -> None:
     """Celery's blocking loop (this transport's unless :confval:`event_loop`) hands each
     task to the prefork pool with a wait for a free process: the worker then answers no
     remote control (ping, revoke, inspect) until a running task ends, seconds while a
     backlog comes in. Without that wait a task waits in the pool instead, and the loop
-    goes on serving control commands (as Celery's event loop does on Redis)."""
+    goes on serving control commands (as Celery's event loop does on Redis).
+
+    A warm shutdown runs what waits in the pool, so the wait stays without a prefetch
+    limit (``worker_prefetch_multiplier`` 0: the pool would take in the whole queue, and
+    a shutdown would run it all), and a ``worker_pool_putlocks`` the user set (in the
+    app's settings or a config object) is kept."""
     from .transport import Transport  # here: importing the package loads no transport
 
-    transport, options = transport_of(instance.app)
-    if issubclass(transport, Transport) and not parse_options(options).event_loop:
+    multiplier = options.get("prefetch_multiplier")
+    if multiplier is None:
+        multiplier = conf.worker_prefetch_multiplier
+    if chosen(conf, "worker_pool_putlocks") or not multiplier:
+        return
+    transport, transport_options = transport_of(instance.app)
+    if issubclass(transport, Transport) and not parse_options(transport_options).event_loop:
         conf.worker_pool_putlocks = False
+
+
+def chosen(conf: Any, key: str) -> bool:
+    """Whether a Celery setting was set by the user, not left at Celery's default (the
+    last of the settings' maps)."""
+    return any(key in layer for layer in conf.maps[:-1])
 
 
 celeryd_init.connect(consume_without_pool_waits, weak=False,

@@ -19,14 +19,15 @@ EXPIRES = 1.0
 RESULT_LIMIT = 60.0
 
 
+@pytest.mark.parametrize("task", ["acc.run", "acc.run_late"])
 def test_a_task_expired_in_the_queue_is_recorded_revoked(
-        acceptance: Acceptance, tmp_path: Path) -> None:
+        acceptance: Acceptance, tmp_path: Path, task: str) -> None:
     backend = {"result_backend": f"db+sqlite:///{tmp_path / 'results.db'}",
                "task_ignore_result": False}
     caller = tasks.make_app(acceptance.broker_url, dict(acceptance.options), **backend)
     try:
-        result = caller.send_task("acc.run", args=("expired",), expires=EXPIRES)
-        kept = caller.send_task("acc.run", args=("kept",), expires=300)
+        result = caller.send_task(task, args=("expired",), expires=EXPIRES)
+        kept = caller.send_task(task, args=("kept",), expires=300)
         deadline = time.time() + EXPIRES
         while time.time() <= deadline:  # the first expires before any worker runs
             time.sleep(deadline - time.time() + 0.05)

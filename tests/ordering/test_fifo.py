@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.integration.support import death, get, get_within, settled
+from tests.integration.support import death, get, get_within, rows, settled
 from tests.ordering.apps.common import any_overlap_across, check_serial_in_order
 from tests.ordering.conftest import Ordering, publish, wait_for_count
 from tests.processes import wait_until
@@ -129,3 +129,20 @@ def test_poison_head_is_parked_after_max_attempts_and_the_group_goes_on(
     assert parked.payload == {"grp": "g0", "seq": 0}
     assert death(parked)["attempts"] == 4 and death(parked)["queue"] == "jobs"
     parked.ack()
+
+
+def test_a_head_that_expired_in_the_queue_is_revoked_and_the_group_goes_on(
+        ordering: Ordering) -> None:
+    """A Celery task's ``expires`` passes while it heads its group: the worker records it
+    revoked and the rows behind it run, in order."""
+    app = ordering.app("jobs", "fifo")
+    with app.producer_or_acquire() as producer:
+        for seq in range(3):
+            app.send_task("ord.step", args=("g0", seq), headers={"group_key": "g0"},
+                          expires=0.5 if seq == 0 else None, producer=producer)
+    time.sleep(1.0)  # the head expires before any worker runs
+    workers = ordering.workers(["w1"], "jobs", "fifo")
+    wait_for_count(ordering.log.done, 2, "the rows behind the expired head", workers)
+    assert [entry.seq for entry in ordering.log.entries()] == [1, 2]
+    wait_until(lambda: not rows(ordering.engine, f"{ordering.prefix}fifo_jobs"), 10,
+               "the revoked head's row to go", alive=workers)

@@ -1,0 +1,71 @@
+"""What a ``celery worker`` on this transport sets in itself at start-up: its blocking loop
+does not wait in the prefork pool (so it answers remote control while busy), unless the
+user chose otherwise, and nothing changes for the event loop or another broker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.apps.worker import Worker
+
+import kombu_sqlinbox  # noqa: F401  (the start-up hook and the sqlinbox+ alias)
+
+
+def built(app: Celery, **options: Any) -> Worker:
+    """A worker as ``celery worker`` builds it (its start-up signal sent), not started."""
+    worker = Worker(app=app, pool_cls="prefork", concurrency=1, hostname="start@test",
+                    quiet=True, without_mingle=True, without_gossip=True, **options)
+    app.close()
+    return worker
+
+
+def started(broker: str, **conf: Any) -> Worker:
+    """:func:`built` for an app with these settings."""
+    app = Celery("start", broker=broker, set_as_current=False)
+    app.conf.update(worker_redirect_stdouts=False, **conf)
+    return built(app)
+
+
+@pytest.fixture
+def sqlite(tmp_path: Path) -> str:
+    return f"sqlinbox+sqlite:///{tmp_path / 'broker.db'}"
+
+
+def test_the_blocking_loop_takes_tasks_without_waiting_for_a_free_process(sqlite: str) -> None:
+    assert started(sqlite).pool_putlocks is False
+
+
+@pytest.mark.parametrize("chosen", [True, False])
+def test_a_putlocks_setting_the_user_chose_is_kept(sqlite: str, chosen: bool) -> None:
+    assert started(sqlite, worker_pool_putlocks=chosen).pool_putlocks is chosen
+
+
+def test_a_putlocks_setting_from_a_config_object_is_kept(sqlite: str) -> None:
+    app = Celery("start", broker=sqlite, set_as_current=False)
+
+    class Config:
+        worker_pool_putlocks = True
+        worker_redirect_stdouts = False
+
+    app.config_from_object(Config)
+    assert built(app).pool_putlocks is True
+
+
+@pytest.mark.parametrize("broker, options", [
+    ("memory://", {}),
+    (None, {"event_loop": True}),
+])
+def test_other_brokers_and_the_event_loop_keep_celerys_default(
+        sqlite: str, broker: str | None, options: dict[str, Any]) -> None:
+    worker = started(broker or sqlite, broker_transport_options=options)
+    assert worker.pool_putlocks is True
+
+
+def test_without_a_prefetch_limit_the_wait_stays(sqlite: str) -> None:
+    """The pool would take in the whole queue, and a warm shutdown would run it all."""
+    assert started(sqlite, worker_prefetch_multiplier=0).pool_putlocks is True
+    app = Celery("start", broker=sqlite, set_as_current=False)
+    assert built(app, prefetch_multiplier=0).pool_putlocks is True
