@@ -27,14 +27,13 @@ import sys
 import time
 from contextlib import suppress
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 if __name__ == "__main__":  # run as a script: import the bench package, not its modules
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from bench.chaos_app import CONFIG_ENV, LEDGER, TASK, make_app
+from bench.chaos_app import CONFIG_ENV, LEDGER, TASK, make_app, record
 from bench.chaos_faults import DEFAULTS, HOLD, SQL, Servers, group_ports
 from bench.cli import choices, command
 from bench.registry import progress
@@ -76,13 +75,12 @@ class Figures:
     jobs: int = 0
     done: int = 0
     lost: int = 0
-    #: deliveries that ran again after their ack returned: must be 0
+    #: deliveries that ran again after their ack returned (finished): must be 0
     twice: int = 0
     #: deliveries that ran again before their ack (killed mid-run): at least once, allowed
     redelivered: int = 0
-    #: (sqlinbox) deliveries that ran again after their ack returned but before the lease
-    #: keeper wrote it, their worker killed in between: at least once, allowed
-    unwritten: int = 0
+    #: of ``twice``, those whose worker was killed after the ack returned
+    twice_killed: int = 0
     #: messages still in the queue after every job was done and the worker stopped
     left: int = 0
     #: seconds from the fault's end to the first job that started after it being done
@@ -163,9 +161,10 @@ class Run:
                 self.app.send_task(TASK, args=(key, fails, WORK), queue=self.queue,
                                    routing_key=self.queue, priority=priority, producer=producer)
 
-    def events(self, event: str = "done") -> list[tuple[str, int, float, str | None]]:
+    def events(self, event: str = "done") -> list[tuple[str, int, float, int]]:
+        """``(key, retries, at, pid)`` of every ledger row of this event."""
         with sqlite3.connect(self.ledger, timeout=60) as conn:
-            return conn.execute("SELECT key, retries, at, token FROM runs WHERE event = ?",
+            return conn.execute("SELECT key, retries, at, pid FROM runs WHERE event = ?",
                                 (event,)).fetchall()
 
     def done(self) -> int:
@@ -190,6 +189,7 @@ class Run:
         assert self.worker is not None
         self.worker.kill()
         self.fault = time.time()
+        record(self.ledger, "", -1, "kill", self.worker.popen.pid)
         self.start_worker()
 
     # -- the scenarios ---------------------------------------------------------------------------
@@ -231,9 +231,9 @@ class Run:
     def fault_restart(self) -> None:
         self.until_done(FAULT_AT)
         began = time.time()
-        self.servers.restart(self.target)
-        self.fault = time.time()
-        self.note(f"the restart took {self.fault - began:.1f} s")
+        self.fault = self.servers.restart(self.target, self.logs / f"restart-{self.target}.log")
+        self.note(f"the server answered again {self.fault - began:.1f} s after the restart "
+                  "began")
 
     def fault_hold(self) -> None:
         self.until_done(FAULT_AT)
@@ -291,30 +291,30 @@ class Run:
         if self.scenario == "priority":
             self.starvation(done)
 
-    def reruns(self, starts: list[tuple[str, int, float, str | None]]) -> None:
-        """Count each run of a delivery after its first: after its ack was written (sqlinbox;
-        elsewhere: after the ack returned) it ran twice after finishing; after an ack that
-        was not yet written when its worker died, or with no ack, it was redelivered."""
+    def reruns(self, starts: list[tuple[str, int, float, int]]) -> None:
+        """Count each run of a delivery after its first: after its ack returned, it ran twice
+        after finishing (``killed``: its worker was killed after the ack, before the ack
+        reached the broker's store); before, it was redelivered (killed mid-run)."""
         f = self.figures
-        written = {mark: at for *_, at, mark in self.events("written")}
-        acked: dict[tuple[str, int], tuple[float, str | None]] = {}
-        for key, retries, at, mark in self.events("acked"):
+        acked: dict[tuple[str, int], tuple[float, int]] = {}
+        for key, retries, at, pid in self.events("acked"):
             if (key, retries) not in acked or at < acked[key, retries][0]:
-                acked[key, retries] = (at, mark)
+                acked[key, retries] = (at, pid)
+        kills = self.events("kill")
         seen: set[tuple[str, int]] = set()
         for key, retries, at, _ in starts:
-            ack, mark = acked.get((key, retries), (None, None))
-            landed = ack if mark is None else written.get(mark)
-            if landed is not None and at > landed:
+            ack = acked.get((key, retries))
+            if ack is not None and at > ack[0]:
                 f.twice += 1
-                self.note(f"FAILED: {key} (retry {retries}) ran again after its ack")
-            elif ack is not None and at > ack:
-                f.unwritten += 1
+                killed = any(pid == ack[1] and ack[0] <= when <= at for *_, when, pid in kills)
+                f.twice_killed += killed
+                self.note(f"FAILED: {key} (retry {retries}) ran again {at - ack[0]:.1f} s after "
+                          f"its ack{', its worker killed after the ack' if killed else ''}")
             elif (key, retries) in seen:
                 f.redelivered += 1
             seen.add((key, retries))
 
-    def starvation(self, done: list[tuple[str, int, float, str | None]]) -> None:
+    def starvation(self, done: list[tuple[str, int, float, int]]) -> None:
         """The high-priority jobs must finish while low ones still wait: they went ahead."""
         highs = [at for key, _, at, _ in done if key.startswith("h")]
         if len(highs) < HIGH_JOBS:
@@ -370,12 +370,12 @@ def seconds(value: float | None) -> str:
 
 def table(found: list[Figures]) -> str:
     lines = ["| target | scenario | jobs | done | lost | ran twice after finishing "
-             "| redelivered (killed mid-run / before the ack was written) | left in queue "
+             "(worker killed after the ack) | redelivered (killed mid-run) | left in queue "
              "| recover (s) | drained (s) | result |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for f in found:
         lines.append(f"| {f.target} | {f.scenario} | {f.jobs:,} | {f.done:,} | {f.lost} "
-                     f"| {f.twice} | {f.redelivered} / {f.unwritten} | {f.left} "
+                     f"| {f.twice} ({f.twice_killed}) | {f.redelivered} | {f.left} "
                      f"| {seconds(f.recover)} | {seconds(f.drained)} "
                      f"| {'ok' if f.ok else 'FAILED'} |")
     return "\n".join(lines)
@@ -401,8 +401,6 @@ def main(argv: list[str]) -> int:
                 found.append(run.figures)
             finally:
                 run.close()
-                if target != "sqlite" and not servers.answers(target):
-                    wait_until(partial(servers.answers, target), 120, f"{target} back")
             f = found[-1]
             progress(f"{target}/{scenario}: done {f.done}/{f.jobs}, lost {f.lost}, "
                      f"twice {f.twice}, recover {seconds(f.recover)} s")

@@ -11,11 +11,10 @@ delivery begins to run, ``done`` when its body finished, ``acked`` once kombu's 
 message returned (Celery's late ack, in the worker's main process). A delivery is one
 message: the job's key and Celery's retry count (a retry is a new message).
 
-On the sqlinbox transport an ack returns once it is queued; the lease keeper writes it
-within milliseconds, with others (see ``docs/leases.rst``). So an ``acked`` row there
-carries the delivery's row (queue, id, attempt), and a ``written`` row records each ack
-once its transaction committed: a worker killed in between runs the job again, as a
-late ack allows, while a job run again after its ack was written would be a defect.
+A job that ran again after its ack counts as run twice after finishing, whatever the
+reason; ``bench/chaos.py`` tells whether its worker was killed after the ack (an ack this
+transport had queued but not yet written, or one still on its way to Redis or RabbitMQ)
+or not.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ from celery import Celery, Task
 from kombu import Queue
 from kombu.message import Message
 
-from kombu_sqlinbox.claims import Group, LeaseKeeper, Queued
-from kombu_sqlinbox.codec import ROW_KEY
+import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox+ alias)
 
 CONFIG_ENV = "CHAOS_CONFIG"
 TASK = "chaos.job"
@@ -55,32 +53,26 @@ def ledger(path: str, pid: int) -> sqlite3.Connection:
     return conn
 
 
-#: the ledger's one table: a row per event; ``token`` names an sqlinbox delivery's row
+#: the ledger's one table: a row per event (``kill``: of process ``pid``, by the chaos run)
 LEDGER = ("CREATE TABLE IF NOT EXISTS runs (key TEXT NOT NULL, retries INTEGER NOT NULL, "
-          "event TEXT NOT NULL, pid INTEGER NOT NULL, at REAL NOT NULL, token TEXT)")
+          "event TEXT NOT NULL, pid INTEGER NOT NULL, at REAL NOT NULL)")
 
 
-def record(path: str, rows: list[tuple[str, int, str, str | None]]) -> None:
-    """Ledger rows ``(key, retries, event, token)``, committed before this returns."""
-    now, pid = time.time(), os.getpid()
-    ledger(path, pid).executemany("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?)",
-                                  [(key, retries, event, pid, now, token)
-                                   for key, retries, event, token in rows])
-
-
-def token(queue: str, ident: int, attempt: int) -> str:
-    return f"{queue}:{ident}:{attempt}"
+def record(path: str, key: str, retries: int, event: str, pid: int | None = None) -> None:
+    """One ledger row, committed before this returns."""
+    ledger(path, os.getpid()).execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?)",
+                                      (key, retries, event, pid or os.getpid(), time.time()))
 
 
 def job(self: Task, key: str, fails: int, work: float) -> None:
     """Fail (Celery's retry: a new message) the first ``fails`` deliveries, then work for
     ``work`` seconds and record it done."""
     path, retries = self.app.conf.chaos["ledger"], int(self.request.retries or 0)
-    record(path, [(key, retries, "start", None)])
+    record(path, key, retries, "start")
     if retries < fails:
         raise self.retry(countdown=RETRY_DELAY, max_retries=fails)
     time.sleep(work)
-    record(path, [(key, retries, "done", None)])
+    record(path, key, retries, "done")
 
 
 def acknowledge(self: Message, multiple: bool = False) -> None:
@@ -88,24 +80,12 @@ def acknowledge(self: Message, multiple: bool = False) -> None:
     on its event loop's next turn), then an ``acked`` row for a chaos job's message."""
     _acknowledge(self, multiple)
     if CONFIG and self.headers.get("task") == TASK:
-        row = self.delivery_info.get(ROW_KEY)
-        mark = token(row["queue"], row["id"], row["attempt"]) if row else None
-        record(CONFIG["ledger"], [(str(self.payload[0][0]), int(self.headers.get("retries") or 0),
-                                   "acked", mark)])
+        record(CONFIG["ledger"], str(self.payload[0][0]), int(self.headers.get("retries") or 0),
+               "acked")
 
 
-def written(self: LeaseKeeper, group: Group, entries: list[Queued]) -> None:
-    """The keeper's settlements committed: a ``written`` row for each (worker processes
-    only, where ``CHAOS_CONFIG`` names the ledger)."""
-    _written(self, group, entries)
-    if CONFIG:
-        record(CONFIG["ledger"], [("", -1, "written", token(q.held.table.queue, q.held.id,
-                                                            q.held.attempt)) for q in entries])
-
-
-_acknowledge, _written = Message.ack, LeaseKeeper._done
+_acknowledge = Message.ack
 Message.ack = acknowledge  # type: ignore[method-assign]
-LeaseKeeper._done = written  # type: ignore[method-assign]
 
 
 def make_app(config: dict[str, Any]) -> Celery:

@@ -8,6 +8,7 @@ import os
 import shlex
 import sqlite3
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
@@ -19,12 +20,13 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
 from bench.targets import AMQP_URL, REDIS_URL, SERVERS
-from tests.processes import wait_until
 from tests.servers import server_answers
 
 SQL = ("postgresql", "mysql", "sqlite")
 #: how long ``hold`` keeps the connection slots filled and the rows locked
 HOLD = 10.0
+#: the longest a server may take to restart and answer again
+RESTART_LIMIT = 120.0
 #: per server: the environment variable of its URL and its default (the benchmark's), the
 #: variable of its restart command and its default (the standard local services)
 DEFAULTS = {
@@ -62,13 +64,30 @@ class Servers:
         except Exception:  # not there yet
             return False
 
-    def restart(self, target: str) -> None:
-        """The restart command, then a bounded wait until the server answers."""
-        done = subprocess.run(self.restarts[target], shell=True, capture_output=True,
-                              text=True, timeout=120)
-        if done.returncode:
-            raise RuntimeError(f"restart of {target} failed: {done.stderr.strip()[:200]}")
-        wait_until(lambda: self.answers(target), 120, f"{target} to answer", interval=0.5)
+    def restart(self, target: str, log: Path) -> float:
+        """Run the restart command (its output to ``log``) and return when the server
+        answered again (``time.time()``): the first answer after it was seen down, or after
+        the command ended when it never was (polled every 0.1 s, for at most
+        :data:`RESTART_LIMIT` s)."""
+        deadline = time.monotonic() + RESTART_LIMIT
+        with log.open("ab") as output:
+            command = subprocess.Popen(self.restarts[target], shell=True, stdout=output,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        down, back = False, None
+        while back is None:
+            if time.monotonic() > deadline:
+                command.kill()
+                raise RuntimeError(f"{target} did not answer within {RESTART_LIMIT:.0f} s "
+                                   f"of its restart; see {log}")
+            ended = command.poll() is not None
+            if not self.answers(target):
+                down = True
+            elif down or ended:
+                back = time.time()
+            time.sleep(0.1)
+        if command.wait(max(1.0, deadline - time.monotonic())):
+            raise RuntimeError(f"restart of {target} failed: see {log}")
+        return back
 
     def terminate(self, target: str, ports: set[int]) -> int:
         """End the server's sessions of these client ports, as an operator (or a failover)
