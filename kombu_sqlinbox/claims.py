@@ -147,7 +147,16 @@ class LeaseClaims(ClaimForm):
         else:
             self._busy.discard(table)
         self.keeper.hold(table, rows)
-        return rows
+        finished = self.keeper.acked_here(table, rows)
+        if not finished:
+            return rows
+        logger.info("sqlinbox: %d rows of queue %r claimed again after their lease lapsed "
+                    "with their ack not yet written (the database refused it): completed, "
+                    "not run again", len(finished), table.queue)
+        for row in rows:
+            if row.id in finished:
+                self.keeper.settle(Settlement.COMPLETE, self.held_for(table, row))
+        return [row for row in rows if row.id not in finished]
 
     def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
         self.keeper.settle(how, held, delay)
@@ -602,6 +611,17 @@ class LeaseKeeper:
             wake, self._settler_idle = self._settler_idle, False
         if wake:
             self._settle_wake.set()
+
+    def acked_here(self, table: QueueTable, rows: Sequence[ClaimedRow]) -> set[int]:
+        """The ids of ``rows`` (just claimed) that this process acked at an earlier attempt
+        and has not written the ack of yet: their lease lapsed while the database refused
+        every write. Their task is done; they must not run again."""
+        with self._lock:
+            if not rows or not (self._pending or self._writing):
+                return set()
+            acked = {queued.held.id for queued in (*self._pending, *self._writing)
+                     if queued.how is Settlement.COMPLETE and queued.held.table is table}
+        return {row.id for row in rows if row.id in acked}
 
     def forget(self, held: Held) -> None:
         """Stop extending a row that left by another path (moved to a dead-letter queue)."""
