@@ -24,6 +24,7 @@ partition key freed).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -146,17 +147,18 @@ class LeaseClaims(ClaimForm):
             self._busy.add(table)
         else:
             self._busy.discard(table)
+        acked, adopted = self.keeper.adopt(table, rows)
         self.keeper.hold(table, rows)
-        finished = self.keeper.acked_here(table, rows)
-        if not finished:
+        if not (acked or adopted):
             return rows
         logger.info("sqlinbox: %d rows of queue %r claimed again after their lease lapsed "
-                    "with their ack not yet written (the database refused it): completed, "
-                    "not run again", len(finished), table.queue)
+                    "(the database refused every write) were this process's already, %d of "
+                    "them acked: not delivered a second time", len(acked) + len(adopted),
+                    table.queue, len(acked))
         for row in rows:
-            if row.id in finished:
+            if row.id in acked:
                 self.keeper.settle(Settlement.COMPLETE, self.held_for(table, row))
-        return [row for row in rows if row.id not in finished]
+        return [row for row in rows if row.id not in acked and row.id not in adopted]
 
     def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
         self.keeper.settle(how, held, delay)
@@ -560,6 +562,8 @@ class LeaseKeeper:
         self._lock = threading.Lock()
         self._written = threading.Condition(self._lock)  # settlements left the queue
         self._held: dict[QueueTable, dict[int, int]] = defaultdict(dict)
+        #: rows claimed again while in work here: (table, id) -> the attempt they are held at
+        self._adopted: dict[tuple[QueueTable, int], int] = {}
         self._pending: list[Queued] = []
         self._writing: list[Queued] = []
         self._failing: dict[Group, Failing] = {}
@@ -604,6 +608,10 @@ class LeaseKeeper:
     def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
         """Queue a settlement; the settling thread writes it with whatever else is due."""
         with self._lock:
+            if self._adopted:  # a row claimed again while in work here: its new attempt
+                attempt = self._adopted.pop((held.table, held.id), held.attempt)
+                if attempt > held.attempt:
+                    held = dataclasses.replace(held, attempt=attempt)
             self._queued += 1
             self._last_queued = now = time.monotonic()
             self._pending.append(Queued(self._queued, how, held, delay, now))
@@ -612,20 +620,30 @@ class LeaseKeeper:
         if wake:
             self._settle_wake.set()
 
-    def acked_here(self, table: QueueTable, rows: Sequence[ClaimedRow]) -> set[int]:
-        """The ids of ``rows`` (just claimed) that this process acked at an earlier attempt
-        and has not written the ack of yet: their lease lapsed while the database refused
-        every write. Their task is done; they must not run again."""
+    def adopt(self, table: QueueTable, rows: Sequence[ClaimedRow]) -> tuple[set[int], set[int]]:
+        """Of ``rows`` (just claimed, before :meth:`hold`), the ids of those this process
+        already has at an earlier attempt, their lease lapsed while the database refused
+        every write: (acked here, ack not yet written; held here, not settled yet). Neither
+        may be delivered again. The earlier delivery of one held here goes on under the new
+        attempt: its settlement is written at that attempt."""
         with self._lock:
-            if not rows or not (self._pending or self._writing):
-                return set()
+            mine = self._held.get(table)
+            if not rows or not (mine or self._pending or self._writing):
+                return set(), set()
             acked = {queued.held.id for queued in (*self._pending, *self._writing)
                      if queued.how is Settlement.COMPLETE and queued.held.table is table}
-        return {row.id for row in rows if row.id in acked}
+            ids = {row.id for row in rows if row.id in acked}
+            held = {row.id for row in rows if row.id not in ids and mine
+                    and mine.get(row.id, row.attempt) < row.attempt}
+            for row in rows:
+                if row.id in held:
+                    self._adopted[table, row.id] = row.attempt
+        return ids, held
 
     def forget(self, held: Held) -> None:
         """Stop extending a row that left by another path (moved to a dead-letter queue)."""
         with self._lock:
+            self._adopted.pop((held.table, held.id), None)
             self._held[held.table].pop(held.id, None)
 
     def flush(self, timeout: float = 30.0) -> bool:
