@@ -306,10 +306,12 @@ class Run:
             ack = acked.get((key, retries))
             if ack is not None and at > ack[0]:
                 f.twice += 1
-                killed = any(pid == ack[1] and ack[0] <= when <= at for *_, when, pid in kills)
-                f.twice_killed += killed
+                gaps = [when - ack[0] for *_, when, pid in kills
+                        if pid == ack[1] and ack[0] <= when <= at]
+                f.twice_killed += bool(gaps)
+                killed = f", its worker killed {min(gaps) * 1000:.0f} ms after it" if gaps else ""
                 self.note(f"FAILED: {key} (retry {retries}) ran again {at - ack[0]:.1f} s after "
-                          f"its ack{', its worker killed after the ack' if killed else ''}")
+                          f"its ack{killed}")
             elif (key, retries) in seen:
                 f.redelivered += 1
             seen.add((key, retries))
