@@ -187,9 +187,9 @@ class Run:
     def kill(self) -> None:
         """``kill -9`` of the worker's whole process group, and a replacement at once."""
         assert self.worker is not None
+        self.fault = time.time()  # when the signal goes: killing waits for the group to go
         self.worker.kill()
-        self.fault = time.time()
-        record(self.ledger, "", -1, "kill", self.worker.popen.pid)
+        record(self.ledger, "", -1, "kill", self.worker.popen.pid, self.fault)
         self.start_worker()
 
     # -- the scenarios ---------------------------------------------------------------------------

@@ -58,10 +58,11 @@ LEDGER = ("CREATE TABLE IF NOT EXISTS runs (key TEXT NOT NULL, retries INTEGER N
           "event TEXT NOT NULL, pid INTEGER NOT NULL, at REAL NOT NULL)")
 
 
-def record(path: str, key: str, retries: int, event: str, pid: int | None = None) -> None:
-    """One ledger row, committed before this returns."""
+def record(path: str, key: str, retries: int, event: str, pid: int | None = None,
+           at: float | None = None) -> None:
+    """One ledger row (by default of this process, now), committed before this returns."""
     ledger(path, os.getpid()).execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?)",
-                                      (key, retries, event, pid or os.getpid(), time.time()))
+                                      (key, retries, event, pid or os.getpid(), at or time.time()))
 
 
 def job(self: Task, key: str, fails: int, work: float) -> None:
