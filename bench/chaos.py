@@ -122,6 +122,7 @@ class Run:
         self.started = 0
         self.fault = 0.0
         with sqlite3.connect(self.ledger) as conn:
+            conn.execute("PRAGMA journal_mode=WAL")
             conn.execute(LEDGER)
 
     def broker_of(self, scratch: Path) -> tuple[str, dict[str, Any], str | None]:

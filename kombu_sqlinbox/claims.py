@@ -423,6 +423,9 @@ SETTLE_GATHER = 0.005
 #: claims carry most of its acks, and waking the thread for each batch cost the consumer
 #: a thread switch per claim (the driver lets go of the GIL while it sends a statement)
 SETTLE_ACTIVE = 0.1
+#: how many of the rows it acked last a process remembers: one claimed again after its lease
+#: lapsed with the ack unwritten is completed, not delivered again (:meth:`LeaseKeeper.adopt`)
+COMPLETED_KEPT = 4096
 #: the first and the longest wait before a failed settlement group or extension is retried
 BACKOFF_FIRST = 0.2
 BACKOFF_MAX = 5.0
@@ -564,6 +567,8 @@ class LeaseKeeper:
         self._held: dict[QueueTable, dict[int, int]] = defaultdict(dict)
         #: rows claimed again while in work here: (table, id) -> the attempt they are held at
         self._adopted: dict[tuple[QueueTable, int], int] = {}
+        #: the rows this process acked last (at most COMPLETED_KEPT): (table, id) -> attempt
+        self._completed: dict[tuple[QueueTable, int], int] = {}
         self._pending: list[Queued] = []
         self._writing: list[Queued] = []
         self._failing: dict[Group, Failing] = {}
@@ -612,6 +617,12 @@ class LeaseKeeper:
                 attempt = self._adopted.pop((held.table, held.id), held.attempt)
                 if attempt > held.attempt:
                     held = dataclasses.replace(held, attempt=attempt)
+            if how is Settlement.COMPLETE:
+                completed = self._completed
+                completed[held.table, held.id] = held.attempt
+                if len(completed) > COMPLETED_KEPT:  # the older half goes
+                    for key in list(completed)[:COMPLETED_KEPT // 2]:
+                        del completed[key]
             self._queued += 1
             self._last_queued = now = time.monotonic()
             self._pending.append(Queued(self._queued, how, held, delay, now))
@@ -622,23 +633,20 @@ class LeaseKeeper:
 
     def adopt(self, table: QueueTable, rows: Sequence[ClaimedRow]) -> tuple[set[int], set[int]]:
         """Of ``rows`` (just claimed, before :meth:`hold`), the ids of those this process
-        already has at an earlier attempt, their lease lapsed while the database refused
-        every write: (acked here, ack not yet written; held here, not settled yet). Neither
-        may be delivered again. The earlier delivery of one held here goes on under the new
-        attempt: its settlement is written at that attempt."""
+        already had at an earlier attempt, their lease lapsed while the database refused
+        every write: (acked here, the ack not written before the lapse; held here, not
+        settled yet). Neither may be delivered again. The earlier delivery of one held here
+        goes on under the new attempt: its settlement is written at that attempt."""
         with self._lock:
-            mine = self._held.get(table)
-            if not rows or not (mine or self._pending or self._writing):
-                return set(), set()
-            acked = {queued.held.id for queued in (*self._pending, *self._writing)
-                     if queued.how is Settlement.COMPLETE and queued.held.table is table}
-            ids = {row.id for row in rows if row.id in acked}
-            held = {row.id for row in rows if row.id not in ids and mine
-                    and mine.get(row.id, row.attempt) < row.attempt}
+            completed, mine = self._completed, self._held.get(table) or {}
+            acked = {row.id for row in rows
+                     if completed.get((table, row.id), row.attempt) < row.attempt}
+            held = {row.id for row in rows
+                    if row.id not in acked and mine.get(row.id, row.attempt) < row.attempt}
             for row in rows:
                 if row.id in held:
                     self._adopted[table, row.id] = row.attempt
-        return ids, held
+        return acked, held
 
     def forget(self, held: Held) -> None:
         """Stop extending a row that left by another path (moved to a dead-letter queue)."""
