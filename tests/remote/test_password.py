@@ -82,6 +82,14 @@ def test_a_password_given_apart_from_the_url_is_connected_with() -> None:
     assert_hidden(conn.as_uri(), conn.info()["hostname"])
 
 
+def test_an_url_is_shown_whole_but_for_its_password() -> None:
+    """Only the password is masked: an ``@`` further on (a query value) is kept."""
+    conn = Connection(f"sqlinbox+postgresql://app:{SECRET}@db:5432/app?application_name=ops@db")
+    shown = make_url(conn.as_uri().removeprefix("sqlinbox+"))
+    assert (shown.password, shown.host, shown.port, shown.database, dict(shown.query)) == (
+        "**", "db", 5432, "app", {"application_name": "ops@db"})
+
+
 def test_a_connection_without_an_url_is_shown_and_refused_when_it_connects() -> None:
     conn = Connection(hostname="db", transport="sqlinbox")
     assert repr(conn).startswith("<Connection: sqlinbox+db at ")
@@ -90,8 +98,11 @@ def test_a_connection_without_an_url_is_shown_and_refused_when_it_connects() -> 
 
 
 @pytest.mark.parametrize("url", [f"postgresql://app:{SECRET}@db:notaport/jobs",
-                                 f"post gres://app:{SECRET}@db/jobs"],
-                         ids=["port", "scheme"])
+                                 f"post gres://app:{SECRET}@db/jobs",
+                                 # written without percent-encoding: '/' and '@' in it
+                                 f"postgresql://app:{SECRET}/x@db:notaport/jobs",
+                                 f"postgresql://app:x@{SECRET}@db:notaport/jobs"],
+                         ids=["port", "scheme", "slash", "at"])
 def test_an_url_that_is_not_sqlalchemy_is_refused_without_its_password(url: str) -> None:
     conn = Connection("sqlinbox+" + url)
     with pytest.raises(ConfigurationError, match="not an SQLAlchemy URL") as raised:
