@@ -182,19 +182,25 @@ class Inbox:
 
     def close(self) -> None:
         """Drop the tables the test made (the database may outlive the test: only those
-        under its prefix that were not there before) and let go of the inbox."""
-        if self.outbox is not None:
-            self.outbox.close()
-        self._fresh_connections()
-        close_all()  # no connection of ours may hold a lock the drops wait for
-        made = self._own_tables() - self._found
-        self._restore()
-        quote = self._engine.dialect.identifier_preparer.quote
-        with self._engine.begin() as conn:
-            for schema, name in sorted(made, key=lambda table: (table[0] or "", table[1])):
-                where = "" if schema is None else f"{quote(schema)}."
-                conn.exec_driver_sql(f"DROP TABLE IF EXISTS {where}{quote(name)}")
-        self._engine.dispose()
+        under its prefix that were not there before) and let go of the inbox. The app
+        is pointed back at what it was bound to also where that fails (the database is
+        gone): the next test must not find it bound to this one's."""
+        try:
+            try:
+                if self.outbox is not None:
+                    self.outbox.close()
+            finally:
+                self._fresh_connections()
+                close_all()  # no connection of ours may hold a lock the drops wait for
+            made = self._own_tables() - self._found
+            quote = self._engine.dialect.identifier_preparer.quote
+            with self._engine.begin() as conn:
+                for schema, name in sorted(made, key=lambda table: (table[0] or "", table[1])):
+                    where = "" if schema is None else f"{quote(schema)}."
+                    conn.exec_driver_sql(f"DROP TABLE IF EXISTS {where}{quote(name)}")
+        finally:
+            self._restore()
+            self._engine.dispose()
 
     # -- running tasks here ----------------------------------------------------------
     def drain(self, limit: int = DRAIN_LIMIT) -> list[Ran]:

@@ -280,3 +280,47 @@ def test_a_fixture_that_fails_to_set_up_leaves_the_app_as_it_was(
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*its publish statement does not fit the schema*"])
+
+
+def test_a_database_gone_before_tear_down_leaves_the_app_as_it_was(
+        pytester: pytest.Pytester) -> None:
+    """The test's database is gone when its tables are to be dropped (here: the SQLite
+    file's directory is removed): that tear-down fails, saying so, and the next test
+    still finds the service's app unbound."""
+    pytester.makeini("[pytest]\nsqlinbox = true\nsqlinbox_app = service:app\n")
+    pytester.makepyfile(service="""
+        from celery import Celery
+
+        import celery_ext
+        import kombu_sqlinbox  # noqa: F401
+
+        app = Celery("service", broker="sqlinbox+sqlite:///unused.db", set_as_current=False)
+        outbox = celery_ext.install(app, table="svc_outbox")
+    """)
+    pytester.makeconftest("""
+        import pytest
+
+        @pytest.fixture
+        def sqlinbox_url(tmp_path):
+            (tmp_path / "db").mkdir()
+            return f"sqlinbox+sqlite:///{tmp_path / 'db' / 'inbox.db'}"
+    """)
+    pytester.makepyfile(test_it="""
+        import shutil
+
+        import service
+
+
+        def test_the_database_goes_away(sqlinbox, sqlinbox_app, sqlinbox_url):
+            sqlinbox_app.send_task("service.add", (1, 2))
+            shutil.rmtree(sqlinbox_url.removeprefix("sqlinbox+sqlite:///").rsplit("/", 1)[0])
+
+
+        def test_the_app_is_as_it_was():
+            assert service.app.conf.broker_url == "sqlinbox+sqlite:///unused.db"
+            assert service.app.conf.broker_transport_options == {}
+            assert service.outbox.spec.table == "svc_outbox"
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*ERROR at teardown of test_the_database_goes_away*"])
