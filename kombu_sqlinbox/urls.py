@@ -75,10 +75,16 @@ def client_url(client: Any) -> str:
             "the sqlinbox transport needs an SQLAlchemy URL: "
             "broker='sqlinbox+postgresql://user@host/db' or 'sqlinbox+sqlite:///jobs.db'"
         )
-    parsed = _parsed(hostname) if client.password else None
-    if parsed is None or parsed.password is not None:
+    parsed = _parsed(hostname) if client.password or client.userid else None
+    if parsed is None:
         return str(hostname)
-    return parsed.set(password=client.password).render_as_string(hide_password=False)
+    # the URL's own user and password first (kombu's rule), then the connection's fields
+    # (Celery's broker_user, broker_password): a password needs a user to be passed on
+    if parsed.username is None and client.userid:
+        parsed = parsed.set(username=client.userid)
+    if parsed.password is None and client.password:
+        parsed = parsed.set(password=client.password)
+    return parsed.render_as_string(hide_password=False)
 
 
 def shown_uri(client: Any, include_password: bool, mask: str) -> str:

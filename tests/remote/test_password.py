@@ -90,6 +90,13 @@ def test_an_url_is_shown_whole_but_for_its_password() -> None:
         "**", "db", 5432, "app", {"application_name": "ops@db"})
 
 
+def test_a_user_and_password_given_apart_from_the_url_are_connected_with() -> None:
+    """Celery's ``broker_user`` and ``broker_password`` settings, for a URL with neither."""
+    conn = Connection("sqlinbox+postgresql://db/jobs", userid="app", password=SECRET)
+    assert conn.transport.url == f"postgresql://app:{SECRET}@db/jobs"
+    assert_hidden(conn.as_uri(), conn.info()["hostname"])
+
+
 def test_a_connection_without_an_url_is_shown_and_refused_when_it_connects() -> None:
     conn = Connection(hostname="db", transport="sqlinbox")
     assert repr(conn).startswith("<Connection: sqlinbox+db at ")
@@ -205,11 +212,17 @@ def sqlinbox_command(broker: str, *args: str, password: str | None = None,
 
 def test_a_password_with_url_characters_reaches_the_database(
         mariadb_user: tuple[str, str]) -> None:
-    """Quoted in the URL, or given as ``broker_password``: the server accepts it."""
-    _, url = mariadb_user
+    """Quoted in the URL, or given as ``broker_password`` (with ``broker_user``): the
+    server accepts it."""
+    user, url = mariadb_user
     for conn in (Connection("sqlinbox+" + with_password(url)),
-                 Connection("sqlinbox+" + url, password=SPECIAL)):
+                 Connection("sqlinbox+" + url, password=SPECIAL),
+                 Connection("sqlinbox+" + url.replace(f"{user}@", ""), userid=user,
+                            password=SPECIAL)):
         conn.ensure_connection(max_retries=1)
+        broker = conn.default_channel.broker
+        assert broker.run(lambda db: db.exec_driver_sql("SELECT CURRENT_USER()").scalar(),
+                          read_only=True).startswith(f"{user}@")
         with conn.SimpleQueue(f"pw_{uuid.uuid4().hex[:8]}") as queue:
             queue.put({"n": 1})
             assert queue.get(timeout=10).payload == {"n": 1}
