@@ -251,3 +251,17 @@ def test_the_sqlinbox_commands_take_the_first_of_failover_urls(
     done = sqlinbox_command(f"sqlinbox+{first};sqlinbox+{standby}", "queues")
     assert_hidden(done.stdout, done.stderr)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_engine_is_given_the_password_as_written(role_url: str) -> None:
+    """PostgreSQL here trusts local connections: what reaches the driver is read off the
+    engine. A non-ASCII letter too (psycopg passes it on as UTF-8)."""
+    password = SPECIAL + "ä"
+    for conn in (Connection("sqlinbox+" + make_url(role_url).set(password=password)
+                            .render_as_string(hide_password=False)),
+                 Connection("sqlinbox+" + role_url.replace(f":{SECRET}@", "@"),
+                            password=password)):
+        conn.ensure_connection(max_retries=1)
+        assert conn.default_channel.broker.engine.url.password == password
+        assert_hidden(conn.as_uri(), repr(conn))
+        conn.release()
