@@ -49,6 +49,9 @@ from .outbox import Outbox, OutboxError, outbox_of
 
 T = TypeVar("T", TableSpec, OutboxSpec)
 PREFIX = "sqlinbox+"
+#: where the worker process finds the inbox URL: any local user reads a command line
+#: (``ps``), the environment only its owner
+WORKER_URL = "SQLINBOX_WORKER_URL"
 #: tasks one drain() runs at most: a task that keeps requeueing itself would never end
 DRAIN_LIMIT = 1000
 
@@ -383,8 +386,9 @@ def sqlinbox_worker_process(request: pytest.FixtureRequest, sqlinbox: Inbox,
     log = tmp_path / "worker.log"
     with log.open("wb") as output:
         process = subprocess.Popen(
-            [sys.executable, "-m", "celery_ext.testing", path, sqlinbox.url, sqlinbox.prefix,
-             str(signal_end)], stdout=output, stderr=subprocess.STDOUT, pass_fds=(signal_end,))
+            [sys.executable, "-m", "celery_ext.testing", path, sqlinbox.prefix, str(signal_end)],
+            env={**os.environ, WORKER_URL: sqlinbox.url}, stdout=output,
+            stderr=subprocess.STDOUT, pass_fds=(signal_end,))
     os.close(signal_end)
     try:
         readable, _, _ = select.select([ready], [], [], patience)
@@ -408,11 +412,11 @@ def sqlinbox_worker_process(request: pytest.FixtureRequest, sqlinbox: Inbox,
 
 def main(argv: list[str]) -> None:
     """A worker process for :func:`sqlinbox_worker_process`: ``python -m celery_ext.testing
-    APP URL PREFIX FD`` binds the app as the fixtures do and writes one byte to FD once
-    the worker is ready."""
-    path, url, prefix, fd = argv
+    APP PREFIX FD``, the URL in ``$SQLINBOX_WORKER_URL``, binds the app as the fixtures do
+    and writes one byte to FD once the worker is ready."""
+    path, prefix, fd = argv
     app: Celery = _import(path)
-    bind_app(app, url, prefix)  # for the life of the process
+    bind_app(app, os.environ[WORKER_URL], prefix)  # for the life of the process
 
     def announce(**kwargs: Any) -> None:
         os.write(int(fd), b"r")

@@ -324,3 +324,36 @@ def test_a_database_gone_before_tear_down_leaves_the_app_as_it_was(
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(["*ERROR at teardown of test_the_database_goes_away*"])
+
+
+def test_the_worker_process_gets_the_password_outside_its_command_line(
+        pytester: pytest.Pytester) -> None:
+    """Any local user reads a process's command line (``ps``): the worker process started
+    for a test on ``--sqlinbox-url`` must not carry the URL's password there."""
+    from sqlalchemy.engine import make_url
+
+    from tests.databases import require_server
+
+    secret = f"Pw-{uuid.uuid4().hex[:12]}"
+    # PostgreSQL here trusts local connections: any password is accepted
+    url = make_url(require_server("postgresql")).set(password=secret).render_as_string(
+        hide_password=False)
+    pytester.makeini("[pytest]\nsqlinbox = true\nsqlinbox_app = service:app\n")
+    pytester.makepyfile(service="""
+        from celery import Celery
+
+        import kombu_sqlinbox  # noqa: F401
+
+        app = Celery("service", broker="sqlinbox+sqlite:///unused.db", set_as_current=False)
+    """)
+    pytester.makepyfile(test_it=f"""
+        from pathlib import Path
+
+
+        def test_command_line(sqlinbox_worker_process):
+            cmdline = Path(f"/proc/{{sqlinbox_worker_process.pid}}/cmdline").read_bytes()
+            assert b"celery_ext.testing" in cmdline
+            assert {secret!r}.encode() not in cmdline, cmdline
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--sqlinbox-url={url}")
+    result.assert_outcomes(passed=1)
