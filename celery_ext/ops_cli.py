@@ -29,7 +29,7 @@ from kombu_sqlinbox.codec import DEATH_HEADER, DELIVERY_PROPERTIES
 from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.operations import DeadFilter, DeadLetter, Operations, QueueFigures
 from kombu_sqlinbox.options import parse_options
-from kombu_sqlinbox.urls import masked
+from kombu_sqlinbox.urls import client_url, masked
 
 from .outbox_cli import outbox, progress
 
@@ -65,12 +65,14 @@ def operations(ctx: click.Context) -> Iterator[Operations]:
         if url is None and not broker_url.startswith("sqlinbox+"):
             raise click.UsageError(
                 f"the app's broker is not sqlinbox ({masked(broker_url)!r}): pass --url")
-        url = url or broker_url
         raw = app.conf.broker_transport_options if raw is None else raw
         queues = list(app.amqp.queues)
-    if not url:
+    elif not url:
         raise click.UsageError("no sqlinbox database: pass --url URL, or -A proj")
     try:
+        if url is None:  # as the app connects: its password setting, its first URL
+            with app.connection_for_write() as connection:
+                url = client_url(connection)
         made = Operations(str(url), parse_options(raw), queues)
     except ConfigurationError as exc:
         raise click.UsageError(str(exc)) from None

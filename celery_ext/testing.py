@@ -49,6 +49,9 @@ from .outbox import Outbox, OutboxError, outbox_of
 
 T = TypeVar("T", TableSpec, OutboxSpec)
 PREFIX = "sqlinbox+"
+#: where the worker process finds the inbox URL: any local user reads a command line
+#: (``ps``), the environment only its owner
+WORKER_URL = "SQLINBOX_WORKER_URL"
 #: tasks one drain() runs at most: a task that keeps requeueing itself would never end
 DRAIN_LIMIT = 1000
 
@@ -182,19 +185,25 @@ class Inbox:
 
     def close(self) -> None:
         """Drop the tables the test made (the database may outlive the test: only those
-        under its prefix that were not there before) and let go of the inbox."""
-        if self.outbox is not None:
-            self.outbox.close()
-        self._fresh_connections()
-        close_all()  # no connection of ours may hold a lock the drops wait for
-        made = self._own_tables() - self._found
-        self._restore()
-        quote = self._engine.dialect.identifier_preparer.quote
-        with self._engine.begin() as conn:
-            for schema, name in sorted(made, key=lambda table: (table[0] or "", table[1])):
-                where = "" if schema is None else f"{quote(schema)}."
-                conn.exec_driver_sql(f"DROP TABLE IF EXISTS {where}{quote(name)}")
-        self._engine.dispose()
+        under its prefix that were not there before) and let go of the inbox. The app
+        is pointed back at what it was bound to also where that fails (the database is
+        gone): the next test must not find it bound to this one's."""
+        try:
+            try:
+                if self.outbox is not None:
+                    self.outbox.close()
+            finally:
+                self._fresh_connections()
+                close_all()  # no connection of ours may hold a lock the drops wait for
+            made = self._own_tables() - self._found
+            quote = self._engine.dialect.identifier_preparer.quote
+            with self._engine.begin() as conn:
+                for schema, name in sorted(made, key=lambda table: (table[0] or "", table[1])):
+                    where = "" if schema is None else f"{quote(schema)}."
+                    conn.exec_driver_sql(f"DROP TABLE IF EXISTS {where}{quote(name)}")
+        finally:
+            self._restore()
+            self._engine.dispose()
 
     # -- running tasks here ----------------------------------------------------------
     def drain(self, limit: int = DRAIN_LIMIT) -> list[Ran]:
@@ -377,8 +386,9 @@ def sqlinbox_worker_process(request: pytest.FixtureRequest, sqlinbox: Inbox,
     log = tmp_path / "worker.log"
     with log.open("wb") as output:
         process = subprocess.Popen(
-            [sys.executable, "-m", "celery_ext.testing", path, sqlinbox.url, sqlinbox.prefix,
-             str(signal_end)], stdout=output, stderr=subprocess.STDOUT, pass_fds=(signal_end,))
+            [sys.executable, "-m", "celery_ext.testing", path, sqlinbox.prefix, str(signal_end)],
+            env={**os.environ, WORKER_URL: sqlinbox.url}, stdout=output,
+            stderr=subprocess.STDOUT, pass_fds=(signal_end,))
     os.close(signal_end)
     try:
         readable, _, _ = select.select([ready], [], [], patience)
@@ -402,11 +412,11 @@ def sqlinbox_worker_process(request: pytest.FixtureRequest, sqlinbox: Inbox,
 
 def main(argv: list[str]) -> None:
     """A worker process for :func:`sqlinbox_worker_process`: ``python -m celery_ext.testing
-    APP URL PREFIX FD`` binds the app as the fixtures do and writes one byte to FD once
-    the worker is ready."""
-    path, url, prefix, fd = argv
+    APP PREFIX FD``, the URL in ``$SQLINBOX_WORKER_URL``, binds the app as the fixtures do
+    and writes one byte to FD once the worker is ready."""
+    path, prefix, fd = argv
     app: Celery = _import(path)
-    bind_app(app, url, prefix)  # for the life of the process
+    bind_app(app, os.environ[WORKER_URL], prefix)  # for the life of the process
 
     def announce(**kwargs: Any) -> None:
         os.write(int(fd), b"r")

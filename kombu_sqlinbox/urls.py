@@ -20,14 +20,22 @@ from .errors import ConfigurationError
 
 #: how a broker URL names this transport
 URL_PREFIX = "sqlinbox+"
-#: the password of ``scheme://user:password@host``, for text no URL parser reads
-_PASSWORD = re.compile(r"(://[^/@:]*:)[^/@]*@")
+#: the password of ``scheme://user:password@host`` as SQLAlchemy reads it (up to the
+#: first ``@``: it may hold ``/`` where not percent-encoded)
+_PASSWORD = re.compile(r"(://[^/@:;]*:)[^@;]*@")
+#: the same in text no URL parser reads: up to the last ``@`` before the next ``;``
+#: (which separates failover URLs), as a password may also hold ``@``
+_ANY_PASSWORD = re.compile(r"(://[^/@:;]*:)[^;]*@")
 
 
 def masked(url: str, mask: str = "***") -> str:
     """``url`` with its password, if any, shown as ``mask`` (by default as SQLAlchemy
     shows one), whether or not the rest of it parses."""
-    return _PASSWORD.sub(lambda found: f"{found.group(1)}{mask}@", url)
+    parsed = None if ";" in url else _parsed(url)
+    if parsed is not None and parsed.password is None:
+        return url  # nothing to hide (a ``:`` and ``@`` further on are not a password)
+    pattern = _ANY_PASSWORD if parsed is None else _PASSWORD
+    return pattern.sub(lambda found: f"{found.group(1)}{mask}@", url)
 
 
 def _parsed(url: str) -> URL | None:
@@ -67,10 +75,16 @@ def client_url(client: Any) -> str:
             "the sqlinbox transport needs an SQLAlchemy URL: "
             "broker='sqlinbox+postgresql://user@host/db' or 'sqlinbox+sqlite:///jobs.db'"
         )
-    parsed = _parsed(hostname) if client.password else None
-    if parsed is None or parsed.password is not None:
+    parsed = _parsed(hostname) if client.password or client.userid else None
+    if parsed is None:
         return str(hostname)
-    return parsed.set(password=client.password).render_as_string(hide_password=False)
+    # the URL's own user and password first (kombu's rule), then the connection's fields
+    # (Celery's broker_user, broker_password): a password needs a user to be passed on
+    if parsed.username is None and client.userid:
+        parsed = parsed.set(username=client.userid)
+    if parsed.password is None and client.password:
+        parsed = parsed.set(password=client.password)
+    return parsed.render_as_string(hide_password=False)
 
 
 def shown_uri(client: Any, include_password: bool, mask: str) -> str:

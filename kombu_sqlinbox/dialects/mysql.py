@@ -13,7 +13,7 @@ import os
 import re
 import stat
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import Connection, TextClause, inspect, text
@@ -264,6 +264,18 @@ class MySQLDialect(Dialect):
             for suffix, columns in self.index_columns(spec).items()
         )
         return [create[: -len("\n)")] + indexes + "\n) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"]
+
+    def id_generated(self, conn: Connection, spec: TableSpec, column: Mapping[str, Any]
+                     ) -> bool:
+        """Also a default SQLAlchemy does not reflect: MariaDB's ``DEFAULT NEXT VALUE FOR
+        <sequence>`` (shown as ``nextval(...)``), MySQL's expression defaults."""
+        if super().id_generated(conn, spec, column):
+            return True
+        default = conn.execute(text(
+            "SELECT COLUMN_DEFAULT FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = "
+            "COALESCE(:schema, DATABASE()) AND TABLE_NAME = :table AND COLUMN_NAME = :column"
+        ), {"schema": spec.schema, "table": spec.table, "column": column["name"]}).scalar()
+        return default is not None and str(default).upper() != "NULL"
 
     def type_problem(self, role: Role, reflected: sqltypes.TypeEngine[Any]) -> str | None:
         problem = super().type_problem(role, reflected)

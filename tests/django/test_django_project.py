@@ -100,3 +100,15 @@ print("pong" if replies and "pong" in str(replies) else f"no pong: {replies!r}")
 reserve_stock.delay(7)
 print("ran")
 """
+
+
+def test_the_site_takes_a_percent_encoded_password_as_its_password() -> None:
+    """``SHOP_DATABASE`` is a URL: a password with ``@`` or ``/`` comes percent-encoded,
+    and Django (and the broker URL made from ``DATABASES``) must get it decoded."""
+    from tests.docs.support import load_example
+
+    settings = load_example("django_project/shopsite/settings.py")
+    entry = settings.database("postgresql://shop%20app:p%40ss%2Fw%3Ard@db:5432/shop")
+    assert (entry["USER"], entry["PASSWORD"]) == ("shop app", "p@ss/w:rd")
+    broker = make_url(settings.celery_ext.django.broker_url(entry).removeprefix("sqlinbox+"))
+    assert (broker.username, broker.password) == ("shop app", "p@ss/w:rd")

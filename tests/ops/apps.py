@@ -21,6 +21,8 @@ from kombu_sqlinbox.tables import TableBuilder, TableSpec
 BROKER_ENV = "SQLINBOX_OPS_BROKER"
 PREFIX_ENV = "SQLINBOX_OPS_PREFIX"
 RUNS_ENV = "SQLINBOX_OPS_RUNS"
+#: Celery's ``broker_password`` setting, where a test gives one
+PASSWORD_ENV = "SQLINBOX_OPS_PASSWORD"
 
 
 def fifo_table(prefix: str) -> TableSpec:
@@ -81,6 +83,7 @@ def make_app(broker_url: str, prefix: str) -> Celery:
         task_ignore_result=True,
         task_acks_late=True,
         worker_redirect_stdouts=False,
+        broker_password=os.environ.get(PASSWORD_ENV),
     )
     made.task(name="ops.add")(add)
     made.task(name="ops.fail")(fail)

@@ -280,3 +280,80 @@ def test_a_fixture_that_fails_to_set_up_leaves_the_app_as_it_was(
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*its publish statement does not fit the schema*"])
+
+
+def test_a_database_gone_before_tear_down_leaves_the_app_as_it_was(
+        pytester: pytest.Pytester) -> None:
+    """The test's database is gone when its tables are to be dropped (here: the SQLite
+    file's directory is removed): that tear-down fails, saying so, and the next test
+    still finds the service's app unbound."""
+    pytester.makeini("[pytest]\nsqlinbox = true\nsqlinbox_app = service:app\n")
+    pytester.makepyfile(service="""
+        from celery import Celery
+
+        import celery_ext
+        import kombu_sqlinbox  # noqa: F401
+
+        app = Celery("service", broker="sqlinbox+sqlite:///unused.db", set_as_current=False)
+        outbox = celery_ext.install(app, table="svc_outbox")
+    """)
+    pytester.makeconftest("""
+        import pytest
+
+        @pytest.fixture
+        def sqlinbox_url(tmp_path):
+            (tmp_path / "db").mkdir()
+            return f"sqlinbox+sqlite:///{tmp_path / 'db' / 'inbox.db'}"
+    """)
+    pytester.makepyfile(test_it="""
+        import shutil
+
+        import service
+
+
+        def test_the_database_goes_away(sqlinbox, sqlinbox_app, sqlinbox_url):
+            sqlinbox_app.send_task("service.add", (1, 2))
+            shutil.rmtree(sqlinbox_url.removeprefix("sqlinbox+sqlite:///").rsplit("/", 1)[0])
+
+
+        def test_the_app_is_as_it_was():
+            assert service.app.conf.broker_url == "sqlinbox+sqlite:///unused.db"
+            assert service.app.conf.broker_transport_options == {}
+            assert service.outbox.spec.table == "svc_outbox"
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*ERROR at teardown of test_the_database_goes_away*"])
+
+
+def test_the_worker_process_gets_the_password_outside_its_command_line(
+        pytester: pytest.Pytester) -> None:
+    """Any local user reads a process's command line (``ps``): the worker process started
+    for a test on ``--sqlinbox-url`` must not carry the URL's password there."""
+    from sqlalchemy.engine import make_url
+
+    from tests.databases import require_server
+
+    secret = f"Pw-{uuid.uuid4().hex[:12]}"
+    # PostgreSQL here trusts local connections: any password is accepted
+    url = make_url(require_server("postgresql")).set(password=secret).render_as_string(
+        hide_password=False)
+    pytester.makeini("[pytest]\nsqlinbox = true\nsqlinbox_app = service:app\n")
+    pytester.makepyfile(service="""
+        from celery import Celery
+
+        import kombu_sqlinbox  # noqa: F401
+
+        app = Celery("service", broker="sqlinbox+sqlite:///unused.db", set_as_current=False)
+    """)
+    pytester.makepyfile(test_it=f"""
+        from pathlib import Path
+
+
+        def test_command_line(sqlinbox_worker_process):
+            cmdline = Path(f"/proc/{{sqlinbox_worker_process.pid}}/cmdline").read_bytes()
+            assert b"celery_ext.testing" in cmdline
+            assert {secret!r}.encode() not in cmdline, cmdline
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--sqlinbox-url={url}")
+    result.assert_outcomes(passed=1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import celery_ext.django
 
@@ -31,7 +31,8 @@ def database(url: str) -> dict[str, object]:
 
             pymysql.install_as_MySQLdb()
     return {"ENGINE": f"django.db.backends.{parts.scheme}", "NAME": parts.path[1:],
-            "USER": parts.username or "", "PASSWORD": parts.password or "",
+            # percent-encoded in the URL (a password with @ or /): Django takes it decoded
+            "USER": unquote(parts.username or ""), "PASSWORD": unquote(parts.password or ""),
             "HOST": parts.hostname or "", "PORT": str(parts.port or "")}
 
 
