@@ -318,10 +318,16 @@ def dead_requeue(ctx: click.Context, /, dlq: tuple[str, ...], keep_attempts: boo
     with operations(ctx) as ops:
         ops.batch = batch
         total, left = _survey(ops, chosen, dlq, requeue=True)
+        refused: list[str] = []
         with progress("requeue", total) as bar:
-            moved = ops.requeue(chosen, dlq, keep_attempts, progress=bar.update)
+            moved = ops.requeue(chosen, dlq, keep_attempts, progress=bar.update,
+                                refused=lambda dead, why: refused.append(
+                                    f"dead letter {dead.id} of {dead.dead_letter_queue!r}: "
+                                    f"{why}; left where it is"))
     click.echo(f"requeued: {moved}")
-    _refuse_left(ctx, left)
+    for line in refused:
+        click.echo(line, err=True)
+    _refuse_left(ctx, left, bool(refused))
 
 
 @dead.command(name="purge", cls=CeleryCommand)
@@ -355,13 +361,14 @@ def _survey(ops: Operations, chosen: DeadFilter, dlq: Sequence[str], requeue: bo
     return total, left
 
 
-def _refuse_left(ctx: click.Context, left: dict[tuple[str, str], list[int]]) -> None:
-    """Say which chosen rows were left alone, and exit 1 if any were."""
+def _refuse_left(ctx: click.Context, left: dict[tuple[str, str], list[int]],
+                 refused: bool = False) -> None:
+    """Say which chosen rows were left alone, and exit 1 if any were (or ``refused``)."""
     for (queue, why), ids in left.items():
         shown = ", ".join(map(str, ids[:10])) + (", ..." if len(ids) > 10 else "")
         click.echo(f"left {len(ids)} row(s) of {queue} {why} (ids {shown}): not dead "
                    "letters this command can take; look at them with dead list", err=True)
-    if left:
+    if left or refused:
         ctx.exit(1)
 
 
