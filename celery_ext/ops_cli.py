@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from types import SimpleNamespace
@@ -26,6 +26,7 @@ from celery.app.utils import find_app
 from celery.bin.base import CeleryCommand, CeleryOption
 
 from kombu_sqlinbox.codec import DEATH_HEADER, DELIVERY_PROPERTIES
+from kombu_sqlinbox.dead_letters import EVERY
 from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.operations import DeadFilter, DeadLetter, Operations, QueueFigures
 from kombu_sqlinbox.options import parse_options
@@ -318,6 +319,7 @@ def dead_requeue(ctx: click.Context, /, dlq: tuple[str, ...], keep_attempts: boo
     with operations(ctx) as ops:
         ops.batch = batch
         total, left = _survey(ops, chosen, dlq, requeue=True)
+        _nothing_chosen(ctx, ops, chosen, dlq, total + len(left))
         refused: list[str] = []
         with progress("requeue", total) as bar:
             moved = ops.requeue(chosen, dlq, keep_attempts, progress=bar.update,
@@ -339,6 +341,7 @@ def dead_purge(ctx: click.Context, /, dlq: tuple[str, ...], yes: bool, **filters
     chosen = _filter(**filters)
     with operations(ctx) as ops:
         total, left = _survey(ops, chosen, dlq, requeue=False)
+        _nothing_chosen(ctx, ops, chosen, dlq, total + len(left))
         if not yes:
             click.confirm(f"delete {total} dead letter(s)? There is no undo", abort=True)
         with progress("purge", total) as bar:
@@ -359,6 +362,28 @@ def _survey(ops: Operations, chosen: DeadFilter, dlq: Sequence[str], requeue: bo
         else:
             left.setdefault((dead.dead_letter_queue, why), []).append(dead.id)
     return total, left
+
+
+def _nothing_chosen(ctx: click.Context, ops: Operations, chosen: DeadFilter,
+                    dlq: Sequence[str], found: int) -> None:
+    """Filters that choose nothing (a typo in a task glob or a queue name): say what the
+    dead-letter queues hold instead, and exit 1."""
+    if found or chosen == EVERY:
+        return
+    held: dict[str, list[DeadLetter]] = {}
+    for dead in ops.dead_letters(EVERY, dlq):
+        held.setdefault(dead.dead_letter_queue, []).append(dead)
+
+    def names(found: Iterable[str | None]) -> str:
+        distinct = sorted({name or "-" for name in found})
+        return ", ".join(distinct[:20]) + (", ..." if len(distinct) > 20 else "")
+
+    what = "; ".join(
+        f"{name} holds {len(letters)} dead letter(s) of queue(s) "
+        f"{names(d.queue for d in letters)}, task(s) {names(d.task for d in letters)}"
+        for name, letters in held.items()) or "the dead-letter queues are empty"
+    click.echo(f"no dead letter matches the filters given: nothing done; {what}", err=True)
+    ctx.exit(1)
 
 
 def _refuse_left(ctx: click.Context, left: dict[tuple[str, str], list[int]],
