@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from types import SimpleNamespace
@@ -26,6 +26,7 @@ from celery.app.utils import find_app
 from celery.bin.base import CeleryCommand, CeleryOption
 
 from kombu_sqlinbox.codec import DEATH_HEADER, DELIVERY_PROPERTIES
+from kombu_sqlinbox.dead_letters import EVERY
 from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.operations import DeadFilter, DeadLetter, Operations, QueueFigures
 from kombu_sqlinbox.options import parse_options
@@ -321,10 +322,17 @@ def dead_requeue(ctx: click.Context, /, dlq: tuple[str, ...], keep_attempts: boo
     with operations(ctx) as ops:
         ops.batch = batch
         total, left = _survey(ops, chosen, dlq, requeue=True)
+        _nothing_chosen(ctx, ops, chosen, dlq, total + len(left))
+        refused: list[str] = []
         with progress("requeue", total) as bar:
-            moved = ops.requeue(chosen, dlq, keep_attempts, progress=bar.update)
+            moved = ops.requeue(chosen, dlq, keep_attempts, progress=bar.update,
+                                refused=lambda dead, why: refused.append(
+                                    f"dead letter {dead.id} of {dead.dead_letter_queue!r}: "
+                                    f"{why}; left where it is"))
     click.echo(f"requeued: {moved}")
-    _refuse_left(ctx, left)
+    for line in refused:
+        click.echo(line, err=True)
+    _refuse_left(ctx, left, bool(refused))
 
 
 @dead.command(name="purge", cls=CeleryCommand)
@@ -336,6 +344,7 @@ def dead_purge(ctx: click.Context, /, dlq: tuple[str, ...], yes: bool, **filters
     chosen = _filter(**filters)
     with operations(ctx) as ops:
         total, left = _survey(ops, chosen, dlq, requeue=False)
+        _nothing_chosen(ctx, ops, chosen, dlq, total + len(left))
         if not yes:
             click.confirm(f"delete {total} dead letter(s)? There is no undo", abort=True)
         with progress("purge", total) as bar:
@@ -358,13 +367,36 @@ def _survey(ops: Operations, chosen: DeadFilter, dlq: Sequence[str], requeue: bo
     return total, left
 
 
-def _refuse_left(ctx: click.Context, left: dict[tuple[str, str], list[int]]) -> None:
-    """Say which chosen rows were left alone, and exit 1 if any were."""
+def _nothing_chosen(ctx: click.Context, ops: Operations, chosen: DeadFilter,
+                    dlq: Sequence[str], found: int) -> None:
+    """Filters that choose nothing (a typo in a task glob or a queue name): say what the
+    dead-letter queues hold instead, and exit 1."""
+    if found or chosen == EVERY:
+        return
+    held: dict[str, list[DeadLetter]] = {}
+    for dead in ops.dead_letters(EVERY, dlq):
+        held.setdefault(dead.dead_letter_queue, []).append(dead)
+
+    def names(found: Iterable[str | None]) -> str:
+        distinct = sorted({name or "-" for name in found})
+        return ", ".join(distinct[:20]) + (", ..." if len(distinct) > 20 else "")
+
+    what = "; ".join(
+        f"{name} holds {len(letters)} dead letter(s) of queue(s) "
+        f"{names(d.queue for d in letters)}, task(s) {names(d.task for d in letters)}"
+        for name, letters in held.items()) or "the dead-letter queues are empty"
+    click.echo(f"no dead letter matches the filters given: nothing done; {what}", err=True)
+    ctx.exit(1)
+
+
+def _refuse_left(ctx: click.Context, left: dict[tuple[str, str], list[int]],
+                 refused: bool = False) -> None:
+    """Say which chosen rows were left alone, and exit 1 if any were (or ``refused``)."""
     for (queue, why), ids in left.items():
         shown = ", ".join(map(str, ids[:10])) + (", ..." if len(ids) > 10 else "")
         click.echo(f"left {len(ids)} row(s) of {queue} {why} (ids {shown}): not dead "
                    "letters this command can take; look at them with dead list", err=True)
-    if left:
+    if left or refused:
         ctx.exit(1)
 
 

@@ -143,8 +143,8 @@ def restored(dialect: Dialect, dead: DeadLetter, target: QueueTable
         unknown = sorted(set(values) - declared - set(spec.row_columns))
         if unknown:
             raise ConfigurationError(
-                f"dead letter {dead.id} of {dead.dead_letter_queue!r}: its row has "
-                f"columns {', '.join(unknown)} that queue {dead.queue!r} does not declare")
+                f"its row has columns {', '.join(unknown)} that queue {dead.queue!r} does "
+                "not declare")
         if spec.has(Role.PAYLOAD) and isinstance(
                 payload := values.get(spec.name_of(Role.PAYLOAD)), (bytes, str)):
             values[spec.name_of(Role.PAYLOAD)] = convert_payload(payload, target.payload_is_text)

@@ -89,6 +89,8 @@ class Problem:
 
 
 Progress = Callable[[int], None]
+#: told of each chosen dead letter a requeue leaves where it is, and why
+Refused = Callable[[DeadLetter, str], None]
 
 
 def _plain_url(url: str) -> str:
@@ -259,14 +261,17 @@ class Operations:
             death.get("at"), task, task_id, message)
 
     def requeue(self, chosen: DeadFilter = EVERY, only: Sequence[str] = (),
-                keep_attempts: bool = False, progress: Progress | None = None) -> int:
+                keep_attempts: bool = False, progress: Progress | None = None,
+                refused: Refused | None = None) -> int:
         """Move the chosen dead letters back to the queues they died in, a batch per
         transaction, in their order, each written as its queue writes rows (through its
         declared publish statement; a parked row of a queue in row mode as the row it
         was), with the death record it had before it died (if it died in a dead-letter
         queue); their attempts start again from 0 unless ``keep_attempts`` (refused for a
         queue whose declared statement writes its rows). Rows without a death record, or
-        one naming no queue, stay. Returns how many moved."""
+        one naming no queue, stay; so does one that cannot be written back (its queue's
+        table does not take it, its parked row does not read back: ``refused`` is told
+        why), and the others go on. Returns how many moved."""
         if keep_attempts:
             for dead in self.dead_letters(chosen, only):
                 if (dead.left(requeue=True) is None and not dead.parked
@@ -275,7 +280,8 @@ class Operations:
                         f"queue {dead.queue!r} has a declared publish statement: a requeue "
                         "runs it as a publish does, and its deliveries start from 0 (leave "
                         "out --keep-attempts)")
-        return self._move(chosen, only, progress, requeue=True, keep_attempts=keep_attempts)
+        return self._move(chosen, only, progress, requeue=True, keep_attempts=keep_attempts,
+                          refused=refused)
 
     def purge(self, chosen: DeadFilter = EVERY, only: Sequence[str] = (),
               progress: Progress | None = None) -> int:
@@ -284,7 +290,8 @@ class Operations:
         return self._move(chosen, only, progress, requeue=False)
 
     def _move(self, chosen: DeadFilter, only: Sequence[str], progress: Progress | None,
-              requeue: bool, keep_attempts: bool = False) -> int:
+              requeue: bool, keep_attempts: bool = False,
+              refused: Refused | None = None) -> int:
         """Each page is read first (the origin tables are resolved then, outside the
         move's transaction), then the rows chosen on it locked again by id and moved in
         one transaction: a row another run moved or purged meanwhile is simply not found,
@@ -297,10 +304,15 @@ class Operations:
             for page in self._pages(table):
                 wanted = {dead.id for dead in page
                           if dead.left(requeue) is None and chosen(dead, now)}
+                targets: dict[str, QueueTable] = {}
+                for dead in page:
+                    if requeue and dead.id in wanted and (
+                            why := self._unwritable(dead, targets)) is not None:
+                        wanted.discard(dead.id)
+                        if refused is not None:
+                            refused(dead, why)
                 if not wanted:
                     continue
-                targets = {str(dead.queue): self.broker.table(str(dead.queue))
-                           for dead in page if requeue and dead.id in wanted}
                 done = self.broker.run(partial(
                     self._move_page, table, locked, wanted, targets if requeue else None,
                     keep_attempts))
@@ -308,6 +320,19 @@ class Operations:
                 if progress is not None:
                     progress(done)
         return moved
+
+    def _unwritable(self, dead: DeadLetter, targets: dict[str, QueueTable]) -> str | None:
+        """Why ``dead`` cannot be written back into its queue (None: it can; its queue's
+        table is then in ``targets``), found before the move's transaction so that one
+        such letter does not stop the others."""
+        queue = str(dead.queue)
+        try:
+            target = targets.get(queue) or self.broker.table(queue)
+            restored(self.dialect, dead, target)
+        except (ConfigurationError, Undecodable) as exc:
+            return str(exc)
+        targets[queue] = target
+        return None
 
     def _move_page(self, table: QueueTable, locked: TextClause, wanted: set[int],
                    targets: Mapping[str, QueueTable] | None, keep_attempts: bool,

@@ -154,3 +154,17 @@ def test_dead_commands_refuse_a_queue_that_is_not_a_dead_letter_queue(
             command, refused.stderr)
     assert live() == before
     assert len(json.loads(cli("dead", "list", "-D", "jobs.dead", "--json").stdout)) == 4
+
+
+def test_filters_that_choose_nothing_say_what_there_is_and_exit_1(
+        cli: Cli, seeded: Seeded) -> None:
+    # an operator's typo in a task glob or a queue name: nothing done, and said
+    for command in (["requeue", "--task", "ops.ad"], ["requeue", "-Q", "jbos"],
+                    ["purge", "--task", "ops.ad"], ["purge", "--reason", "timeout", "--yes"]):
+        done = cli("dead", *command, check=False)
+        assert done.returncode == 1, (command, done.stdout, done.stderr)
+        assert "no dead letter matches the filters given: nothing done; jobs.dead holds 4 " \
+            "dead letter(s) of queue(s) jobs, task(s) ops.add, ops.fail" in done.stderr, (
+                command, done.stderr)
+        assert "Traceback" not in done.stderr and "[y/N]" not in done.stdout, done.stdout
+    assert len(json.loads(cli("dead", "list", "--json").stdout)) == 4

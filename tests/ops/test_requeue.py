@@ -185,3 +185,49 @@ def test_a_row_committed_out_of_id_order_makes_a_move_pass_over_none(
             assert ops.requeue(CommitOnFirstLook(held=held)) == 2
             assert ops.requeue() == 1  # the row committed after the first move looked
     assert len(rows(engine, f"{table_prefix}jobs")) == 3
+
+
+def test_a_letter_that_cannot_go_back_is_left_and_said_the_others_go(
+        cli: Cli, engine: Engine, broker_url: str, table_prefix: str) -> None:
+    # ``events`` in row mode parks rows; then its table is dropped and the queue runs in
+    # envelope mode (a new table of the default layout): those rows' columns have
+    # nowhere to go. A parked
+    # row whose body no longer matches its record does not read back at all. Around
+    # them, envelope letters of ``jobs`` in the same dead-letter queue.
+    queues = {"events": {"table": events_table(table_prefix), "dead_letter_queue": "dead"},
+              "jobs": {"dead_letter_queue": "dead"}}
+    events = f"{table_prefix}events"
+    with broker(broker_url, table_prefix, queues) as found, closing(Connection(
+            broker_url, transport_options={"table_prefix": table_prefix, "queues": queues})
+            ) as conn:
+        publish_task(conn, "jobs", "t-1")
+        park(found, "jobs", 1)
+        found.table("events")
+        with engine.begin() as db:
+            for _ in range(2):
+                db.execute(text(f"INSERT INTO {quoted(engine, events)} (task, payload) "
+                                "VALUES ('ops.add', :payload)"), {"payload": b"{}"})
+        park(found, "events", 2)
+        publish_task(conn, "jobs", "t-2")
+        park(found, "jobs", 1)
+        dead_table = found.table("dead").spec.table
+    ids = [row["id"] for row in rows(engine, dead_table)]
+    with engine.begin() as db:  # the second parked row: its body lost a column
+        db.execute(text(f"DROP TABLE {quoted(engine, events)}"))
+        db.execute(text(f"UPDATE {quoted(engine, dead_table)} SET payload = :payload "
+                        "WHERE id = :id"), {"payload": b'{"payload": "{}"}', "id": ids[2]})
+    now = {"queues": {"jobs": {"dead_letter_queue": "dead"},
+                      "events": {"dead_letter_queue": "dead"}}}
+    listed = json.loads(cli("dead", "list", "--json", options=now).stdout)
+    assert [dead["id"] for dead in listed] == ids
+    moved = cli("dead", "requeue", "--batch", "1", options=now, check=False)
+    assert moved.returncode == 1, moved.stdout + moved.stderr
+    assert moved.stdout.strip() == "requeued: 2", moved.stdout + moved.stderr
+    assert "Traceback" not in moved.stderr, moved.stderr
+    assert f"dead letter {ids[1]} of 'dead': its row has columns task that queue " \
+        "'events' does not declare" in moved.stderr, moved.stderr
+    assert f"dead letter {ids[2]} of 'dead': cannot read the parked row back" in (
+        moved.stderr), moved.stderr
+    assert [dead["id"] for dead in json.loads(
+        cli("dead", "list", "--json", options=now).stdout)] == ids[1:3]
+    assert len(rows(engine, f"{table_prefix}jobs")) == 2
