@@ -324,8 +324,8 @@ def dead_requeue(ctx: click.Context, /, dlq: tuple[str, ...], keep_attempts: boo
         total, left = _survey(ops, chosen, dlq, requeue=True)
         _nothing_chosen(ctx, ops, chosen, dlq, total + len(left))
         refused: list[str] = []
-        with progress("requeue", total) as bar:
-            moved = ops.requeue(chosen, dlq, keep_attempts, progress=bar.update,
+        with counted(ctx, "requeue", "requeued", total) as update:
+            moved = ops.requeue(chosen, dlq, keep_attempts, progress=update,
                                 refused=lambda dead, why: refused.append(
                                     f"dead letter {dead.id} of {dead.dead_letter_queue!r}: "
                                     f"{why}; left where it is"))
@@ -347,10 +347,31 @@ def dead_purge(ctx: click.Context, /, dlq: tuple[str, ...], yes: bool, **filters
         _nothing_chosen(ctx, ops, chosen, dlq, total + len(left))
         if not yes:
             click.confirm(f"delete {total} dead letter(s)? There is no undo", abort=True)
-        with progress("purge", total) as bar:
-            removed = ops.purge(chosen, dlq, progress=bar.update)
+        with counted(ctx, "purge", "purged", total) as update:
+            removed = ops.purge(chosen, dlq, progress=update)
     click.echo(f"purged: {removed}")
     _refuse_left(ctx, left)
+
+
+@contextmanager
+def counted(ctx: click.Context, label: str, verb: str, total: int
+            ) -> Iterator[Callable[[int], None]]:
+    """A progress bar's update that also counts the rows each committed batch moved: an
+    operator's Ctrl-C mid-run then says how many moved (the rest stay dead letters,
+    each batch being one transaction) and exits 130 instead of a bare ``Aborted!``."""
+    done = 0
+    with progress(label, total) as bar:
+        def update(count: int) -> None:
+            nonlocal done
+            done += count
+            bar.update(count)
+        try:
+            yield update
+        except KeyboardInterrupt:
+            click.echo(f"{verb}: {done}")
+            click.echo(f"interrupted: {total - done} chosen dead letter(s) left where they "
+                       "are", err=True)
+            ctx.exit(130)
 
 
 def _survey(ops: Operations, chosen: DeadFilter, dlq: Sequence[str], requeue: bool

@@ -5,15 +5,20 @@ state; the figures are checked against the rows."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox.codec import DEATH_HEADER
 from tests.integration.support import quoted, rows
 from tests.ops.conftest import Cli, Seeded
+from tests.processes import ROOT, wait_until
 
 FIGURES = ("ready", "delayed", "in_work", "blocked", "blocked_groups", "lapsed")
 
@@ -168,3 +173,31 @@ def test_filters_that_choose_nothing_say_what_there_is_and_exit_1(
                 command, done.stderr)
         assert "Traceback" not in done.stderr and "[y/N]" not in done.stdout, done.stdout
     assert len(json.loads(cli("dead", "list", "--json").stdout)) == 4
+
+
+def test_an_interrupted_requeue_says_how_many_moved(
+        ops_env: dict[str, str], seeded: Seeded, engine: Engine) -> None:
+    """Ctrl-C in the middle of a long requeue: the batches committed so far are counted on
+    stdout, the rest stay dead letters, none is in both places, and the exit is 130."""
+    dead, jobs = (seeded.broker.table(queue).spec.table for queue in ("jobs.dead", "jobs"))
+    columns = ", ".join(column["name"] for column in inspect(engine).get_columns(dead)
+                        if column["name"] != "id")
+    with engine.begin() as conn:
+        for _ in range(10):  # 1,024 copies of the ops.fail letter
+            conn.execute(text(f"INSERT INTO {quoted(engine, dead)} ({columns}) "
+                              f"SELECT {columns} FROM {quoted(engine, dead)}"))
+    before = {table: row_count(engine, table) for table in (dead, jobs)}
+    argv = [sys.executable, "-m", "celery", "-A", "tests.ops.apps", "sqlinbox", "dead",
+            "requeue", "--task", "ops.fail", "--batch", "1"]
+    with subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **ops_env, "PYTHONPATH": str(ROOT)},
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as run:
+        wait_until(lambda: row_count(engine, jobs) >= before[jobs] + 5 or run.poll() is not None,
+                   60, "the requeue's first batches")
+        run.send_signal(signal.SIGINT)
+        out, err = run.communicate(timeout=60)
+    assert run.returncode == 130, (out, err)
+    said = int(re.fullmatch(r"requeued: (\d+)\n", out).group(1))  # type: ignore[union-attr]
+    moved = row_count(engine, jobs) - before[jobs]
+    assert said >= 5 and moved - said in (0, 1), (said, moved, err)  # a batch mid-commit
+    assert "left where they are" in err and "Traceback" not in err, err
+    assert row_count(engine, dead) == before[dead] - moved
