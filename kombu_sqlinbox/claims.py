@@ -24,7 +24,6 @@ partition key freed).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -147,18 +146,8 @@ class LeaseClaims(ClaimForm):
             self._busy.add(table)
         else:
             self._busy.discard(table)
-        acked, adopted = self.keeper.adopt(table, rows)
         self.keeper.hold(table, rows)
-        if not (acked or adopted):
-            return rows
-        logger.info("sqlinbox: %d rows of queue %r claimed again after their lease lapsed "
-                    "(the database refused every write) were this process's already, %d of "
-                    "them acked: not delivered a second time", len(acked) + len(adopted),
-                    table.queue, len(acked))
-        for row in rows:
-            if row.id in acked:
-                self.keeper.settle(Settlement.COMPLETE, self.held_for(table, row))
-        return [row for row in rows if row.id not in acked and row.id not in adopted]
+        return rows
 
     def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
         self.keeper.settle(how, held, delay)
@@ -423,9 +412,6 @@ SETTLE_GATHER = 0.005
 #: claims carry most of its acks, and waking the thread for each batch cost the consumer
 #: a thread switch per claim (the driver lets go of the GIL while it sends a statement)
 SETTLE_ACTIVE = 0.1
-#: how many of the rows it acked last a process remembers: one claimed again after its lease
-#: lapsed with the ack unwritten is completed, not delivered again (:meth:`LeaseKeeper.adopt`)
-COMPLETED_KEPT = 4096
 #: the first and the longest wait before a failed settlement group or extension is retried
 BACKOFF_FIRST = 0.2
 BACKOFF_MAX = 5.0
@@ -565,10 +551,6 @@ class LeaseKeeper:
         self._lock = threading.Lock()
         self._written = threading.Condition(self._lock)  # settlements left the queue
         self._held: dict[QueueTable, dict[int, int]] = defaultdict(dict)
-        #: rows claimed again while in work here: (table, id) -> the attempt they are held at
-        self._adopted: dict[tuple[QueueTable, int], int] = {}
-        #: the rows this process acked last (at most COMPLETED_KEPT): (table, id) -> attempt
-        self._completed: dict[tuple[QueueTable, int], int] = {}
         self._pending: list[Queued] = []
         self._writing: list[Queued] = []
         self._failing: dict[Group, Failing] = {}
@@ -613,16 +595,6 @@ class LeaseKeeper:
     def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
         """Queue a settlement; the settling thread writes it with whatever else is due."""
         with self._lock:
-            if self._adopted:  # a row claimed again while in work here: its new attempt
-                attempt = self._adopted.pop((held.table, held.id), held.attempt)
-                if attempt > held.attempt:
-                    held = dataclasses.replace(held, attempt=attempt)
-            if how is Settlement.COMPLETE:
-                completed = self._completed
-                completed[held.table, held.id] = held.attempt
-                if len(completed) > COMPLETED_KEPT:  # the older half goes
-                    for key in list(completed)[:COMPLETED_KEPT // 2]:
-                        del completed[key]
             self._queued += 1
             self._last_queued = now = time.monotonic()
             self._pending.append(Queued(self._queued, how, held, delay, now))
@@ -631,27 +603,9 @@ class LeaseKeeper:
         if wake:
             self._settle_wake.set()
 
-    def adopt(self, table: QueueTable, rows: Sequence[ClaimedRow]) -> tuple[set[int], set[int]]:
-        """Of ``rows`` (just claimed, before :meth:`hold`), the ids of those this process
-        already had at an earlier attempt, their lease lapsed while the database refused
-        every write: (acked here, the ack not written before the lapse; held here, not
-        settled yet). Neither may be delivered again. The earlier delivery of one held here
-        goes on under the new attempt: its settlement is written at that attempt."""
-        with self._lock:
-            completed, mine = self._completed, self._held.get(table) or {}
-            acked = {row.id for row in rows
-                     if completed.get((table, row.id), row.attempt) < row.attempt}
-            held = {row.id for row in rows
-                    if row.id not in acked and mine.get(row.id, row.attempt) < row.attempt}
-            for row in rows:
-                if row.id in held:
-                    self._adopted[table, row.id] = row.attempt
-        return acked, held
-
     def forget(self, held: Held) -> None:
         """Stop extending a row that left by another path (moved to a dead-letter queue)."""
         with self._lock:
-            self._adopted.pop((held.table, held.id), None)
             self._held[held.table].pop(held.id, None)
 
     def flush(self, timeout: float = 30.0) -> bool:
