@@ -18,6 +18,7 @@ from typing import Any
 
 import sqlalchemy
 from celery.signals import worker_shutting_down
+from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
@@ -414,6 +415,12 @@ class Channel(virtual.Channel):
 
     def basic_consume(self, queue: str, no_ack: bool, callback: Callable[[Any], Any],
                       consumer_tag: str, **kwargs: Any) -> Any:
+        """Consume from ``queue``; a tag this channel already consumes with is refused, as
+        AMQP does (kombu's channel took it over, and one cancel left the first consumption
+        counted for ever: its queue never expired)."""
+        if consumer_tag in self._consumers:
+            raise ChannelError(f"consumer tag {consumer_tag!r} is already in use on this "
+                               "channel: cancel it first")
         self.broker.listen(self.broker.table(queue))
         self.connection.served = None  # another queue to take turns with
         if no_ack:

@@ -726,3 +726,28 @@ def test_a_transient_queue_is_polled_once_per_polling_interval_while_another_has
     while not pinged:  # the task queue's empty claim ends the skipping, not the interval
         conn.drain_events(timeout=5)
     assert pinged == [{"ping": 1}]
+
+
+def test_a_consumer_tag_in_use_is_refused_and_the_queue_expires_after_its_cancel(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """A channel refuses a consumer tag it already consumes with, as AMQP does: taken
+    twice, one cancel left the queue counted as consumed, renewed for ever. A cancel of a
+    tag never consumed with changes nothing."""
+    conn = other(connect, 1)
+    declare(conn, Queue("tagged", durable=False, expires=0.3))
+    channel = conn.default_channel
+    channel.basic_consume("tagged", False, lambda message: None, "t1")
+    with pytest.raises(ChannelError, match="consumer tag 't1'"):
+        channel.basic_consume("tagged", False, lambda message: None, "t1")
+    channel.basic_cancel("never-consumed")
+    channel.basic_cancel("t1")
+    channel.basic_cancel("t1")  # twice: nothing more
+    sweeper = broker_of(other(connect, 2, sweep_interval=0.01))
+    sweeper.routes.available()
+
+    def expired() -> bool | None:
+        sweeper.sweep()
+        return count(engine, table_prefix, "queues") == 0 or None
+
+    wait_for(expired, "the queue no longer consumed to expire", timeout=5)
