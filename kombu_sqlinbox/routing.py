@@ -132,6 +132,10 @@ class Routes:
         with self._lock:
             if not self._ready:
                 self._ready = self._find_or_create(None)
+                if self._ready:  # bindings made here before the tables were there
+                    for bindings in list(self._bound.values()):
+                        for binding in bindings:
+                            self._write_binding(*binding)
         return self._ready
 
     def _find_or_create(self, caller: Connection | None) -> bool:
@@ -372,9 +376,12 @@ class Routes:
         check_name(routing_key, "routing key", empty=True)
         self._bound.setdefault(queue, set()).add((exchange, kind, queue, routing_key, pattern))
         self._tables_of.pop(exchange, None)
-        if not self.available():
-            return
-        self._wrote_bindings()
+        if self.available():
+            self._wrote_bindings()
+            self._write_binding(exchange, kind, queue, routing_key, pattern)
+
+    def _write_binding(self, exchange: str, kind: str, queue: str, routing_key: str,
+                       pattern: str) -> None:
         self._write(lambda conn: conn.execute(self.sql.bind, {
             "exchange": exchange, "type": kind, "queue": queue, "routing_key": routing_key,
             "pattern": pattern}))
@@ -396,11 +403,13 @@ class Routes:
             self._write(lambda conn: conn.execute(self.sql.unbind_exchange,
                                                   {"exchange": exchange}))
 
-    def bound(self, exchange: str, routing_key: str) -> tuple[set[str], bool]:
+    def bound(self, exchange: str, routing_key: str) -> tuple[set[str], bool] | None:
         """The table-backed queues bound to ``exchange`` that take ``routing_key``, and
-        whether a transient one takes it, by the bindings table: read at most every
-        :data:`BINDINGS_CACHE` seconds per exchange, but in a caller's transaction that
-        wrote bindings, on every publish in it (what it bound routes at once)."""
+        whether a transient one takes it, by the bindings table (None without one): read
+        at most every :data:`BINDINGS_CACHE` seconds per exchange, but in a caller's
+        transaction that wrote bindings, on every publish in it (what it bound routes at
+        once). It holds this process's bindings too, and not those another process
+        unbound since."""
         caller = self.database.bound_caller()
         if caller is not None and caller in _BINDING_CALLERS:
             rows = self._read_bindings(exchange)
@@ -409,7 +418,7 @@ class Routes:
             cached = self._tables_of.get(exchange)
             if cached is None or cached[0] < now:
                 if not self.available():
-                    return set(), False
+                    return None
                 cached = self._tables_of[exchange] = (now + BINDINGS_CACHE,
                                                       self._read_bindings(exchange))
             rows = cached[1]

@@ -212,11 +212,12 @@ class Channel(virtual.Channel):
 
     def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str,
                       **kwargs: Any) -> None:
-        """Route through the bindings of every process: kombu's in-process routing and the
-        bindings table together (:meth:`~.routing.Routes.bound`). The transient queues
-        bound anywhere get the message in one statement; a direct exchange with a
-        table-backed queue bound here for the key (a task publish) runs it only when the
-        bindings table has a transient queue taking the key."""
+        """Route through the bindings of every process: the bindings table
+        (:meth:`~.routing.Routes.bound`), which holds this process's too and not those
+        another process unbound (kombu's in-process routing alone where there is none).
+        The transient queues bound anywhere get the message in one statement; a direct
+        exchange with a table-backed queue bound here for the key (a task publish) runs
+        it only when the bindings table has a transient queue taking the key."""
         if not exchange:
             super().basic_publish(message, exchange, routing_key, **kwargs)
             return
@@ -227,13 +228,14 @@ class Channel(virtual.Channel):
         except KeyError:
             here = set()
         tables = {queue for queue in here if not self.broker.table(queue).transient}
-        elsewhere, transient = self.broker.routes.bound(exchange, routing_key)
+        found = self.broker.routes.bound(exchange, routing_key)
+        elsewhere, transient = (tables, False) if found is None else found
         if transient or kind.type != "direct" or not tables:
             payload, headers = encode_message(message, self.broker.transient_template)
             self.broker.routes.route(exchange, routing_key, payload, headers,
                                      expiration_seconds(message),
                                      priority_of(message["properties"]))
-        for queue in tables | elsewhere:
+        for queue in elsewhere:
             self._put(queue, message, **kwargs)
 
     # -- consume ---------------------------------------------------------------

@@ -751,3 +751,43 @@ def test_a_consumer_tag_in_use_is_refused_and_the_queue_expires_after_its_cancel
         return count(engine, table_prefix, "queues") == 0 or None
 
     wait_for(expired, "the queue no longer consumed to expire", timeout=5)
+
+
+@pytest.mark.parametrize(("exchange", "keys"), [
+    (Exchange("everyone", type="fanout"), ["", ""]),
+    (Exchange("orders", type="direct"), ["created", "created"]),
+    (Exchange("events", type="topic"), ["order.*", "order.#"]),
+])
+@pytest.mark.parametrize("durable", [True, False])
+def test_a_queue_bound_here_and_elsewhere_gets_one_copy(
+    connect: Connect, exchange: Exchange, keys: list[str], durable: bool,
+) -> None:
+    """A queue bound in the publishing process and in another one, by the same key or by
+    two patterns that both take the message, gets it once, as on an AMQP broker."""
+    publisher, binder = other(connect, 1), other(connect, 2)
+    name = "audit" if durable else "watch"
+    for conn, key in ((publisher, keys[0]), (binder, keys[1])):
+        declare(conn, Queue(name, exchange, key, durable=durable))
+    publisher.Producer().publish({"order": 1}, exchange=exchange, routing_key="order.created"
+                                 if exchange.type == "topic" else "created")
+    message = get_within(binder, name)
+    assert message.payload == {"order": 1}
+    message.ack()
+    assert get(publisher, name) is None
+    assert get(binder, name) is None
+
+
+def test_a_queue_unbound_in_another_process_no_longer_gets_messages(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A binding is the exchange's, not a process's: once another process unbinds a queue,
+    a publisher that bound it too stops routing to it within the bindings cache, as on an
+    AMQP broker (its own kombu binding kept it routed for ever)."""
+    monkeypatch.setattr(routing, "BINDINGS_CACHE", 0.2)
+    orders = Exchange("orders", type="direct")
+    publisher, binder = other(connect, 1), other(connect, 2)
+    declare(publisher, Queue("audit", orders, "created"))
+    declare(binder, Queue("audit", orders, "created")).unbind_from(orders, "created")
+    time.sleep(0.2)  # the cache's age passing is the point
+    publisher.Producer().publish({"order": 1}, exchange=orders, routing_key="created")
+    assert get(binder, "audit") is None
