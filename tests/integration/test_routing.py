@@ -791,3 +791,17 @@ def test_a_queue_unbound_in_another_process_no_longer_gets_messages(
     time.sleep(0.2)  # the cache's age passing is the point
     publisher.Producer().publish({"order": 1}, exchange=orders, routing_key="created")
     assert get(binder, "audit") is None
+
+
+def test_a_transient_queue_takes_any_priority_as_a_stored_one(connect: Connect) -> None:
+    """A priority outside 0-255 is taken as the nearest bound, one that is no number (or
+    no finite one) as none: every message arrives, in the order of the stored ones."""
+    conn = other(connect, 1)
+    buffer = conn.SimpleBuffer("ranked", queue_opts={"max_priority": 255})
+    sent: list[tuple[str, Any]] = [
+        ("below", -5), ("above", 300), ("none", None), ("text", "7"), ("word", "high"),
+        ("infinite", float("inf")), ("nan", float("nan")), ("mid", 100)]
+    for name, priority in sent:
+        buffer.put(name, priority=priority)
+    got = [buffer.get(timeout=10).payload for _ in sent]
+    assert got == ["above", "mid", "text", "below", "none", "word", "infinite", "nan"]
