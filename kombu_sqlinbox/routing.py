@@ -107,6 +107,8 @@ class Routes:
         self._ttls: dict[str, tuple[float, float | None]] = {}
         #: how many consumers of this process are on each queue: those never expire
         self._consumers: Counter[str] = Counter()
+        #: the x-expires (seconds) of queues consumed here that another process declared
+        self._consumed_expires: dict[str, float | None] = {}
         self._renewing = threading.Lock()
         self.renewer = Renewer(self.renew)
         #: called with a table-backed queue as it is registered again (a sweep may have
@@ -271,18 +273,23 @@ class Routes:
         """A consumer of this process started (``added``) or stopped consuming ``queue``:
         while one is on it, the queue never expires (:meth:`renew`)."""
         if added:
+            if queue not in self._declared and self.available():  # another's declaration
+                found = self._read(lambda conn: conn.execute(
+                    self.sql.expires, {"name": queue}).scalar())
+                self._consumed_expires[queue] = None if found is None else float(found)
             self._consumers[queue] += 1
-            if self.expires_here(queue):
+            if self._expires(queue) is not None:
                 self.renewer.start()
         elif self._consumers[queue] > 1:
             self._consumers[queue] -= 1
         else:
             del self._consumers[queue]
+            self._consumed_expires.pop(queue, None)
 
     def keep_alive(self, queue: str) -> None:
         """A consumer claims from ``queue``: :meth:`renew` it (a ``basic_get`` without a
         consumer keeps a queue too, as on RabbitMQ)."""
-        if self.expires_here(queue):
+        if self._expires(queue) is not None:
             self.renew([queue])
 
     def renew(self, queues: Iterable[str] | None = None) -> float | None:
@@ -298,12 +305,12 @@ class Routes:
             due: dict[str, float] = {}
             next_at: float | None = None
             for queue in list(self._consumers if queues is None else queues):
-                declared = self._declared.get(queue)
-                if declared is None or declared.expires is None:
+                expires = self._expires(queue)
+                if expires is None:
                     continue
                 at = self._touched.get(queue, 0.0)
                 if at <= now:
-                    at = due[queue] = now + min(declared.expires / 4, 30.0)
+                    at = due[queue] = now + min(expires / 4, 30.0)
                 next_at = at if next_at is None else min(next_at, at)
             if due:
                 self._touch(list(due))
@@ -319,6 +326,14 @@ class Routes:
             return
         for queue in set(queues) - self._registered(queues):
             self.register_again(queue)
+
+    def _expires(self, queue: str) -> float | None:
+        """The queue's x-expires: this process's declaration of it, else, for a queue
+        consumed here, the one another process registered."""
+        declared = self._declared.get(queue)
+        if declared is not None:
+            return declared.expires
+        return self._consumed_expires.get(queue)
 
     def expires_here(self, queue: str) -> bool:
         """Whether this process declared ``queue`` with an ``x-expires``."""
@@ -522,7 +537,7 @@ class Routes:
         self._next_sweep = now + self.sweep_interval
         limit = {"limit": self.sweep_batch}
 
-        consumed = [queue for queue in list(self._consumers) if queue in self._declared]
+        consumed = list(self._consumers)  # the touch leaves queues without x-expires
 
         def expire(conn: Connection) -> list[tuple[str, int]]:
             if consumed:  # a queue consumed here never expires, whenever it was renewed

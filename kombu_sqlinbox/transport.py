@@ -21,6 +21,7 @@ from celery.signals import worker_shutting_down
 from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
+from kombu.transport.virtual.base import queue_declare_ok_t
 from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 
 from .broker import Broker, QueueTable, broker_for, shutting_down, stop_waiting
@@ -511,6 +512,15 @@ class Channel(virtual.Channel):
             return
         self._delete(queue)
         self.state.queue_bindings_delete(queue)
+
+    def queue_declare(self, queue: str | None = None, passive: bool = False,
+                      **kwargs: Any) -> Any:
+        """A passive declare only looks, as on AMQP (kombu's declared the queue again as
+        durable without arguments: another process's transient queue left the registry
+        with its messages, a durable one its x-expires)."""
+        if passive and queue and self._has_queue(queue):
+            return queue_declare_ok_t(queue, self._size(queue), 0)
+        return super().queue_declare(queue, passive, **kwargs)
 
     def _new_queue(self, queue: str, durable: bool = True, exclusive: bool = False,
                    auto_delete: bool = False, arguments: dict[str, Any] | None = None,

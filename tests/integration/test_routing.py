@@ -447,6 +447,22 @@ def test_passive_declare_finds_a_transient_queue_of_another_process(connect: Con
         channel.queue_declare("nobody.s", passive=True)
 
 
+@pytest.mark.parametrize("durable", [False, True])
+def test_a_passive_declare_changes_nothing(
+    connect: Connect, engine: Engine, table_prefix: str, durable: bool,
+) -> None:
+    """A passive declare only looks, as on AMQP: it declared the queue again as kombu's
+    defaults have it (durable, no arguments), so another process's transient queue left
+    the registry with its messages, a durable one its x-expires."""
+    owner = other(connect, 1)
+    declare(owner, Queue("theirs", durable=durable, expires=60))
+    owner.Producer().publish({"kept": True}, routing_key="theirs")
+    channel = other(connect, 2).default_channel
+    assert channel.queue_declare("theirs", passive=True).message_count == 1
+    assert count(engine, table_prefix, "queues", "WHERE expires IS NOT NULL") == 1
+    assert get_within(owner, "theirs").payload == {"kept": True}
+
+
 def test_names_differing_only_in_case_are_different_queues(connect: Connect) -> None:
     conn = other(connect, 1)
     for name in ("Reply", "reply"):
@@ -805,3 +821,29 @@ def test_a_transient_queue_takes_any_priority_as_a_stored_one(connect: Connect) 
         buffer.put(name, priority=priority)
     got = [buffer.get(timeout=10).payload for _ in sent]
     assert got == ["above", "mid", "text", "below", "none", "word", "infinite", "nan"]
+
+
+def test_a_queue_consumed_by_a_process_that_did_not_declare_it_never_expires(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """The consumer keeps the queue, not its declaration: a process consuming a queue
+    another one declared with ``x-expires`` (found by a passive declare) keeps it for as
+    long as it consumes, and it expires once the consumer is cancelled."""
+    declare(other(connect, 1), Queue("shared", durable=False, expires=0.3))
+    channel = other(connect, 2).default_channel
+    channel.queue_declare("shared", passive=True)
+    channel.basic_consume("shared", False, lambda message: None, "c1")
+    sweeper = broker_of(other(connect, 3, sweep_interval=0.01))
+    sweeper.routes.available()
+    until = time.monotonic() + 1.0  # three expiries passing is the point
+    while time.monotonic() < until:
+        sweeper.sweep()
+        time.sleep(0.05)
+    assert count(engine, table_prefix, "queues") == 1
+    channel.basic_cancel("c1")
+
+    def expired() -> bool | None:
+        sweeper.sweep()
+        return count(engine, table_prefix, "queues") == 0 or None
+
+    wait_for(expired, "the queue no longer consumed to expire", timeout=5)
