@@ -273,11 +273,11 @@ class Routes:
         """A consumer of this process started (``added``) or stopped consuming ``queue``:
         while one is on it, the queue never expires (:meth:`renew`)."""
         if added:
+            self._consumers[queue] += 1  # first: counted as its cancel will be, come what may
             if queue not in self._declared and self.available():  # another's declaration
                 found = self._read(lambda conn: conn.execute(
                     self.sql.expires, {"name": queue}).scalar())
                 self._consumed_expires[queue] = None if found is None else float(found)
-            self._consumers[queue] += 1
             if self._expires(queue) is not None:
                 self.renewer.start()
         elif self._consumers[queue] > 1:
