@@ -23,6 +23,7 @@ from sqlalchemy.engine import Engine
 from celery_ext.binding import bind
 from kombu_sqlinbox import ConfigurationError, SchemaMismatch, routing
 from kombu_sqlinbox.dialects import RoutingStatements, dialect_for
+from kombu_sqlinbox.tables import table_name_for_queue
 
 from .conftest import Connect
 from .support import (
@@ -847,3 +848,26 @@ def test_a_queue_consumed_by_a_process_that_did_not_declare_it_never_expires(
         return count(engine, table_prefix, "queues") == 0 or None
 
     wait_for(expired, "the queue no longer consumed to expire", timeout=5)
+
+
+def test_a_publisher_that_bound_an_expired_queue_does_not_route_to_it(
+    connect: Connect, engine: Engine, table_prefix: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A queue that expired (nobody consumed it) is gone for every process: a publisher
+    that bound it too publishes to its exchange without failing, and nothing routes to
+    it any more, as on an AMQP broker."""
+    monkeypatch.setattr(routing, "BINDINGS_CACHE", 0.2)
+    orders = Exchange("orders", type="direct")
+    publisher = other(connect, 1)
+    declare(publisher, Queue("audit", orders, "created", expires=0.3))
+    sweeper = broker_of(other(connect, 2, sweep_interval=0.01))
+    sweeper.routes.available()
+
+    def expired() -> bool | None:
+        sweeper.sweep()
+        return count(engine, table_prefix, "queues") == 0 or None
+
+    wait_for(expired, "the queue to expire", timeout=5)
+    time.sleep(0.2)  # the cache's age passing is the point
+    publisher.Producer().publish({"order": 1}, exchange=orders, routing_key="created")
+    assert not inspect(engine).has_table(table_name_for_queue("audit", table_prefix))
