@@ -123,8 +123,9 @@ def expiration_seconds(message: dict[str, Any]) -> float | None:
 
 def priority_of(properties: dict[str, Any]) -> int:
     """A message's ``priority`` property as stored: 0-255, higher first (as RabbitMQ); 0
-    when it has none, or none that is a number."""
-    with contextlib.suppress(TypeError, ValueError):
+    when it has none, or none that is a finite number (an infinite one failed the
+    publish)."""
+    with contextlib.suppress(TypeError, ValueError, OverflowError):
         return max(0, min(255, int(properties.get("priority") or 0)))
     return 0
 

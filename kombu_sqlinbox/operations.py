@@ -45,7 +45,7 @@ PLAN_PARAMS: Mapping[str, Any] = {
 ROUTING_PLAN_PARAMS: Mapping[str, Any] = {
     "name": "-", "ids": ["-"], "exchange": "-", "queue": "-", "routing_key": "-",
     "type": "direct", "pattern": "-", "transient": 0, "expires": None, "message_ttl": None,
-    "payload": b"", "headers": "{}", "ttl": None, "limit": 1, "channel_prefix": "-",
+    "payload": b"", "headers": "{}", "ttl": None, "priority": 0, "limit": 1, "channel_prefix": "-",
 }
 #: how the schema check names the routing tables' problems (they serve every queue)
 ROUTING = "(routing)"

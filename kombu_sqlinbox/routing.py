@@ -107,6 +107,8 @@ class Routes:
         self._ttls: dict[str, tuple[float, float | None]] = {}
         #: how many consumers of this process are on each queue: those never expire
         self._consumers: Counter[str] = Counter()
+        #: the x-expires (seconds) of queues consumed here that another process declared
+        self._consumed_expires: dict[str, float | None] = {}
         self._renewing = threading.Lock()
         self.renewer = Renewer(self.renew)
         #: called with a table-backed queue as it is registered again (a sweep may have
@@ -132,6 +134,10 @@ class Routes:
         with self._lock:
             if not self._ready:
                 self._ready = self._find_or_create(None)
+                if self._ready:  # bindings made here before the tables were there
+                    for bindings in list(self._bound.values()):
+                        for binding in bindings:
+                            self._write_binding(*binding)
         return self._ready
 
     def _find_or_create(self, caller: Connection | None) -> bool:
@@ -267,18 +273,23 @@ class Routes:
         """A consumer of this process started (``added``) or stopped consuming ``queue``:
         while one is on it, the queue never expires (:meth:`renew`)."""
         if added:
-            self._consumers[queue] += 1
-            if self.expires_here(queue):
+            self._consumers[queue] += 1  # first: counted as its cancel will be, come what may
+            if queue not in self._declared and self.available():  # another's declaration
+                found = self._read(lambda conn: conn.execute(
+                    self.sql.expires, {"name": queue}).scalar())
+                self._consumed_expires[queue] = None if found is None else float(found)
+            if self._expires(queue) is not None:
                 self.renewer.start()
         elif self._consumers[queue] > 1:
             self._consumers[queue] -= 1
         else:
             del self._consumers[queue]
+            self._consumed_expires.pop(queue, None)
 
     def keep_alive(self, queue: str) -> None:
         """A consumer claims from ``queue``: :meth:`renew` it (a ``basic_get`` without a
         consumer keeps a queue too, as on RabbitMQ)."""
-        if self.expires_here(queue):
+        if self._expires(queue) is not None:
             self.renew([queue])
 
     def renew(self, queues: Iterable[str] | None = None) -> float | None:
@@ -294,12 +305,12 @@ class Routes:
             due: dict[str, float] = {}
             next_at: float | None = None
             for queue in list(self._consumers if queues is None else queues):
-                declared = self._declared.get(queue)
-                if declared is None or declared.expires is None:
+                expires = self._expires(queue)
+                if expires is None:
                     continue
                 at = self._touched.get(queue, 0.0)
                 if at <= now:
-                    at = due[queue] = now + min(declared.expires / 4, 30.0)
+                    at = due[queue] = now + min(expires / 4, 30.0)
                 next_at = at if next_at is None else min(next_at, at)
             if due:
                 self._touch(list(due))
@@ -315,6 +326,14 @@ class Routes:
             return
         for queue in set(queues) - self._registered(queues):
             self.register_again(queue)
+
+    def _expires(self, queue: str) -> float | None:
+        """The queue's x-expires: this process's declaration of it, else, for a queue
+        consumed here, the one another process registered."""
+        declared = self._declared.get(queue)
+        if declared is not None:
+            return declared.expires
+        return self._consumed_expires.get(queue)
 
     def expires_here(self, queue: str) -> bool:
         """Whether this process declared ``queue`` with an ``x-expires``."""
@@ -372,9 +391,12 @@ class Routes:
         check_name(routing_key, "routing key", empty=True)
         self._bound.setdefault(queue, set()).add((exchange, kind, queue, routing_key, pattern))
         self._tables_of.pop(exchange, None)
-        if not self.available():
-            return
-        self._wrote_bindings()
+        if self.available():
+            self._wrote_bindings()
+            self._write_binding(exchange, kind, queue, routing_key, pattern)
+
+    def _write_binding(self, exchange: str, kind: str, queue: str, routing_key: str,
+                       pattern: str) -> None:
         self._write(lambda conn: conn.execute(self.sql.bind, {
             "exchange": exchange, "type": kind, "queue": queue, "routing_key": routing_key,
             "pattern": pattern}))
@@ -396,11 +418,13 @@ class Routes:
             self._write(lambda conn: conn.execute(self.sql.unbind_exchange,
                                                   {"exchange": exchange}))
 
-    def bound(self, exchange: str, routing_key: str) -> tuple[set[str], bool]:
+    def bound(self, exchange: str, routing_key: str) -> tuple[set[str], bool] | None:
         """The table-backed queues bound to ``exchange`` that take ``routing_key``, and
-        whether a transient one takes it, by the bindings table: read at most every
-        :data:`BINDINGS_CACHE` seconds per exchange, but in a caller's transaction that
-        wrote bindings, on every publish in it (what it bound routes at once)."""
+        whether a transient one takes it, by the bindings table (None without one): read
+        at most every :data:`BINDINGS_CACHE` seconds per exchange, but in a caller's
+        transaction that wrote bindings, on every publish in it (what it bound routes at
+        once). It holds this process's bindings too, and not those another process
+        unbound since."""
         caller = self.database.bound_caller()
         if caller is not None and caller in _BINDING_CALLERS:
             rows = self._read_bindings(exchange)
@@ -409,7 +433,7 @@ class Routes:
             cached = self._tables_of.get(exchange)
             if cached is None or cached[0] < now:
                 if not self.available():
-                    return set(), False
+                    return None
                 cached = self._tables_of[exchange] = (now + BINDINGS_CACHE,
                                                       self._read_bindings(exchange))
             rows = cached[1]
@@ -513,7 +537,7 @@ class Routes:
         self._next_sweep = now + self.sweep_interval
         limit = {"limit": self.sweep_batch}
 
-        consumed = [queue for queue in list(self._consumers) if queue in self._declared]
+        consumed = list(self._consumers)  # the touch leaves queues without x-expires
 
         def expire(conn: Connection) -> list[tuple[str, int]]:
             if consumed:  # a queue consumed here never expires, whenever it was renewed

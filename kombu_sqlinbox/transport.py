@@ -18,8 +18,10 @@ from typing import Any
 
 import sqlalchemy
 from celery.signals import worker_shutting_down
+from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
+from kombu.transport.virtual.base import queue_declare_ok_t
 from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 
 from .broker import Broker, QueueTable, broker_for, shutting_down, stop_waiting
@@ -211,11 +213,12 @@ class Channel(virtual.Channel):
 
     def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str,
                       **kwargs: Any) -> None:
-        """Route through the bindings of every process: kombu's in-process routing and the
-        bindings table together (:meth:`~.routing.Routes.bound`). The transient queues
-        bound anywhere get the message in one statement; a direct exchange with a
-        table-backed queue bound here for the key (a task publish) runs it only when the
-        bindings table has a transient queue taking the key."""
+        """Route through the bindings of every process: the bindings table
+        (:meth:`~.routing.Routes.bound`), which holds this process's too and not those
+        another process unbound (kombu's in-process routing alone where there is none).
+        The transient queues bound anywhere get the message in one statement; a direct
+        exchange with a table-backed queue bound here for the key (a task publish) runs
+        it only when the bindings table has a transient queue taking the key."""
         if not exchange:
             super().basic_publish(message, exchange, routing_key, **kwargs)
             return
@@ -226,13 +229,14 @@ class Channel(virtual.Channel):
         except KeyError:
             here = set()
         tables = {queue for queue in here if not self.broker.table(queue).transient}
-        elsewhere, transient = self.broker.routes.bound(exchange, routing_key)
+        found = self.broker.routes.bound(exchange, routing_key)
+        elsewhere, transient = (tables, False) if found is None else found
         if transient or kind.type != "direct" or not tables:
             payload, headers = encode_message(message, self.broker.transient_template)
             self.broker.routes.route(exchange, routing_key, payload, headers,
                                      expiration_seconds(message),
                                      priority_of(message["properties"]))
-        for queue in tables | elsewhere:
+        for queue in elsewhere:
             self._put(queue, message, **kwargs)
 
     # -- consume ---------------------------------------------------------------
@@ -414,6 +418,12 @@ class Channel(virtual.Channel):
 
     def basic_consume(self, queue: str, no_ack: bool, callback: Callable[[Any], Any],
                       consumer_tag: str, **kwargs: Any) -> Any:
+        """Consume from ``queue``; a tag this channel already consumes with is refused, as
+        AMQP does (kombu's channel took it over, and one cancel left the first consumption
+        counted for ever: its queue never expired)."""
+        if consumer_tag in self._consumers:
+            raise ChannelError(f"consumer tag {consumer_tag!r} is already in use on this "
+                               "channel: cancel it first")
         self.broker.listen(self.broker.table(queue))
         self.connection.served = None  # another queue to take turns with
         if no_ack:
@@ -502,6 +512,15 @@ class Channel(virtual.Channel):
             return
         self._delete(queue)
         self.state.queue_bindings_delete(queue)
+
+    def queue_declare(self, queue: str | None = None, passive: bool = False,
+                      **kwargs: Any) -> Any:
+        """A passive declare only looks, as on AMQP (kombu's declared the queue again as
+        durable without arguments: another process's transient queue left the registry
+        with its messages, a durable one its x-expires)."""
+        if passive and queue and self._has_queue(queue):
+            return queue_declare_ok_t(queue, self._size(queue), 0)
+        return super().queue_declare(queue, passive, **kwargs)
 
     def _new_queue(self, queue: str, durable: bool = True, exclusive: bool = False,
                    auto_delete: bool = False, arguments: dict[str, Any] | None = None,

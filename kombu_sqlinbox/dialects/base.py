@@ -130,6 +130,7 @@ class RoutingStatements:
     declare: TextClause
     kind: TextClause
     message_ttl: TextClause
+    expires: TextClause
     touch: TextClause
     registered: TextClause
     bind: TextClause
@@ -1590,6 +1591,7 @@ class Dialect:
             declare=sql(declare.replace(":expires_at", f"{now} + {expires}")),
             kind=sql(f"SELECT transient FROM {queues} WHERE name = :name"),
             message_ttl=sql(f"SELECT message_ttl FROM {queues} WHERE name = :name"),
+            expires=sql(f"SELECT expires FROM {queues} WHERE name = :name"),
             touch=sql(f"UPDATE {queues} SET expires_at = {now} + expires "
                       "WHERE name IN :ids AND expires IS NOT NULL"),
             registered=sql(f"SELECT {name} FROM {queues} WHERE name IN :ids"),

@@ -24,16 +24,20 @@ BEHIND = ["b0", "b1", "b2"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pool", ["prefork", "solo"])
+@pytest.mark.parametrize(("pool", "concurrency"), [("prefork", 1), ("prefork", 2),
+                                                   ("solo", 1)])
 def test_a_busy_consumers_queue_outlives_its_expiry(
-    acceptance: Acceptance, monkeypatch: pytest.MonkeyPatch, pool: str,
+    acceptance: Acceptance, monkeypatch: pytest.MonkeyPatch, pool: str, concurrency: int,
 ) -> None:
+    """Each pool process runs a held task (the parent, which consumes, forked them before
+    it consumed); the queue outlives several expiries and nothing is lost."""
     monkeypatch.setenv(tasks.EXPIRES_ENV, str(EXPIRES))
     acceptance.configure(sweep_interval=0.1)
-    worker = acceptance.worker(pool, 1, worker_prefetch_multiplier=1)
-    acceptance.send("acc.run_late", ["held"], kwargs={"hold": True})
-    wait_until(lambda: acceptance.runs.starts()["held"] == 1, START_LIMIT,
-               "the held task to start", alive=[worker])
+    worker = acceptance.worker(pool, concurrency, worker_prefetch_multiplier=1)
+    held = [f"held{n}" for n in range(concurrency)]
+    acceptance.send("acc.run_late", held, kwargs={"hold": True})
+    wait_until(lambda: all(acceptance.runs.starts()[key] == 1 for key in held), START_LIMIT,
+               "the held tasks to start", alive=[worker])
     acceptance.send("acc.run_late", BEHIND)
     with acceptance.app.connection_for_write() as conn:
         sweeper = conn.default_channel.broker  # another process sweeping, as consumers do
@@ -44,12 +48,14 @@ def test_a_busy_consumers_queue_outlives_its_expiry(
             time.sleep(0.1)
     table = table_name_for_queue("celery", acceptance.table_prefix)
     assert inspect(acceptance.engine).has_table(table), "the queue's table was dropped"
-    assert acceptance.rows() == 1 + len(BEHIND)
+    assert acceptance.rows() == len(held) + len(BEHIND)
 
-    acceptance.runs.release("held")
-    wait_until(lambda: sum(acceptance.runs.done().values()) >= 1 + len(BEHIND), START_LIMIT,
+    for key in held:
+        acceptance.runs.release(key)
+    wait_until(lambda: sum(acceptance.runs.done().values()) >= len(held) + len(BEHIND),
+               START_LIMIT,
                "every task to finish", alive=[worker])
     worker.terminate()
     assert worker.wait(STOP_LIMIT) == 0, worker.tail()
-    check_exactly_once(acceptance.runs.starts(), ["held", *BEHIND])
+    check_exactly_once(acceptance.runs.starts(), [*held, *BEHIND])
     assert acceptance.rows() == 0

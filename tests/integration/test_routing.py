@@ -23,6 +23,7 @@ from sqlalchemy.engine import Engine
 from celery_ext.binding import bind
 from kombu_sqlinbox import ConfigurationError, SchemaMismatch, routing
 from kombu_sqlinbox.dialects import RoutingStatements, dialect_for
+from kombu_sqlinbox.tables import table_name_for_queue
 
 from .conftest import Connect
 from .support import (
@@ -447,6 +448,22 @@ def test_passive_declare_finds_a_transient_queue_of_another_process(connect: Con
         channel.queue_declare("nobody.s", passive=True)
 
 
+@pytest.mark.parametrize("durable", [False, True])
+def test_a_passive_declare_changes_nothing(
+    connect: Connect, engine: Engine, table_prefix: str, durable: bool,
+) -> None:
+    """A passive declare only looks, as on AMQP: it declared the queue again as kombu's
+    defaults have it (durable, no arguments), so another process's transient queue left
+    the registry with its messages, a durable one its x-expires."""
+    owner = other(connect, 1)
+    declare(owner, Queue("theirs", durable=durable, expires=60))
+    owner.Producer().publish({"kept": True}, routing_key="theirs")
+    channel = other(connect, 2).default_channel
+    assert channel.queue_declare("theirs", passive=True).message_count == 1
+    assert count(engine, table_prefix, "queues", "WHERE expires IS NOT NULL") == 1
+    assert get_within(owner, "theirs").payload == {"kept": True}
+
+
 def test_names_differing_only_in_case_are_different_queues(connect: Connect) -> None:
     conn = other(connect, 1)
     for name in ("Reply", "reply"):
@@ -726,3 +743,131 @@ def test_a_transient_queue_is_polled_once_per_polling_interval_while_another_has
     while not pinged:  # the task queue's empty claim ends the skipping, not the interval
         conn.drain_events(timeout=5)
     assert pinged == [{"ping": 1}]
+
+
+def test_a_consumer_tag_in_use_is_refused_and_the_queue_expires_after_its_cancel(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """A channel refuses a consumer tag it already consumes with, as AMQP does: taken
+    twice, one cancel left the queue counted as consumed, renewed for ever. A cancel of a
+    tag never consumed with changes nothing."""
+    conn = other(connect, 1)
+    declare(conn, Queue("tagged", durable=False, expires=0.3))
+    channel = conn.default_channel
+    channel.basic_consume("tagged", False, lambda message: None, "t1")
+    with pytest.raises(ChannelError, match="consumer tag 't1'"):
+        channel.basic_consume("tagged", False, lambda message: None, "t1")
+    channel.basic_cancel("never-consumed")
+    channel.basic_cancel("t1")
+    channel.basic_cancel("t1")  # twice: nothing more
+    sweeper = broker_of(other(connect, 2, sweep_interval=0.01))
+    sweeper.routes.available()
+
+    def expired() -> bool | None:
+        sweeper.sweep()
+        return count(engine, table_prefix, "queues") == 0 or None
+
+    wait_for(expired, "the queue no longer consumed to expire", timeout=5)
+
+
+@pytest.mark.parametrize(("exchange", "keys"), [
+    (Exchange("everyone", type="fanout"), ["", ""]),
+    (Exchange("orders", type="direct"), ["created", "created"]),
+    (Exchange("events", type="topic"), ["order.*", "order.#"]),
+])
+@pytest.mark.parametrize("durable", [True, False])
+def test_a_queue_bound_here_and_elsewhere_gets_one_copy(
+    connect: Connect, exchange: Exchange, keys: list[str], durable: bool,
+) -> None:
+    """A queue bound in the publishing process and in another one, by the same key or by
+    two patterns that both take the message, gets it once, as on an AMQP broker."""
+    publisher, binder = other(connect, 1), other(connect, 2)
+    name = "audit" if durable else "watch"
+    for conn, key in ((publisher, keys[0]), (binder, keys[1])):
+        declare(conn, Queue(name, exchange, key, durable=durable))
+    publisher.Producer().publish({"order": 1}, exchange=exchange, routing_key="order.created"
+                                 if exchange.type == "topic" else "created")
+    message = get_within(binder, name)
+    assert message.payload == {"order": 1}
+    message.ack()
+    assert get(publisher, name) is None
+    assert get(binder, name) is None
+
+
+def test_a_queue_unbound_in_another_process_no_longer_gets_messages(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A binding is the exchange's, not a process's: once another process unbinds a queue,
+    a publisher that bound it too stops routing to it within the bindings cache, as on an
+    AMQP broker (its own kombu binding kept it routed for ever)."""
+    monkeypatch.setattr(routing, "BINDINGS_CACHE", 0.2)
+    orders = Exchange("orders", type="direct")
+    publisher, binder = other(connect, 1), other(connect, 2)
+    declare(publisher, Queue("audit", orders, "created"))
+    declare(binder, Queue("audit", orders, "created")).unbind_from(orders, "created")
+    time.sleep(0.2)  # the cache's age passing is the point
+    publisher.Producer().publish({"order": 1}, exchange=orders, routing_key="created")
+    assert get(binder, "audit") is None
+
+
+def test_a_transient_queue_takes_any_priority_as_a_stored_one(connect: Connect) -> None:
+    """A priority outside 0-255 is taken as the nearest bound, one that is no number (or
+    no finite one) as none: every message arrives, in the order of the stored ones."""
+    conn = other(connect, 1)
+    buffer = conn.SimpleBuffer("ranked", queue_opts={"max_priority": 255})
+    sent: list[tuple[str, Any]] = [
+        ("below", -5), ("above", 300), ("none", None), ("text", "7"), ("word", "high"),
+        ("infinite", float("inf")), ("nan", float("nan")), ("mid", 100)]
+    for name, priority in sent:
+        buffer.put(name, priority=priority)
+    got = [buffer.get(timeout=10).payload for _ in sent]
+    assert got == ["above", "mid", "text", "below", "none", "word", "infinite", "nan"]
+
+
+def test_a_queue_consumed_by_a_process_that_did_not_declare_it_never_expires(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """The consumer keeps the queue, not its declaration: a process consuming a queue
+    another one declared with ``x-expires`` (found by a passive declare) keeps it for as
+    long as it consumes, and it expires once the consumer is cancelled."""
+    declare(other(connect, 1), Queue("shared", durable=False, expires=0.3))
+    channel = other(connect, 2).default_channel
+    channel.queue_declare("shared", passive=True)
+    channel.basic_consume("shared", False, lambda message: None, "c1")
+    sweeper = broker_of(other(connect, 3, sweep_interval=0.01))
+    sweeper.routes.available()
+    until = time.monotonic() + 1.0  # three expiries passing is the point
+    while time.monotonic() < until:
+        sweeper.sweep()
+        time.sleep(0.05)
+    assert count(engine, table_prefix, "queues") == 1
+    channel.basic_cancel("c1")
+
+    def expired() -> bool | None:
+        sweeper.sweep()
+        return count(engine, table_prefix, "queues") == 0 or None
+
+    wait_for(expired, "the queue no longer consumed to expire", timeout=5)
+
+
+def test_a_publisher_that_bound_an_expired_queue_does_not_route_to_it(
+    connect: Connect, engine: Engine, table_prefix: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A queue that expired (nobody consumed it) is gone for every process: a publisher
+    that bound it too publishes to its exchange without failing, and nothing routes to
+    it any more, as on an AMQP broker."""
+    monkeypatch.setattr(routing, "BINDINGS_CACHE", 0.2)
+    orders = Exchange("orders", type="direct")
+    publisher = other(connect, 1)
+    declare(publisher, Queue("audit", orders, "created", expires=0.3))
+    sweeper = broker_of(other(connect, 2, sweep_interval=0.01))
+    sweeper.routes.available()
+
+    def expired() -> bool | None:
+        sweeper.sweep()
+        return count(engine, table_prefix, "queues") == 0 or None
+
+    wait_for(expired, "the queue to expire", timeout=5)
+    time.sleep(0.2)  # the cache's age passing is the point
+    publisher.Producer().publish({"order": 1}, exchange=orders, routing_key="created")
+    assert not inspect(engine).has_table(table_name_for_queue("audit", table_prefix))

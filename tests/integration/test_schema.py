@@ -116,6 +116,27 @@ def test_without_routing_tables_exchanges_route_within_the_process(
         inspect(engine).get_table_names())
 
 
+def test_bindings_made_before_the_routing_tables_were_there_route_once_they_are(
+    connect: Connect, engine: Engine, table_prefix: str,
+) -> None:
+    """The routing tables created while a process runs (by its service's migrations) get
+    the bindings it made without them, whose queues go on getting their messages."""
+    connect().default_channel.queue_declare("jobs")  # the queue's own table
+    for table in RoutingStatements.tables(table_prefix):
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP TABLE {quoted(engine, table)}"))
+    conn = connect(create_tables=False)
+    jobs = Exchange("jobs", type="direct")
+    conn.Producer().publish({"n": 1}, exchange=jobs, routing_key="jobs",
+                            declare=[Queue("jobs", jobs, "jobs")])
+    connect(polling_interval=0.07).default_channel.broker.routes.available()  # created
+    conn.Producer().publish({"n": 2}, exchange=jobs, routing_key="jobs")
+    for n in (1, 2):
+        message = get_within(conn, "jobs")
+        assert message.decode() == {"n": n}
+        message.ack()
+
+
 def test_create_tables_off_and_no_table_gives_the_create_ddl(
     connect: Connect, engine: Engine, table_prefix: str,
 ) -> None:
