@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from kombu import Exchange, Queue
+from kombu import Connection, Exchange, Queue
 from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
 
@@ -93,16 +93,22 @@ def test_create_tables_off_and_no_routing_tables_refuses_a_transient_queue_with_
     assert get_within(conn, "replies").decode() == {"transient": True}
 
 
+def without_routing_tables(connect: Connect, engine: Engine, table_prefix: str) -> Connection:
+    """A connection that does not create tables, after the routing tables were dropped (a
+    queue table of "jobs" made first)."""
+    connect().default_channel.queue_declare("jobs")  # the queue's own table
+    for table in RoutingStatements.tables(table_prefix):
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP TABLE {quoted(engine, table)}"))
+    return connect(create_tables=False)
+
+
 def test_without_routing_tables_exchanges_route_within_the_process(
     connect: Connect, engine: Engine, table_prefix: str,
 ) -> None:
     """As in kombu's other virtual transports: bindings declared here route here, a
     broadcast reaches nobody, and nothing fails for want of the routing tables."""
-    connect().default_channel.queue_declare("jobs")  # the queue's own table
-    for table in RoutingStatements.tables(table_prefix):
-        with engine.begin() as conn:
-            conn.execute(text(f"DROP TABLE {quoted(engine, table)}"))
-    conn = connect(create_tables=False)
+    conn = without_routing_tables(connect, engine, table_prefix)
     jobs = Exchange("jobs", type="direct")
     conn.Producer().publish({"routed": "here"}, exchange=jobs, routing_key="jobs",
                             declare=[Queue("jobs", jobs, "jobs")])
@@ -121,11 +127,7 @@ def test_bindings_made_before_the_routing_tables_were_there_route_once_they_are(
 ) -> None:
     """The routing tables created while a process runs (by its service's migrations) get
     the bindings it made without them, whose queues go on getting their messages."""
-    connect().default_channel.queue_declare("jobs")  # the queue's own table
-    for table in RoutingStatements.tables(table_prefix):
-        with engine.begin() as conn:
-            conn.execute(text(f"DROP TABLE {quoted(engine, table)}"))
-    conn = connect(create_tables=False)
+    conn = without_routing_tables(connect, engine, table_prefix)
     jobs = Exchange("jobs", type="direct")
     conn.Producer().publish({"n": 1}, exchange=jobs, routing_key="jobs",
                             declare=[Queue("jobs", jobs, "jobs")])

@@ -213,15 +213,21 @@ ARGUMENTS = ("order_id", "kind", "price", "ratio", "due", "paid", "starts", "bin
              "stamp")
 
 
-def typed_events(engine: Engine, database: str, prefix: str) -> TableSpec:
-    """Row mode on a table the service made, its argument columns typed."""
+def create_row_table(engine: Engine, name: str, columns: str,
+                     available_at: bool = True) -> None:
+    """A row-mode table as a service makes it: the lease columns, then ``columns``."""
     dialect = dialect_for(engine)
-    table = quoted(engine, f"{prefix}typed")
+    due = f"available_at {dialect.column_types[Role.AVAILABLE_AT]}, " if available_at else ""
     with engine.begin() as conn:
         conn.execute(text(
-            f"CREATE TABLE {table} (id {dialect.generated_id_type}, "
+            f"CREATE TABLE {quoted(engine, name)} (id {dialect.generated_id_type}, "
             f"attempt {dialect.column_types[Role.ATTEMPT]}, "
-            f"locked_until {dialect.column_types[Role.LOCKED_UNTIL]}, {TYPED_COLUMNS[database]})"))
+            f"locked_until {dialect.column_types[Role.LOCKED_UNTIL]}, {due}{columns})"))
+
+
+def typed_events(engine: Engine, database: str, prefix: str) -> TableSpec:
+    """Row mode on a table the service made, its argument columns typed."""
+    create_row_table(engine, f"{prefix}typed", TYPED_COLUMNS[database], available_at=False)
     return (TableBuilder(f"{prefix}typed").id().attempt().locked_until()
             .task("rows.handle", arguments=ARGUMENTS).build())
 
@@ -376,15 +382,8 @@ def test_null_for_a_not_null_column_is_refused_at_publish_naming_argument_and_co
     """A missing argument is written as NULL (row mode writes every argument column, so
     a column's default never applies): for a NOT NULL column that is refused before the
     INSERT, saying so, rather than the database's constraint error."""
-    dialect = dialect_for(engine)
-    table = quoted(engine, f"{table_prefix}events")
-    with engine.begin() as sql:
-        sql.execute(text(
-            f"CREATE TABLE {table} (id {dialect.generated_id_type}, "
-            f"attempt {dialect.column_types[Role.ATTEMPT]}, "
-            f"locked_until {dialect.column_types[Role.LOCKED_UNTIL]}, "
-            f"available_at {dialect.column_types[Role.AVAILABLE_AT]}, "
-            "order_id VARCHAR(16) NOT NULL DEFAULT 'none', kind VARCHAR(16))"))
+    create_row_table(engine, f"{table_prefix}events",
+                     "order_id VARCHAR(16) NOT NULL DEFAULT 'none', kind VARCHAR(16)")
     conn = connect(queues={"events": {"table": events(table_prefix)}})
     with pytest.raises(ConfigurationError, match=r"argument order_id=None does not fit column "
                                                  r"order_id .*NOT NULL.*nothing was written"):
@@ -420,15 +419,7 @@ def test_a_postgresql_json_column_holds_any_json_argument_exactly(
     """A ``json``/``jsonb`` argument column is written the argument's JSON text: an object
     or a number arrives as it was sent (the drivers bound neither), text stays text
     (``"123"`` arrived as ``123``); what JSON cannot hold (NaN) is refused."""
-    table = quoted(engine, f"{table_prefix}events")
-    dialect = dialect_for(engine)
-    with engine.begin() as sql:
-        sql.execute(text(
-            f"CREATE TABLE {table} (id {dialect.generated_id_type}, "
-            f"attempt {dialect.column_types[Role.ATTEMPT]}, "
-            f"locked_until {dialect.column_types[Role.LOCKED_UNTIL]}, "
-            f"available_at {dialect.column_types[Role.AVAILABLE_AT]}, "
-            "order_id JSONB, kind JSON)"))
+    create_row_table(engine, f"{table_prefix}events", "order_id JSONB, kind JSON")
     conn = connect(queues={"events": {"table": events(table_prefix)}})
     for sent in ({"order_id": {"n": [1, "x", None]}, "kind": "123"},
                  {"order_id": 7, "kind": [True, 2.5]}, {"order_id": None, "kind": "paid"}):
