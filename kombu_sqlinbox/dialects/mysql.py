@@ -21,7 +21,11 @@ from sqlalchemy import types as sqltypes
 from sqlalchemy.exc import DBAPIError
 
 from ..tables import ColumnSpec, Role, TableSpec
-from .base import TRANSIENT_ORDER, Capabilities, Dialect, RoutingStatements, _expanding, no_wakeups
+from .base import Dialect
+from .core import Capabilities
+from .driver import _expanding
+from .routing import TRANSIENT_ORDER, RoutingStatements
+from .wakeups import no_wakeups
 
 NOW = "UTC_TIMESTAMP(6)"
 #: column types that hold at most 64 KiB: too small for a Celery message

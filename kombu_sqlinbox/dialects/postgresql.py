@@ -9,7 +9,9 @@ from sqlalchemy import Connection, TextClause, bindparam, text
 
 from ..clock import PARAMETER
 from ..tables import Role, TableSpec
-from .base import NAMED_PARAMETER, PREPARED, Capabilities, Dialect, _expanding
+from .base import Dialect
+from .core import Capabilities
+from .driver import NAMED_PARAMETER, PREPARED, _expanding
 
 #: how the wake-up's LISTEN session names itself in ``pg_stat_activity``
 LISTEN_APPLICATION = "sqlinbox listen"

@@ -23,7 +23,9 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from ..errors import SchemaMismatch
 from ..tables import ColumnSpec, Role, TableSpec
-from .base import Capabilities, Dialect, _expanding
+from .base import Dialect
+from .core import Capabilities
+from .driver import _expanding
 
 NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 #: seconds a statement waits for the database's write lock
