@@ -43,23 +43,14 @@ class Utf8Name(sqltypes.TypeDecorator[str]):
 
 
 class MySQLDialect(Dialect):
+    # -- core: time, identifiers, capabilities ---------------------------------------------
     names = ("mysql", "mariadb")
-    #: the isolation level is set once per connection by SQLAlchemy, which also restores
-    #: it after a transaction that asked for another (a queue's ``isolation_level``);
-    #: every transaction of ours ends in COMMIT or ROLLBACK, so the pool's extra ROLLBACK
-    #: on return (a round trip with pymysql) is skipped
-    engine_defaults = {"isolation_level": "READ COMMITTED", "pool_reset_on_return": None}
     capabilities = Capabilities(row_locks=True, skip_locked=True, key_locks=True)
-    #: PyMySQL and MySQLdb send ``SET AUTOCOMMIT`` to switch; the server commits a lone
-    #: statement before its reply (durable with ``innodb_flush_log_at_trx_commit=1``)
-    autocommit_kept = True
     lock_clause = "FOR UPDATE SKIP LOCKED"
     now = NOW
     pinned_now = "FROM_UNIXTIME(:sqlinbox_now)"
     eta_value = f"COALESCE(FROM_UNIXTIME(:eta), {NOW})"
-    floor_time = "FROM_UNIXTIME(:{})"
     generated_id_type = "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY"
-    id_generator_ddl = "ALTER TABLE {table} MODIFY {column} BIGINT NOT NULL AUTO_INCREMENT"
     column_types = {
         Role.ID: "BIGINT NOT NULL",
         Role.PAYLOAD: "LONGBLOB NOT NULL",
@@ -72,8 +63,6 @@ class MySQLDialect(Dialect):
         Role.PRIORITY: "SMALLINT NOT NULL DEFAULT 0",
         Role.PROCESSED_AT: "DATETIME(6) NULL",
     }
-    #: deadlock found, lock wait timeout
-    transient_codes = frozenset({1213, 1205})
 
     def quote(self, name: str) -> str:
         return "`" + name + "`"
@@ -81,30 +70,156 @@ class MySQLDialect(Dialect):
     def later(self, seconds: str) -> str:
         return f"{self.now} + INTERVAL ({seconds} * 1000000) MICROSECOND"
 
-    def signal_directory(self) -> str | None:
-        """MariaDB has no NOTIFY: consumers on the publisher's host are woken through
-        ``<temp dir>/sqlinbox-<uid>/<server and database>``, those elsewhere poll.
+    def epoch(self, moment: str) -> str:
+        return f"UNIX_TIMESTAMP({moment})"
 
-        The root must be this user's alone (a stranger who made it first could watch or
-        remove the sockets): otherwise a warning, and polling."""
-        if self.engine is None:
-            return None
-        root = os.path.join(tempfile.gettempdir(), f"sqlinbox-{os.getuid()}")
-        try:
-            os.makedirs(root, mode=0o700, exist_ok=True)
-            mode = os.lstat(root)
-        except OSError as exc:
-            no_wakeups(root, exc)
-            return None
-        if (not stat.S_ISDIR(mode.st_mode) or mode.st_uid != os.getuid()
-                or mode.st_mode & 0o077):
-            no_wakeups(root, "not a directory of this user's alone")
-            return None
-        url = self.engine.url
-        server = f"{url.host or 'localhost'}:{url.port or 3306}/{url.database or ''}"
-        return os.path.join(root, hashlib.sha256(server.encode()).hexdigest()[:16])
+    def age(self, moment: str) -> str:
+        return f"TIMESTAMPDIFF(MICROSECOND, {moment}, {self.now}) / 1000000.0"
 
-    # -- routing -----------------------------------------------------------------
+    # -- driver: engines, sessions, driver SQL, error codes --------------------------------
+    #: the isolation level is set once per connection by SQLAlchemy, which also restores
+    #: it after a transaction that asked for another (a queue's ``isolation_level``);
+    #: every transaction of ours ends in COMMIT or ROLLBACK, so the pool's extra ROLLBACK
+    #: on return (a round trip with pymysql) is skipped
+    engine_defaults = {"isolation_level": "READ COMMITTED", "pool_reset_on_return": None}
+    #: PyMySQL and MySQLdb send ``SET AUTOCOMMIT`` to switch; the server commits a lone
+    #: statement before its reply (durable with ``innodb_flush_log_at_trx_commit=1``)
+    autocommit_kept = True
+    #: deadlock found, lock wait timeout
+    transient_codes = frozenset({1213, 1205})
+
+    def driver_error_code(self, exc: BaseException) -> Any:
+        """The server's error number: PyMySQL also carries the SQLSTATE, which many
+        errors share (23000 for every integrity error), so it cannot tell them apart."""
+        orig = exc.orig if isinstance(exc, DBAPIError) else None
+        return orig.args[0] if orig is not None and orig.args else None
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return self.driver_error_code(exc) in self.transient_codes
+
+    def is_unique_violation(self, exc: BaseException) -> bool:
+        return bool(self.driver_error_code(exc) == 1062)  # ER_DUP_ENTRY
+
+    def on_connect(self, dbapi_connection: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute("SET time_zone = '+00:00'")
+        # strict whatever the server's default: a value a column cannot hold is an error,
+        # never cut or converted; the server's other modes stay as they are
+        cursor.execute("SET SESSION sql_mode = CONCAT_WS(',', NULLIF(@@SESSION.sql_mode, ''), "
+                       "'STRICT_ALL_TABLES')")
+        cursor.execute("SELECT @@max_allowed_packet")
+        (self.max_statement_bytes,) = cursor.fetchone()
+        cursor.close()
+
+    # -- selection: a claim's row selection ------------------------------------------------
+    floor_time = "FROM_UNIXTIME(:{})"
+
+    def above_floor(self, spec: TableSpec, alias: str = "r") -> str:
+        """The floor as the start of an index range: InnoDB walks every delete-marked entry
+        a range holds, so the floor must bound the range, not filter it. Behind the
+        priority (the index's first column) it bounds only the default priority's range
+        (0, where nearly every row is); the other priorities are read whole."""
+        floor = super().above_floor(spec, alias)
+        if not floor or not spec.has(Role.PRIORITY):
+            return floor
+        priority = f"{alias}.{self.quote(spec.name_of(Role.PRIORITY))}"
+        return (f" AND ({priority} > 0 OR {priority} < 0 OR ({priority} = 0"
+                f"{floor}))")
+
+    def index_hint(self, spec: TableSpec, index: str = "claim") -> str:
+        """``FORCE INDEX`` on the transport's own tables (an error where the index is
+        missing, so never on a declared table): a table whose statistics count only its
+        few live rows is otherwise read whole, every delete-marked row a snapshot keeps
+        from purge with it, at every claim."""
+        if not spec.own:
+            return ""
+        name = "PRIMARY" if index == "PRIMARY" else self.index_name(spec, index)
+        return f" FORCE INDEX ({name})"
+
+    def group_heads(self, spec: TableSpec) -> str:
+        """MySQL's own loose index scan ("Using index for group-by"): the first row of
+        each group read from the ``(group, id)`` index, a probe per group (a recursive
+        CTE's correlated probe here reads the whole index)."""
+        f = self.fields(spec)
+        return (f"SELECT MIN(x.{f['id']}) AS id FROM {f['table']} AS x "
+                f"WHERE x.{f['group']} IS NOT NULL{self.unfinished(spec, 'x')} "
+                f"GROUP BY x.{f['group']}")
+
+    # -- queue: the hot path: claims and settlements ---------------------------------------
+    def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
+        """No UPDATE ... RETURNING here: lock the rows, then lease them, same transaction.
+
+        An ordered selection picks its candidates (``:candidates`` of them) in a plain
+        read, and only those are locked, by id: a locking read visits the row of every
+        delete-marked index entry it passes, which a plain read skips, and while purge
+        lags (a snapshot held open) those entries pile up ahead of the ready rows. The
+        candidates are checked again under the lock; one another claim holds is passed
+        over, so a claim racing others may take fewer than ``:limit``."""
+        f = self.fields(spec)
+        ordered = f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit"
+        rows = f"{f['table']} AS r{self.index_hint(spec, 'PRIMARY')}"
+        if selection.endswith(ordered):
+            candidates = (f"SELECT r.{f['id']} FROM {f['table']} AS r{self.index_hint(spec)} "
+                          f"{selection.removesuffix(':limit')}:candidates")
+            # STRAIGHT_JOIN: the candidates first, whatever the table's statistics say (a
+            # table that looks small would otherwise be scanned whole)
+            rows = (f"({candidates}) AS c STRAIGHT_JOIN {rows} ON r.{f['id']} = c.{f['id']}")
+            selection = f"WHERE {self.ready_filter(spec)} {ordered}"
+        select = (f"SELECT {self.returned_columns(spec, 'r')} FROM {rows} "
+                  f"{selection} {self.lock_clause}")
+        lease = (
+            f"UPDATE {f['table']} SET {f['locked_until']} = {self.later(':lease')}, "
+            f"{f['attempt']} = {f['attempt']} + 1 WHERE {f['id']} IN :ids"
+        )
+        return (_expanding(select), _expanding(lease))
+
+    # -- schema: DDL, table checks, the claim's plan ---------------------------------------
+    id_generator_ddl = "ALTER TABLE {table} MODIFY {column} BIGINT NOT NULL AUTO_INCREMENT"
+
+    def plan_problem(self, plan: str, index: str) -> str | None:
+        """A full scan (``type=ALL``) or a filesort: the claim index does not serve it."""
+        if "type=ALL" in plan or "filesort" in plan:
+            return f"the claim's plan scans the table or sorts (its index {index} is missing)"
+        return super().plan_problem(plan, index)
+
+    def create_ddl(self, spec: TableSpec) -> list[str]:
+        """MySQL has no CREATE INDEX IF NOT EXISTS: the claim index goes inside CREATE TABLE."""
+        create = super().create_ddl(spec)[0]
+        processed = ""
+        if spec.has(Role.PROCESSED_AT):
+            processed = f"{self.quote(spec.name_of(Role.PROCESSED_AT))}, "
+        indexes = "".join(
+            f",\n    INDEX {self.index_name(spec, suffix)} ({processed}{columns})"
+            for suffix, columns in self.index_columns(spec).items()
+        )
+        return [create[: -len("\n)")] + indexes + "\n) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"]
+
+    def id_generated(self, conn: Connection, spec: TableSpec, column: Mapping[str, Any]
+                     ) -> bool:
+        """Also a default SQLAlchemy does not reflect: MariaDB's ``DEFAULT NEXT VALUE FOR
+        <sequence>`` (shown as ``nextval(...)``), MySQL's expression defaults."""
+        if super().id_generated(conn, spec, column):
+            return True
+        default = conn.execute(text(
+            "SELECT COLUMN_DEFAULT FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = "
+            "COALESCE(:schema, DATABASE()) AND TABLE_NAME = :table AND COLUMN_NAME = :column"
+        ), {"schema": spec.schema, "table": spec.table, "column": column["name"]}).scalar()
+        return default is not None and str(default).upper() != "NULL"
+
+    def type_problem(self, role: Role, reflected: sqltypes.TypeEngine[Any]) -> str | None:
+        problem = super().type_problem(role, reflected)
+        small = type(reflected).__name__.upper() in SMALL_LOB_TYPES
+        if problem is None and role is Role.PAYLOAD and small:
+            return f"has type {reflected}, which holds at most 64 KiB; use LONGBLOB"
+        return problem
+
+    def alter_type_ddl(self, spec: TableSpec, column: ColumnSpec) -> str:
+        return f"ALTER TABLE {self.table_ref(spec)} MODIFY COLUMN {self.column_ddl(column)}"
+
+    #: MySQL commits the open transaction before any DDL
+    transactional_ddl = False
+
+    # -- routing: bindings, the queue registry, transient queues ---------------------------
     #: names compare byte for byte, as kombu compares them: binary strings (255 characters
     #: of UTF-8), since no text collation MySQL and MariaDB share does (the default folds
     #: case; ``utf8mb4_bin`` ignores trailing spaces, so ``'alice' = 'alice '``)
@@ -113,10 +228,6 @@ class MySQLDialect(Dialect):
     body_type = "LONGBLOB"
     #: 255 characters of emoji make a pattern of 1277 bytes: more than a name column holds
     pattern_type = "BLOB"
-
-    def epoch(self, moment: str) -> str:
-        return f"UNIX_TIMESTAMP({moment})"
-
     #: names are bound as their UTF-8 bytes: a binary column stores a string as the bytes
     #: of the connection's character set, so a process whose URL names another
     #: (``?charset=latin1``) would write names no other process's match
@@ -193,148 +304,7 @@ class MySQLDialect(Dialect):
                 tables[-1] = f"{tables[-1][:-1]}, INDEX {match[1]} ({match[2]}))"
         return [f"{table} ENGINE=InnoDB DEFAULT CHARSET=utf8mb4" for table in tables]
 
-    def above_floor(self, spec: TableSpec, alias: str = "r") -> str:
-        """The floor as the start of an index range: InnoDB walks every delete-marked entry
-        a range holds, so the floor must bound the range, not filter it. Behind the
-        priority (the index's first column) it bounds only the default priority's range
-        (0, where nearly every row is); the other priorities are read whole."""
-        floor = super().above_floor(spec, alias)
-        if not floor or not spec.has(Role.PRIORITY):
-            return floor
-        priority = f"{alias}.{self.quote(spec.name_of(Role.PRIORITY))}"
-        return (f" AND ({priority} > 0 OR {priority} < 0 OR ({priority} = 0"
-                f"{floor}))")
-
-    def index_hint(self, spec: TableSpec, index: str = "claim") -> str:
-        """``FORCE INDEX`` on the transport's own tables (an error where the index is
-        missing, so never on a declared table): a table whose statistics count only its
-        few live rows is otherwise read whole, every delete-marked row a snapshot keeps
-        from purge with it, at every claim."""
-        if not spec.own:
-            return ""
-        name = "PRIMARY" if index == "PRIMARY" else self.index_name(spec, index)
-        return f" FORCE INDEX ({name})"
-
-    def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
-        """No UPDATE ... RETURNING here: lock the rows, then lease them, same transaction.
-
-        An ordered selection picks its candidates (``:candidates`` of them) in a plain
-        read, and only those are locked, by id: a locking read visits the row of every
-        delete-marked index entry it passes, which a plain read skips, and while purge
-        lags (a snapshot held open) those entries pile up ahead of the ready rows. The
-        candidates are checked again under the lock; one another claim holds is passed
-        over, so a claim racing others may take fewer than ``:limit``."""
-        f = self.fields(spec)
-        ordered = f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit"
-        rows = f"{f['table']} AS r{self.index_hint(spec, 'PRIMARY')}"
-        if selection.endswith(ordered):
-            candidates = (f"SELECT r.{f['id']} FROM {f['table']} AS r{self.index_hint(spec)} "
-                          f"{selection.removesuffix(':limit')}:candidates")
-            # STRAIGHT_JOIN: the candidates first, whatever the table's statistics say (a
-            # table that looks small would otherwise be scanned whole)
-            rows = (f"({candidates}) AS c STRAIGHT_JOIN {rows} ON r.{f['id']} = c.{f['id']}")
-            selection = f"WHERE {self.ready_filter(spec)} {ordered}"
-        select = (f"SELECT {self.returned_columns(spec, 'r')} FROM {rows} "
-                  f"{selection} {self.lock_clause}")
-        lease = (
-            f"UPDATE {f['table']} SET {f['locked_until']} = {self.later(':lease')}, "
-            f"{f['attempt']} = {f['attempt']} + 1 WHERE {f['id']} IN :ids"
-        )
-        return (_expanding(select), _expanding(lease))
-
-    def group_heads(self, spec: TableSpec) -> str:
-        """MySQL's own loose index scan ("Using index for group-by"): the first row of
-        each group read from the ``(group, id)`` index, a probe per group (a recursive
-        CTE's correlated probe here reads the whole index)."""
-        f = self.fields(spec)
-        return (f"SELECT MIN(x.{f['id']}) AS id FROM {f['table']} AS x "
-                f"WHERE x.{f['group']} IS NOT NULL{self.unfinished(spec, 'x')} "
-                f"GROUP BY x.{f['group']}")
-
-    def plan_problem(self, plan: str, index: str) -> str | None:
-        """A full scan (``type=ALL``) or a filesort: the claim index does not serve it."""
-        if "type=ALL" in plan or "filesort" in plan:
-            return f"the claim's plan scans the table or sorts (its index {index} is missing)"
-        return super().plan_problem(plan, index)
-
-    def create_ddl(self, spec: TableSpec) -> list[str]:
-        """MySQL has no CREATE INDEX IF NOT EXISTS: the claim index goes inside CREATE TABLE."""
-        create = super().create_ddl(spec)[0]
-        processed = ""
-        if spec.has(Role.PROCESSED_AT):
-            processed = f"{self.quote(spec.name_of(Role.PROCESSED_AT))}, "
-        indexes = "".join(
-            f",\n    INDEX {self.index_name(spec, suffix)} ({processed}{columns})"
-            for suffix, columns in self.index_columns(spec).items()
-        )
-        return [create[: -len("\n)")] + indexes + "\n) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"]
-
-    def id_generated(self, conn: Connection, spec: TableSpec, column: Mapping[str, Any]
-                     ) -> bool:
-        """Also a default SQLAlchemy does not reflect: MariaDB's ``DEFAULT NEXT VALUE FOR
-        <sequence>`` (shown as ``nextval(...)``), MySQL's expression defaults."""
-        if super().id_generated(conn, spec, column):
-            return True
-        default = conn.execute(text(
-            "SELECT COLUMN_DEFAULT FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = "
-            "COALESCE(:schema, DATABASE()) AND TABLE_NAME = :table AND COLUMN_NAME = :column"
-        ), {"schema": spec.schema, "table": spec.table, "column": column["name"]}).scalar()
-        return default is not None and str(default).upper() != "NULL"
-
-    def type_problem(self, role: Role, reflected: sqltypes.TypeEngine[Any]) -> str | None:
-        problem = super().type_problem(role, reflected)
-        small = type(reflected).__name__.upper() in SMALL_LOB_TYPES
-        if problem is None and role is Role.PAYLOAD and small:
-            return f"has type {reflected}, which holds at most 64 KiB; use LONGBLOB"
-        return problem
-
-    def alter_type_ddl(self, spec: TableSpec, column: ColumnSpec) -> str:
-        return f"ALTER TABLE {self.table_ref(spec)} MODIFY COLUMN {self.column_ddl(column)}"
-
-    def driver_error_code(self, exc: BaseException) -> Any:
-        """The server's error number: PyMySQL also carries the SQLSTATE, which many
-        errors share (23000 for every integrity error), so it cannot tell them apart."""
-        orig = exc.orig if isinstance(exc, DBAPIError) else None
-        return orig.args[0] if orig is not None and orig.args else None
-
-    def is_transient(self, exc: BaseException) -> bool:
-        return self.driver_error_code(exc) in self.transient_codes
-
-    def is_unique_violation(self, exc: BaseException) -> bool:
-        return bool(self.driver_error_code(exc) == 1062)  # ER_DUP_ENTRY
-
-    def lock_names(self, space: int, keys: Sequence[str]) -> dict[str, str]:
-        """GET_LOCK names (at most 64 characters): the table's space and a digest of the key."""
-        prefix = f"sqlinbox:{space & 0xFFFFFFFF:08x}:"
-        return {f"k{n}": prefix + hashlib.sha1(key.encode()).hexdigest()
-                for n, key in enumerate(keys)}
-
-    def try_key_locks(self, conn: Connection, space: int, keys: Sequence[str]) -> list[bool]:
-        names = self.lock_names(space, keys)
-        calls = ", ".join(f"GET_LOCK(:{name}, 0)" for name in names)
-        row = conn.execute(text(f"SELECT {calls}"), names).one()
-        return [value == 1 for value in row]
-
-    def release_key_locks(self, conn: Connection, space: int, keys: Sequence[str]) -> None:
-        names = self.lock_names(space, keys)
-        calls = ", ".join(f"RELEASE_LOCK(:{name})" for name in names)
-        conn.execute(text(f"SELECT {calls}"), names)
-
-    def on_connect(self, dbapi_connection: Any) -> None:
-        cursor = dbapi_connection.cursor()
-        cursor.execute("SET time_zone = '+00:00'")
-        # strict whatever the server's default: a value a column cannot hold is an error,
-        # never cut or converted; the server's other modes stay as they are
-        cursor.execute("SET SESSION sql_mode = CONCAT_WS(',', NULLIF(@@SESSION.sql_mode, ''), "
-                       "'STRICT_ALL_TABLES')")
-        cursor.execute("SELECT @@max_allowed_packet")
-        (self.max_statement_bytes,) = cursor.fetchone()
-        cursor.close()
-
-    #: MySQL commits the open transaction before any DDL
-    transactional_ddl = False
-
-    # -- outbox (celery_ext.outbox) ------------------------------------------------
+    # -- outbox: the outbox's statements (celery_ext.outbox) -------------------------------
     outbox_column_types = {
         "id": "VARCHAR(64) NOT NULL",
         "task_id": "VARCHAR(255)",
@@ -352,9 +322,6 @@ class MySQLDialect(Dialect):
     def outbox_ago(self) -> str:
         return f"{self.now} - INTERVAL (:older_than * 1000000) MICROSECOND"
 
-    def age(self, moment: str) -> str:
-        return f"TIMESTAMPDIFF(MICROSECOND, {moment}, {self.now}) / 1000000.0"
-
     def outbox_prune_sql(self, f: dict[str, str]) -> str:
         """MySQL takes no LIMIT in an IN subquery, but DELETE itself takes one."""
         return (
@@ -371,3 +338,44 @@ class MySQLDialect(Dialect):
         index = (f",\n    INDEX {self.outbox_index_name(table)} "
                  f"({f['processed_at']}, {f['id']})\n)")
         return [create[: -len("\n)")] + index + " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"]
+
+    # -- wakeups: wake-ups and advisory key locks ------------------------------------------
+    def signal_directory(self) -> str | None:
+        """MariaDB has no NOTIFY: consumers on the publisher's host are woken through
+        ``<temp dir>/sqlinbox-<uid>/<server and database>``, those elsewhere poll.
+
+        The root must be this user's alone (a stranger who made it first could watch or
+        remove the sockets): otherwise a warning, and polling."""
+        if self.engine is None:
+            return None
+        root = os.path.join(tempfile.gettempdir(), f"sqlinbox-{os.getuid()}")
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+            mode = os.lstat(root)
+        except OSError as exc:
+            no_wakeups(root, exc)
+            return None
+        if (not stat.S_ISDIR(mode.st_mode) or mode.st_uid != os.getuid()
+                or mode.st_mode & 0o077):
+            no_wakeups(root, "not a directory of this user's alone")
+            return None
+        url = self.engine.url
+        server = f"{url.host or 'localhost'}:{url.port or 3306}/{url.database or ''}"
+        return os.path.join(root, hashlib.sha256(server.encode()).hexdigest()[:16])
+
+    def lock_names(self, space: int, keys: Sequence[str]) -> dict[str, str]:
+        """GET_LOCK names (at most 64 characters): the table's space and a digest of the key."""
+        prefix = f"sqlinbox:{space & 0xFFFFFFFF:08x}:"
+        return {f"k{n}": prefix + hashlib.sha1(key.encode()).hexdigest()
+                for n, key in enumerate(keys)}
+
+    def try_key_locks(self, conn: Connection, space: int, keys: Sequence[str]) -> list[bool]:
+        names = self.lock_names(space, keys)
+        calls = ", ".join(f"GET_LOCK(:{name}, 0)" for name in names)
+        row = conn.execute(text(f"SELECT {calls}"), names).one()
+        return [value == 1 for value in row]
+
+    def release_key_locks(self, conn: Connection, space: int, keys: Sequence[str]) -> None:
+        names = self.lock_names(space, keys)
+        calls = ", ".join(f"RELEASE_LOCK(:{name})" for name in names)
+        conn.execute(text(f"SELECT {calls}"), names)

@@ -107,19 +107,13 @@ def _regexp(pattern: str, value: str) -> bool:
 
 
 class SQLiteDialect(Dialect):
+    # -- core: time, identifiers, capabilities ---------------------------------------------
     names = ("sqlite",)
     now = NOW
     pinned_now = ":sqlinbox_now"
     eta_value = f"COALESCE(:eta, {NOW})"
     #: a single writer: claims need no row locks
     capabilities = Capabilities(returning=True)
-    #: the write lock up front, as the engine's transactions take it (prepare_engine)
-    begin_write = "BEGIN IMMEDIATE"
-    #: connections are in autocommit mode already (on_connect): a lone INSERT is its own
-    #: transaction, taking the write lock as it starts
-    autocommit_write = True
-    #: SQLITE_MAX_VARIABLE_NUMBER's default (999 before SQLite 3.32)
-    max_bind_params = 32766 if sqlite3.sqlite_version_info >= (3, 32) else 999
     generated_id_type = "INTEGER PRIMARY KEY AUTOINCREMENT"
     column_types = {
         Role.ID: "INTEGER NOT NULL",
@@ -134,41 +128,58 @@ class SQLiteDialect(Dialect):
         Role.PROCESSED_AT: "REAL",
     }
 
-    explain_prefix = "EXPLAIN QUERY PLAN"
+    def later(self, seconds: str) -> str:
+        return f"{self.now} + {seconds}"
 
-    def id_generated(self, conn: Connection, spec: TableSpec, column: Mapping[str, Any]
-                     ) -> bool:
-        """Only a column declared ``INTEGER PRIMARY KEY`` (exactly: not ``INT``, not
-        ``BIGINT``) of a rowid table stands for the rowid, which SQLite generates; any
-        other primary key left out of an INSERT is NULL."""
-        if column.get("default") is not None:
-            return True
-        schema = f"{self.quote(spec.schema)}." if spec.schema else ""
-        table = conn.execute(text(f"SELECT sql FROM {schema}sqlite_master WHERE type = "
-                                  "'table' AND name = :name"), {"name": spec.table}).scalar()
-        info = conn.exec_driver_sql(f"PRAGMA {schema}table_info({self.quote(spec.table)})")
-        keys = [(row.name, row.type) for row in info if row.pk]
-        return (len(keys) == 1 and keys[0][0].lower() == column["name"].lower()
-                and keys[0][1].upper() == "INTEGER"
-                and "WITHOUT ROWID" not in str(table or "").upper())
+    def epoch(self, moment: str) -> str:
+        return moment  # times are epoch seconds here already
 
-    def signal_directory(self) -> str | None:
-        """``<database file>-wake``: writers and readers of a file share its host."""
-        database = self.engine.url.database if self.engine is not None else None
-        if not database or database.startswith("file:"):  # a URI: no plain path to use
-            return None
-        return os.path.abspath(database) + "-wake"
+    def age(self, moment: str) -> str:
+        return f"{self.now} - {moment}"
 
-    def plan_lines(self, conn: Connection, statement: TextClause,
-                   params: Mapping[str, Any]) -> list[str]:
-        return [str(row.detail) for row in conn.execute(statement, dict(params))]
+    # -- driver: engines, sessions, driver SQL, error codes --------------------------------
+    #: the write lock up front, as the engine's transactions take it (prepare_engine)
+    begin_write = "BEGIN IMMEDIATE"
+    #: connections are in autocommit mode already (on_connect): a lone INSERT is its own
+    #: transaction, taking the write lock as it starts
+    autocommit_write = True
+    #: SQLITE_MAX_VARIABLE_NUMBER's default (999 before SQLite 3.32)
+    max_bind_params = 32766 if sqlite3.sqlite_version_info >= (3, 32) else 999
 
-    def plan_problem(self, plan: str, index: str) -> str | None:
-        """A plan that sorts in a temporary tree does not read the index in claim order."""
-        if "TEMP B-TREE" in plan:
-            return f"the claim's plan sorts (its index {index} is missing or unusable)"
-        return super().plan_problem(plan, index)
+    def is_transient(self, exc: BaseException) -> bool:
+        return "database is locked" in str(exc) or "database is busy" in str(exc)
 
+    def is_unique_violation(self, exc: BaseException) -> bool:
+        orig = exc.orig if isinstance(exc, DBAPIError) else None
+        return str(orig).startswith("UNIQUE constraint failed")
+
+    def prepare_engine(self, engine: Engine, sqlite_begin: str = "IMMEDIATE") -> None:
+        """pysqlite's own BEGIN is off (:meth:`on_connect`); ours takes the write lock up
+        front (IMMEDIATE) unless a connection asks otherwise (execution option
+        ``sqlite_begin``), so a transaction never fails to upgrade a read lock half-way.
+        Its connections are in use only between forks (:class:`ForkGate`)."""
+        super().prepare_engine(engine)
+        event.listen(engine, "checkout", FORK_GATE.checkout)
+        event.listen(engine, "checkin", FORK_GATE.checkin)
+        event.listen(engine, "begin", lambda conn: conn.exec_driver_sql(
+            "BEGIN " + conn.get_execution_options().get("sqlite_begin", sqlite_begin)))
+
+    def on_connect(self, dbapi_connection: Any) -> None:
+        """WAL lets readers run beside the single writer; the busy timeout waits for it."""
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        # the busy timeout first: switching to WAL needs the lock another connection may hold
+        cursor.execute(f"PRAGMA busy_timeout={int(self.busy_timeout * 1000)}")
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+        # topic bindings match with Python's re, as kombu's own topic exchange does
+        dbapi_connection.create_function("regexp", 2, _regexp, deterministic=True)
+
+    #: seconds a statement waits for the database's write lock
+    busy_timeout = BUSY_TIMEOUT
+
+    # -- selection: a claim's row selection ------------------------------------------------
     rare = "unlikely({})"
 
     def among(self, row_id: str, ids: str, order: str) -> tuple[str, str, str]:
@@ -177,6 +188,7 @@ class SQLiteDialect(Dialect):
         join, among, _ = super().among(row_id, ids, order)
         return join, among, ", ".join("+" + column for column in order.split(", "))
 
+    # -- queue: the hot path: claims and settlements ---------------------------------------
     def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
         f = self.fields(spec)
         claim = (
@@ -196,14 +208,34 @@ class SQLiteDialect(Dialect):
         return text(f"SELECT 1 FROM {self.fields(spec)['table']} AS r WHERE {ready} "
                     f"ORDER BY {self.claim_order(spec, 'r')} LIMIT 1")
 
-    def later(self, seconds: str) -> str:
-        return f"{self.now} + {seconds}"
+    # -- schema: DDL, table checks, the claim's plan ---------------------------------------
+    explain_prefix = "EXPLAIN QUERY PLAN"
 
-    # -- routing -----------------------------------------------------------------
-    def epoch(self, moment: str) -> str:
-        return moment  # times are epoch seconds here already
+    def id_generated(self, conn: Connection, spec: TableSpec, column: Mapping[str, Any]
+                     ) -> bool:
+        """Only a column declared ``INTEGER PRIMARY KEY`` (exactly: not ``INT``, not
+        ``BIGINT``) of a rowid table stands for the rowid, which SQLite generates; any
+        other primary key left out of an INSERT is NULL."""
+        if column.get("default") is not None:
+            return True
+        schema = f"{self.quote(spec.schema)}." if spec.schema else ""
+        table = conn.execute(text(f"SELECT sql FROM {schema}sqlite_master WHERE type = "
+                                  "'table' AND name = :name"), {"name": spec.table}).scalar()
+        info = conn.exec_driver_sql(f"PRAGMA {schema}table_info({self.quote(spec.table)})")
+        keys = [(row.name, row.type) for row in info if row.pk]
+        return (len(keys) == 1 and keys[0][0].lower() == column["name"].lower()
+                and keys[0][1].upper() == "INTEGER"
+                and "WITHOUT ROWID" not in str(table or "").upper())
 
-    seconds_type = "REAL"
+    def plan_lines(self, conn: Connection, statement: TextClause,
+                   params: Mapping[str, Any]) -> list[str]:
+        return [str(row.detail) for row in conn.execute(statement, dict(params))]
+
+    def plan_problem(self, plan: str, index: str) -> str | None:
+        """A plan that sorts in a temporary tree does not read the index in claim order."""
+        if "TEMP B-TREE" in plan:
+            return f"the claim's plan sorts (its index {index} is missing or unusable)"
+        return super().plan_problem(plan, index)
 
     def time_types(self) -> tuple[type[Any], ...]:
         return (sqltypes.Float, sqltypes.Numeric, sqltypes.Integer)
@@ -239,40 +271,10 @@ class SQLiteDialect(Dialect):
                  and keys[0][1].upper() == "INTEGER")
         return rowid and not re.search(r"\bAUTOINCREMENT\b", ddl, re.IGNORECASE)
 
-    def is_transient(self, exc: BaseException) -> bool:
-        return "database is locked" in str(exc) or "database is busy" in str(exc)
+    # -- routing: bindings, the queue registry, transient queues ---------------------------
+    seconds_type = "REAL"
 
-    def is_unique_violation(self, exc: BaseException) -> bool:
-        orig = exc.orig if isinstance(exc, DBAPIError) else None
-        return str(orig).startswith("UNIQUE constraint failed")
-
-    def prepare_engine(self, engine: Engine, sqlite_begin: str = "IMMEDIATE") -> None:
-        """pysqlite's own BEGIN is off (:meth:`on_connect`); ours takes the write lock up
-        front (IMMEDIATE) unless a connection asks otherwise (execution option
-        ``sqlite_begin``), so a transaction never fails to upgrade a read lock half-way.
-        Its connections are in use only between forks (:class:`ForkGate`)."""
-        super().prepare_engine(engine)
-        event.listen(engine, "checkout", FORK_GATE.checkout)
-        event.listen(engine, "checkin", FORK_GATE.checkin)
-        event.listen(engine, "begin", lambda conn: conn.exec_driver_sql(
-            "BEGIN " + conn.get_execution_options().get("sqlite_begin", sqlite_begin)))
-
-    def on_connect(self, dbapi_connection: Any) -> None:
-        """WAL lets readers run beside the single writer; the busy timeout waits for it."""
-        dbapi_connection.isolation_level = None
-        cursor = dbapi_connection.cursor()
-        # the busy timeout first: switching to WAL needs the lock another connection may hold
-        cursor.execute(f"PRAGMA busy_timeout={int(self.busy_timeout * 1000)}")
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.close()
-        # topic bindings match with Python's re, as kombu's own topic exchange does
-        dbapi_connection.create_function("regexp", 2, _regexp, deterministic=True)
-
-    #: seconds a statement waits for the database's write lock
-    busy_timeout = BUSY_TIMEOUT
-
-    # -- outbox (celery_ext.outbox) ------------------------------------------------
+    # -- outbox: the outbox's statements (celery_ext.outbox) -------------------------------
     outbox_column_types = {
         "id": "TEXT NOT NULL",
         "task_id": "TEXT",
@@ -289,9 +291,6 @@ class SQLiteDialect(Dialect):
 
     def outbox_ago(self) -> str:
         return f"{self.now} - :older_than"
-
-    def age(self, moment: str) -> str:
-        return f"{self.now} - {moment}"
 
     #: deferred: the outbox's transactions start with their write, its reads lock nothing
     outbox_engine_options = {"sqlite_begin": "DEFERRED"}
@@ -319,3 +318,11 @@ class SQLiteDialect(Dialect):
     def outbox_lock_timed_out(self, exc: BaseException) -> bool:
         return isinstance(exc, OperationalError) and (
             "locked" in str(exc) or "busy" in str(exc))
+
+    # -- wakeups: wake-ups and advisory key locks ------------------------------------------
+    def signal_directory(self) -> str | None:
+        """``<database file>-wake``: writers and readers of a file share its host."""
+        database = self.engine.url.database if self.engine is not None else None
+        if not database or database.startswith("file:"):  # a URI: no plain path to use
+            return None
+        return os.path.abspath(database) + "-wake"
