@@ -25,7 +25,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError, NoSuchTableError
 
 from . import binding
-from .claims import LeaseKeeper, Wakeup, claim_forms
+from .claims import claim_forms
 from .codec import (
     Undecodable,
     convert_payload,
@@ -40,11 +40,13 @@ from .database import sqlalchemy_url as sqlalchemy_url
 from .dialects import RowsInsert
 from .errors import ConfigurationError
 from .exact import row_checks
+from .keeper import LeaseKeeper
 from .options import TransportOptions
 from .routing import Declared, Routes
 from .rows import ClaimedRow, Held, Settlement
 from .rows import QueueTable as QueueTable
 from .tables import Role, TableSpec, check_name, default_table, table_name_for_queue
+from .wakeups import Wakeup
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
