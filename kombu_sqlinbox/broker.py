@@ -7,7 +7,8 @@ queue lives in which table. A forked child (a prefork pool process) starts with
 none of it: it opens its own engine when it first publishes.
 
 The broker composes the layers below it: the :class:`~.database.Database`, and on
-it the claim forms, the lease keeper and the wake-up of :mod:`.claims`.
+it the claim forms (:mod:`.claims`), the lease keeper (:mod:`.keeper`) and the wake-up
+(:mod:`.wakeups`).
 """
 
 from __future__ import annotations
