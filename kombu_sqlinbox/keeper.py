@@ -20,7 +20,8 @@ from .own_session import OwnSession
 from .retries import Failing, isolated, next_backoff
 from .rows import ClaimedRow, Held, QueueTable, Settlement
 
-#: the logger the docs name for the keeper's records (it was the claim forms' module's)
+#: the keeper's records keep the logger they had beside the claim forms: the docs name it,
+#: and operators' logging settings select it
 logger = logging.getLogger("kombu_sqlinbox.claims")
 T = TypeVar("T")
 

@@ -25,7 +25,8 @@ from .database import Database
 from .dialects.base import no_wakeups
 from .own_session import OwnSession
 
-#: the logger the docs name for the wake-up's records (it was the claim forms' module's)
+#: the wake-up's records keep the logger they had beside the claim forms: the docs name it,
+#: and operators' logging settings select it
 logger = logging.getLogger("kombu_sqlinbox.claims")
 T = TypeVar("T")
 
