@@ -99,7 +99,7 @@ def _hook(owner: Any, name: str, before: Callable[[], None] | None = None,
 def _instrument_consumer(stamps: dict[str, int]) -> None:
     """Stamp the consumer's wake-ups and claims (the last of each before a delivery)."""
     from kombu_sqlinbox.broker import Broker
-    from kombu_sqlinbox.claims import Wakeup
+    from kombu_sqlinbox.wakeups import Wakeup
 
     def stamp(key: str) -> Callable[[], None]:
         return lambda: stamps.__setitem__(key, time.perf_counter_ns())

@@ -30,7 +30,9 @@ from sqlalchemy.orm import Session
 
 from kombu_sqlinbox.binding import BOUND, batching, current
 
-__all__ = ["NotBound", "after_commit", "bind", "current", "defer_with", "unbound"]
+from .django_db import is_django_connection, sqlalchemy_connection
+
+__all__ = ["NotBound", "after_commit", "bind", "bind_django", "current", "defer_with", "unbound"]
 
 logger = logging.getLogger(__name__)
 Target = Connection | Session
@@ -148,14 +150,10 @@ def bind(target: Target | Any) -> Iterator[Connection]:
     rolls back as usual, inside or after the block.
     Bind before opening the savepoints whose rollback should drop messages.
     """
-    if not isinstance(target, (Session, Connection)):
-        from .django import bind as bind_django
-        from .django import is_django_connection
-
-        if is_django_connection(target):
-            with bind_django(target) as conn:
-                yield conn
-            return
+    if not isinstance(target, (Session, Connection)) and is_django_connection(target):
+        with bind_django(target) as conn:
+            yield conn
+        return
     if isinstance(target, Session):
         _watch_session(target)
         conn = target.connection()  # begins the session's transaction: after_begin watches it
@@ -173,6 +171,24 @@ def bind(target: Target | Any) -> Iterator[Connection]:
             yield conn
     finally:
         BOUND.reset(token)
+
+
+@contextmanager
+def bind_django(connection: Any) -> Iterator[Connection]:
+    """Bind Django's ``connection`` (``django.db.connection``, or ``connections[alias]``)
+    for the code inside: sends there write their queue row or outbox record in Django's
+    transaction, and deferred sends run on ``transaction.on_commit``. Call it inside
+    ``transaction.atomic()``."""
+    from django.db import transaction
+
+    conn = sqlalchemy_connection(connection)
+    defer_with(conn, lambda callback: transaction.on_commit(
+        callback, using=connection.alias))
+    try:
+        with bind(conn) as bound:
+            yield bound
+    finally:
+        conn.close()
 
 
 @contextmanager

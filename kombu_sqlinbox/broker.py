@@ -7,7 +7,8 @@ queue lives in which table. A forked child (a prefork pool process) starts with
 none of it: it opens its own engine when it first publishes.
 
 The broker composes the layers below it: the :class:`~.database.Database`, and on
-it the claim forms, the lease keeper and the wake-up of :mod:`.claims`.
+it the claim forms (:mod:`.claims`), the lease keeper (:mod:`.keeper`) and the wake-up
+(:mod:`.wakeups`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError, NoSuchTableError
 
 from . import binding
-from .claims import LeaseKeeper, Wakeup, claim_forms
+from .claims import claim_forms
 from .codec import (
     Undecodable,
     convert_payload,
@@ -40,11 +41,13 @@ from .database import sqlalchemy_url as sqlalchemy_url
 from .dialects import RowsInsert
 from .errors import ConfigurationError
 from .exact import row_checks
+from .keeper import LeaseKeeper
 from .options import TransportOptions
 from .routing import Declared, Routes
 from .rows import ClaimedRow, Held, Settlement
 from .rows import QueueTable as QueueTable
 from .tables import Role, TableSpec, check_name, default_table, table_name_for_queue
+from .wakeups import Wakeup
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

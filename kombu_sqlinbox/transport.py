@@ -25,7 +25,6 @@ from kombu.transport.virtual.base import queue_declare_ok_t
 from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 
 from .broker import Broker, QueueTable, broker_for, shutting_down, stop_waiting
-from .claims import SETTLE_LIMIT, Held, Settlement, next_backoff
 from .codec import (
     EXPIRES_KEY,
     GROUP_HEADER,
@@ -41,7 +40,10 @@ from .codec import (
 )
 from .dialects import ClaimedRow
 from .errors import ConfigurationError, MessageTooLarge, SchemaMismatch
+from .keeper import SETTLE_LIMIT
 from .options import parse_options
+from .retries import next_backoff
+from .rows import Held, Settlement
 from .urls import client_url, conceal_password, refuse_alternates_with_query, shown_uri
 
 

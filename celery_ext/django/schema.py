@@ -9,11 +9,10 @@ from typing import Any
 from django.conf import settings
 
 from celery_ext.declaration import default_outbox_table
+from celery_ext.django_db import sqlalchemy_connection
 from kombu_sqlinbox.dialects import Dialect, dialect_for
 from kombu_sqlinbox.options import parse_options
 from kombu_sqlinbox.tables import default_table, table_name_for_queue
-
-from . import sqlalchemy_connection
 
 
 def _ddl(dialect: Dialect) -> tuple[list[str], list[str]]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, cast
 
 from celery import Celery, Task
 from sqlalchemy import Connection
@@ -33,8 +33,8 @@ from .install import (
     Installation,
     beat_schedule,
     disabled_by_env,
+    installed,
     mark_processed,
-    outbox_of,
 )
 from .store import (
     Message,
@@ -189,6 +189,11 @@ class Outbox:
     def uninstall(self) -> None:
         """Undo :meth:`install`: the app sends as before, its workers neither skip nor mark."""
         self.installation.uninstall()
+
+
+def outbox_of(app: Celery) -> Outbox:
+    """The outbox installed on ``app``; :class:`OutboxError` when it has none."""
+    return cast(Outbox, installed(app))  # only an Outbox installs itself
 
 
 def install(app: Celery, engine_or_url: Engine | str | None = None, **options: Any) -> Outbox:

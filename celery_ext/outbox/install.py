@@ -11,20 +11,20 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from weakref import WeakKeyDictionary
 
 from celery import Celery, signals
 from sqlalchemy import Connection
 
-from .store import OutboxError, OutboxNotReady
-
-if TYPE_CHECKING:
-    from . import Outbox
+from ..declaration import OutboxSpec
+from .guard import ConsumerGuard
+from .hook import PublishHook, Republished
+from .store import OutboxError, OutboxNotReady, RecordStore
 
 __all__ = [
-    "DISABLED_ENV", "PRUNE_TASK", "REPUBLISH_TASK", "Installation", "beat_schedule",
-    "disabled_by_env", "mark_processed", "outbox_of",
+    "DISABLED_ENV", "PRUNE_TASK", "REPUBLISH_TASK", "Installable", "Installation",
+    "beat_schedule", "disabled_by_env", "installed", "mark_processed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -34,14 +34,38 @@ DISABLED_ENV = "CELERY_OUTBOX_DISABLED"
 PRUNE_TASK = "celery_ext.outbox.prune"
 REPUBLISH_TASK = "celery_ext.outbox.republish"
 
-_INSTALLED: WeakKeyDictionary[Celery, Outbox] = WeakKeyDictionary()
+
+
+class Installable(Protocol):
+    """The outbox as installing it sees it (:class:`celery_ext.outbox.Outbox`, which
+    composes an :class:`Installation`): declared here, so that this module imports nothing
+    of the package that builds on it."""
+
+    app: Celery
+    spec: OutboxSpec
+    store: RecordStore
+    hook: PublishHook
+    guard: ConsumerGuard
+
+    def create(self) -> None: ...
+
+    def republish(self) -> Republished: ...
+
+    def prune(self) -> int: ...
+
+    def mark_processed(self, conn: Connection, record_id: Any) -> bool: ...
+
+
+_INSTALLED: WeakKeyDictionary[Celery, Installable] = WeakKeyDictionary()
 
 
 def disabled_by_env() -> bool:
     return os.environ.get(DISABLED_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def outbox_of(app: Celery) -> Outbox:
+def installed(app: Celery) -> Installable:
+    """The outbox installed on ``app`` (:func:`celery_ext.outbox.outbox_of` says it is an
+    :class:`~celery_ext.outbox.Outbox`)."""
     try:
         return _INSTALLED[app]
     except KeyError:
@@ -53,7 +77,7 @@ def mark_processed(conn: Connection, record_id: Any, app: Celery | None = None) 
     (default: the current app); see :meth:`Outbox.mark_processed`."""
     from celery import current_app
 
-    return outbox_of(app or current_app._get_current_object()).mark_processed(conn, record_id)
+    return installed(app or current_app._get_current_object()).mark_processed(conn, record_id)
 
 
 def beat_schedule(prune_every: float = 3600.0,
@@ -78,7 +102,7 @@ os.register_at_fork(after_in_child=_forget_connections_after_fork)
 class Installation:
     """Whether, and how, one outbox is hooked into its app."""
 
-    def __init__(self, outbox: Outbox, republish_on_start: bool) -> None:
+    def __init__(self, outbox: Installable, republish_on_start: bool) -> None:
         self.outbox = outbox
         self.republish_on_start = republish_on_start
         self.installed = False
@@ -146,10 +170,10 @@ def register_maintenance_tasks(app: Celery) -> None:
     (one installed again after an uninstall takes them over)."""
 
     def prune_outbox() -> int:
-        return outbox_of(app).prune()
+        return installed(app).prune()
 
     def republish_outbox() -> dict[str, Any]:
-        done = outbox_of(app).republish()
+        done = installed(app).republish()
         return {"sent": done.sent, "failed": list(done.failed), "held": done.held}
 
     app.task(name=PRUNE_TASK, shared=False, ignore_result=True)(prune_outbox)

@@ -18,9 +18,10 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
 from kombu_sqlinbox import ConfigurationError, TableBuilder, TableSpec, default_table
-from kombu_sqlinbox.claims import ClaimForm, LeaseClaims, LeaseKeeper, RowLockClaims
+from kombu_sqlinbox.claims import ClaimForm, LeaseClaims, RowLockClaims
 from kombu_sqlinbox.database import Database
 from kombu_sqlinbox.dialects.sqlite import SQLiteDialect
+from kombu_sqlinbox.keeper import LeaseKeeper
 from kombu_sqlinbox.options import QueueOptions
 from kombu_sqlinbox.rows import ClaimedRow, QueueTable, Settlement
 from tests.tcp_proxy import Proxy

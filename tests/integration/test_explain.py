@@ -11,8 +11,8 @@ import pytest
 from sqlalchemy import URL, Connection, TextClause, create_engine, text
 
 from kombu_sqlinbox import TableBuilder
-from kombu_sqlinbox.claims import OwnSession
 from kombu_sqlinbox.dialects.base import DriverSql
+from kombu_sqlinbox.own_session import OwnSession
 
 from .conftest import Connect
 from .support import broker_of, quoted

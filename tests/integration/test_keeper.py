@@ -11,9 +11,8 @@ from kombu import Connection
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from kombu_sqlinbox import claims
-from kombu_sqlinbox.claims import LeaseKeeper
 from kombu_sqlinbox.codec import ROW_KEY
+from kombu_sqlinbox.keeper import LeaseKeeper
 from tests.tcp_proxy import Proxy
 
 from .conftest import Connect
@@ -268,7 +267,8 @@ def test_acks_that_keep_coming_do_not_wake_the_writing_thread_and_still_land_soo
     instead of waiting to be woken: the next ack wakes no thread (a consumer acking in
     bursts pays no thread switch per burst) and is written as soon, with no claim or flush
     to carry it."""
-    monkeypatch.setattr(claims, "SETTLE_ACTIVE", 30.0)  # looking, however slow this machine
+    # looking, however slow this machine
+    monkeypatch.setattr("kombu_sqlinbox.keeper.SETTLE_ACTIVE", 30.0)
     conn, keeper, table = jobs_published(connect, table_prefix, 2)
     first, second = get_within(conn, "jobs"), get_within(conn, "jobs")
     first.ack()

@@ -18,8 +18,8 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox import binding
-from kombu_sqlinbox.claims import Wakeup
 from kombu_sqlinbox.database import Database
+from kombu_sqlinbox.wakeups import Wakeup
 from tests.integration.conftest import Connect
 from tests.integration.support import broker_of, publish, run_prepared, table_of, wait_for
 from tests.tcp_proxy import Proxy

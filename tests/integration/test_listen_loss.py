@@ -10,9 +10,9 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from kombu_sqlinbox.claims import Wakeup
 from kombu_sqlinbox.database import Database
 from kombu_sqlinbox.dialects.postgresql import LISTEN_APPLICATION
+from kombu_sqlinbox.wakeups import Wakeup
 
 
 @pytest.mark.databases("postgresql")

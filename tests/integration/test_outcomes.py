@@ -14,7 +14,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from kombu_sqlinbox.claims import Wakeup
+from kombu_sqlinbox.wakeups import Wakeup
 
 from .conftest import Connect
 from .support import (

@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 from kombu import Consumer, Queue
 
-from kombu_sqlinbox.claims import SETTLED_NS
 from kombu_sqlinbox.dialects import dialect_for
+from kombu_sqlinbox.wakeups import SETTLED_NS
 from tests.ordering.conftest import Ordering, publish
 from tests.processes import wait_until
 

@@ -1,4 +1,5 @@
-"""The core modules depend one way: transport (operations beside it), broker, claims,
+"""The core modules depend one way: transport (operations beside it), broker, claims
+(routing beside it), keeper (wakeups beside it), own_session (retries beside it),
 database, dialects, codec, rows. Each is built and tested on the ones below it; none
 imports one above (not even for type checking), which would bring the cycle back."""
 
@@ -17,6 +18,8 @@ LAYERS = (
     ("transport", "operations"),
     ("broker",),
     ("claims", "routing"),
+    ("keeper", "wakeups"),
+    ("own_session", "retries"),
     ("database",),
     ("dialects", "dialects.base", "dialects.core", "dialects.driver", "dialects.selection",
      "dialects.publish", "dialects.schema", "dialects.queue", "dialects.operations",
