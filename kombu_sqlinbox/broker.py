@@ -45,6 +45,7 @@ from .routing import Declared, Routes
 from .rows import ClaimedRow, Held, Settlement
 from .rows import QueueTable as QueueTable
 from .tables import Role, TableSpec, check_name, default_table, table_name_for_queue
+from .transient import TransientQueues
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -76,12 +77,13 @@ class Broker:
         self.keeper = LeaseKeeper(self.database, wake=self.wakeup.poke)
         self.forms = claim_forms(self.database, self.keeper, self.wakeup)
         self.routes = Routes(self.database, options.table_prefix, options.create_tables,
-                             wake=self.wakeup.published, sweep_interval=options.sweep_interval,
+                             sweep_interval=options.sweep_interval,
                              sweep_batch=options.sweep_batch)
         self.routes.restore_table = self._restore_table
+        self.transient = TransientQueues(self.routes, wake=self.wakeup.published)
         #: how a message for transient queues is encoded (the codec's view of their table)
-        self.transient_template = QueueTable("", self.routes.spec, options.defaults, False,
-                                             True, self.routes, transient=True)
+        self.transient_template = QueueTable("", self.transient.spec, options.defaults, False,
+                                             True, self.transient, transient=True)
         self.pid = os.getpid()
         self.closed = False
 
@@ -126,7 +128,7 @@ class Broker:
     def _resolve(self, queue: str, caller: Connection | None) -> tuple[QueueTable, bool]:
         options = self.options.for_queue(queue)
         if not self.has_own_table(queue) and self.routes.is_transient(queue):
-            return QueueTable(queue, self.routes.spec, options, False, True, self.routes,
+            return QueueTable(queue, self.transient.spec, options, False, True, self.transient,
                               transient=True), True
         spec = self.spec_for(queue)
         created = options.table is None
@@ -189,7 +191,7 @@ class Broker:
         if not self.dialect.notify:
             self.wakeup.listen(None)  # the same-host signal alone, where there is one
         else:
-            self.wakeup.listen(self.routes.channel(table.queue) if table.transient
+            self.wakeup.listen(self.transient.channel(table.queue) if table.transient
                                else self.dialect.channel(table.spec))
 
     def sweep(self) -> None:
@@ -373,7 +375,7 @@ class Broker:
         self.dialect.check_message_size(
             table.queue, len(payload or b"") + (len(headers) if headers else 0))
         if table.transient:
-            self.routes.put(table.queue, payload or b"", headers, ttl, priority)
+            self.transient.put(table.queue, payload or b"", headers, ttl, priority)
             return
         self.publish(table, self.dialect.publish_params(
             table.spec, payload, headers, priority, eta, group, partition_key, task, columns),
@@ -437,14 +439,14 @@ class Broker:
     def size(self, table: QueueTable) -> int:
         """How many of the queue's messages are not in work (ready or delayed)."""
         if table.transient:
-            return self.routes.size(table.queue)
+            return self.transient.size(table.queue)
         statement = self.dialect.statements(table.spec).size
         return int(self.read(table, lambda conn: conn.execute(statement).scalar_one()))
 
     def purge(self, table: QueueTable) -> int:
         """Delete the queue's messages not in work; how many went."""
         if table.transient:
-            return self.routes.purge(table.queue)
+            return self.transient.purge(table.queue)
         statement = self.dialect.statements(table.spec).purge
         return int(self.run(lambda conn: conn.execute(statement).rowcount))
 

@@ -196,9 +196,9 @@ class Channel(virtual.Channel):
         elsewhere, transient = (tables, False) if found is None else found
         if transient or kind.type != "direct" or not tables:
             payload, headers = encode_message(message, self.broker.transient_template)
-            self.broker.routes.route(exchange, routing_key, payload, headers,
-                                     expiration_seconds(message),
-                                     priority_of(message["properties"]))
+            self.broker.transient.route(exchange, routing_key, payload, headers,
+                                        expiration_seconds(message),
+                                        priority_of(message["properties"]))
         for queue in elsewhere:
             self._put(queue, message, **kwargs)
 
