@@ -17,7 +17,8 @@ from celery.signals import worker_shutting_down
 from kombu.transport import virtual
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
-from .broker import Broker, QueueTable, broker_for, shutting_down, stop_waiting
+from .broker import Broker, QueueTable
+from .brokers import broker_for, shutting_down, stop_waiting
 from .channel import Channel, QoS
 from .claims import next_backoff
 from .errors import ConfigurationError, MessageTooLarge, SchemaMismatch
