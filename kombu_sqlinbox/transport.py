@@ -20,10 +20,9 @@ from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 from .broker import Broker, QueueTable
 from .brokers import broker_for, shutting_down, stop_waiting
 from .channel import Channel, QoS
-from .claims import next_backoff
 from .errors import ConfigurationError, MessageTooLarge, SchemaMismatch
 from .options import parse_options
-from .polling import Cadence
+from .polling import Cadence, EventLoop
 from .urls import client_url, conceal_password, refuse_alternates_with_query, shown_uri
 
 
@@ -77,14 +76,10 @@ class Transport(virtual.Transport):
         self._broker: Broker | None = None
         #: whether the last claim of a queue table (not a transient queue) found rows
         self.working = False
-        self._loop: Any = None  # the kombu hub consumed from, if any
         #: the channel, queue and table of the last delivery through kombu's cycles, while
         #: no other queue would take a turn (:meth:`Channel._served`)
         self.served: tuple[Channel, str, QueueTable] | None = None
-        self._readers: dict[int, Any] = {}
-        self._poll_timer: Any = None
-        #: the wait after the last polling round of the event loop, when it failed
-        self._round_backoff = 0.0
+        self.event_loop = EventLoop(self)
         if self.options.event_loop:  # Celery then runs its event loop, not the blocking one
             self.implements = type(self).implements.extend(asynchronous=True)
 
@@ -150,95 +145,15 @@ class Transport(virtual.Transport):
         return True
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
-        """Consume from kombu's event loop (Celery's, with :confval:`event_loop`): the
-        wake-up's sources (the in-process pipe, the LISTEN socket, the same-host signal)
-        are the hub's readers, and a timer claims after the :class:`Cadence`'s wait, as
-        the blocking loop's wait would."""
-        self._leave_event_loop()  # registered again (a reconnect): one timer, one set of readers
-        self._loop, self._readers = loop, {}
-        self._on_timer(loop)
-
-    def _on_timer(self, loop: Any) -> None:
-        """Claim, delete what expired (as the blocking loop's idle rounds do; at most every
-        :confval:`sweep_interval`), then set the timer for the next round."""
-        if self._round(loop, sweep=True) is not None:
-            self._schedule(loop)
-
-    def _round(self, loop: Any, sweep: bool = False) -> bool | None:
-        """A round of the event loop: whether it delivered; None when it failed, and the
-        next round is set after a back-off. The hub would log a timer's error and never
-        set the next (due countdowns and retries would wait for ever), and end the worker
-        on a reader's. A connection error propagates: Celery connects again and
-        registers the transport with its loop anew."""
-        try:
-            delivered = self._on_poll(loop)
-            if sweep:
-                self.broker.sweep()
-        except self.connection_errors:
-            raise
-        except Exception as exc:
-            if self._round_backoff and not sweep:
-                # a wake-up's round while the back-off's timer is set: that round reports
-                # (here each published message would log a traceback); the other queues
-                # are still served at once
-                logger.debug("sqlinbox: a polling round failed (%s)", exc, exc_info=True)
-                return None
-            self._round_backoff = next_backoff(self._round_backoff)
-            logger.error("sqlinbox: a polling round failed (%s); the next in %.1fs", exc,
-                         self._round_backoff, exc_info=True)
-            self._schedule(loop, self._round_backoff)
-            return None
-        self._round_backoff = 0.0
-        return delivered
-
-    def _schedule(self, loop: Any, wait: float | None = None) -> None:
-        """The timer of the next round (one at a time), after ``wait`` or the cadence's."""
-        if self._poll_timer is not None:
-            self._poll_timer.cancel()
-        if wait is None:
-            wait = self.cadence.idle(self.polling_interval)
-        self._poll_timer = loop.call_later(wait, self._on_timer, loop)
-
-    def _leave_event_loop(self) -> None:
-        """Cancel the timer and drop the readers: a closed connection must not go on
-        claiming from the hub."""
-        if self._loop is not None:
-            if self._poll_timer is not None:
-                self._poll_timer.cancel()
-            for fd in self._readers:
-                self._loop.remove_reader(fd)
-        self._loop, self._readers, self._poll_timer = None, {}, None
+        """Consume from kombu's event loop (Celery's, with :confval:`event_loop`): see
+        :class:`~.polling.EventLoop`."""
+        self.event_loop.register(loop)
 
     def close_connection(self, connection: Any) -> None:
-        self._leave_event_loop()
+        self.event_loop.leave()
         super().close_connection(connection)
 
-    def _on_poll(self, loop: Any) -> bool:
-        """A turn of the loop that may deliver: the polling timer, or a reader woke.
-        Whether it delivered (the cadence's next wait is then its shortest)."""
-        self._watch(loop)
-        if self._consume_ready():
-            self.cadence.active()
-            return True
-        return False
-
-    def _watch(self, loop: Any) -> None:
-        """Keep the hub's readers the wake-up's current sources (the LISTEN connection
-        comes with the first consumed queue, and is new after it died)."""
-        sources = {source if isinstance(source, int) else source.fileno(): source
-                   for source in self.broker.wakeup.sources()}
-        for fd in self._readers.keys() - sources.keys():
-            loop.remove_reader(fd)
-        for fd in sources.keys() - self._readers.keys():
-            loop.add_reader(fd, self._on_readable, loop, sources[fd])
-        self._readers = sources
-
-    def _on_readable(self, loop: Any, source: Any) -> None:
-        self.broker.wakeup.take([source])
-        if self._round(loop):
-            self._schedule(loop)  # the next round comes soon now
-
-    def _consume_ready(self) -> bool:
+    def consume_ready(self) -> bool:
         """Deliver what is ready, a claim's worth at a time; more in a later turn of the
         loop, so timers and acks from other threads are not kept waiting. The wake-up
         pipe brings that turn about (the hub's poll would not return for a callback
@@ -259,7 +174,6 @@ class Transport(virtual.Transport):
 
     def driver_version(self) -> str:
         return str(sqlalchemy.__version__)
-
 
 
 __all__ = ["Channel", "ConfigurationError", "QoS", "SchemaMismatch", "Transport"]
