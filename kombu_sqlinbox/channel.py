@@ -1,8 +1,9 @@
 """kombu glue: the Channel, and its QoS.
 
 Each queue is a table. ``_get`` serves messages from a per-queue buffer that
-one claim fills with as many rows as Celery has free prefetch slots; the QoS
-turns ack, requeue and reject into settlements the lease keeper batches.
+one claim fills with as many rows as Celery has free prefetch slots (the buffers and
+the deliveries until settled: :mod:`.deliveries`); the QoS turns ack, requeue and
+reject into settlements the lease keeper batches.
 """
 
 from __future__ import annotations
@@ -23,12 +24,10 @@ from kombu.transport.virtual.base import queue_declare_ok_t
 from sqlalchemy.exc import DBAPIError
 
 from .broker import Broker, QueueTable
-from .claims import SETTLE_LIMIT, Held, Settlement
+from .claims import SETTLE_LIMIT
 from .codec import (
-    EXPIRES_KEY,
     GROUP_HEADER,
     PARTITION_HEADER,
-    decode_stored,
     encode_message,
     encode_plain,
     eta_epoch,
@@ -37,7 +36,8 @@ from .codec import (
     priority_of,
     stores_plain,
 )
-from .dialects import ClaimedRow
+from .deliveries import Deliveries
+from .rows import ClaimedRow, Held, Settlement
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +54,11 @@ def _key(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
-
 class QoS(virtual.QoS):
     """Prefetch accounting plus settlement: acks may come from any thread."""
 
     def __init__(self, channel: Channel, prefetch_count: int = 0) -> None:
         super().__init__(channel, prefetch_count)
-        self._rows: dict[Any, tuple[Held, ClaimedRow]] = {}
         self._connection_lost = False
 
     def connection_lost(self) -> None:
@@ -68,24 +66,12 @@ class QoS(virtual.QoS):
         its deliveries may still be running (see :meth:`restore_unacked`)."""
         self._connection_lost = True
 
-    def track(self, delivery_tag: Any, held: Held, row: ClaimedRow) -> None:
-        self._rows[delivery_tag] = (held, row)
-
     def _settle(self, delivery_tag: Any, settle: Callable[[Held, ClaimedRow], None]) -> None:
-        """The one way a delivery leaves (any thread): the broker settles its row, and its
-        prefetch slot and partition key come free, waking a consumer that waits for
-        either, even when the settlement fails."""
-        found = self._rows.pop(delivery_tag, None)
+        """kombu forgets the delivery, then its row settles
+        (:meth:`~.deliveries.Deliveries.settle`)."""
         was_full = not self.can_consume()
         self._quick_ack(delivery_tag)
-        if found is None:
-            return
-        held, row = found
-        try:
-            settle(held, row)
-        finally:
-            self.channel.key_settled(held.table.queue, row)
-            self.channel.slot_freed(was_full)
+        self.channel.deliveries.settle(delivery_tag, settle, was_full)
 
     def ack(self, delivery_tag: Any) -> None:
         broker = self.channel.broker
@@ -112,12 +98,12 @@ class QoS(virtual.QoS):
         kept = set()
         while self._connection_lost and self._delivered:
             tag, message = self._delivered.popitem(last=False)
-            if tag in self._rows:
+            if self.channel.deliveries.holds(tag):
                 weakref.finalize(message, self._release, tag)
                 kept.add(tag)
             del message  # ours must not be the reference that keeps it held
         self._delivered.clear()
-        for tag in list(self._rows):  # a copy: acks pop rows from other threads
+        for tag in self.channel.deliveries.unsettled():
             if tag not in kept:
                 self._release(tag)
         return []
@@ -140,11 +126,7 @@ class Channel(virtual.Channel):
     def __init__(self, connection: Owner, **kwargs: Any) -> None:
         super().__init__(connection, **kwargs)
         self.broker: Broker = connection.broker
-        self._buffers: dict[str, deque[ClaimedRow]] = {}
-        #: partition keys with a delivered, unsettled row: their next rows wait
-        self._busy_keys: set[tuple[str, Any]] = set()
-        #: the last claim was skipped for want of a free prefetch slot
-        self._starved = False
+        self.deliveries = Deliveries(self.broker)
         #: when each transient queue of this channel was last claimed and found empty
         self._found_empty: dict[str, float] = {}
         #: auto-delete queues declared here: deleted when their last consumer here goes
@@ -203,44 +185,25 @@ class Channel(virtual.Channel):
             self._put(queue, message, **kwargs)
 
     # -- consume ---------------------------------------------------------------
-    def _claim_size(self) -> int:
-        """Free prefetch slots less the buffered rows that can go out next; one for a plain
-        basic_get. Rows held back behind their key's row in work take no slot, so other
-        keys get them."""
-        free: int | None = self.qos.can_consume_max_estimate()
-        if free is None:
-            free = self.broker.options.max_batch if self._consumers else 1
-        keyless, next_keys = 0, set()
-        for queue, buffer in self._buffers.items():
-            for row in buffer:
-                if row.partition_key is None:
-                    keyless += 1
-                elif (queue, row.partition_key) not in self._busy_keys:
-                    next_keys.add((queue, row.partition_key))  # its first row goes out next
-        return min(free - keyless - len(next_keys), self.broker.options.max_batch)
-
-    def _keys_in_work(self, queue: str) -> list[Any]:
-        """The queue's partition keys with a row in work here: a claim passes over their
-        rows, which would only wait in the buffer (at most one claim's worth waits per key)."""
-        return [key for name, key in self._busy_keys.copy() if name == queue]
-
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         table = self.broker.table(queue)
         self.broker.routes.keep_alive(queue)
-        buffer = self._buffers.get(queue)
+        deliveries = self.deliveries
+        buffer = deliveries.buffers.get(queue)
         if buffer is None:
-            buffer = self._buffers[queue] = deque()
+            buffer = deliveries.buffers[queue] = deque()
         while True:
-            row = self._next_free(queue, buffer)
+            row = deliveries.next_free(queue, buffer)
             if row is None:
                 if table.transient and self._transient_may_wait(queue):
                     raise Empty()
-                limit = self._claim_size()
+                limit = deliveries.claim_size(self.qos.can_consume_max_estimate(),
+                                              bool(self._consumers))
                 if limit <= 0:
-                    self._starved = True
+                    deliveries.starved = True
                     raise Empty()
                 try:
-                    claimed = self.broker.claim(table, limit, self._keys_in_work(queue))
+                    claimed = self.broker.claim(table, limit, deliveries.keys_in_work(queue))
                 except DBAPIError as exc:
                     if not self.broker.restore_dropped(table):
                         raise
@@ -256,7 +219,7 @@ class Channel(virtual.Channel):
                     raise Empty()
                 buffer.extend(claimed)
                 continue
-            message = self._deliverable(table, row)
+            message = deliveries.deliverable(table, row, self._next_delivery_tag())
             if message is not None:
                 self._served(queue, table)
                 return message
@@ -277,14 +240,14 @@ class Channel(virtual.Channel):
     def next_buffered(self, queue: str, table: QueueTable) -> dict[str, Any] | None:
         """The message of the next buffered row of ``queue`` that may go out now, when a
         prefetch slot is free; else None (a claim is due: kombu's cycles decide)."""
-        buffer = self._buffers.get(queue)
+        buffer = self.deliveries.buffers.get(queue)
         if not buffer or self.closed or not self.qos.can_consume():
             return None
         while buffer:
-            row = self._next_free(queue, buffer)
+            row = self.deliveries.next_free(queue, buffer)
             if row is None:
                 return None
-            message = self._deliverable(table, row)
+            message = self.deliveries.deliverable(table, row, self._next_delivery_tag())
             if message is not None:
                 return message
         return None
@@ -307,77 +270,8 @@ class Channel(virtual.Channel):
         can go out now. kombu asks the queues in turn, so a worker's remote-control queue
         (transient, on a channel of its own) would be polled once per task; while claimed
         rows wait, it is polled once per claim instead."""
-        return any(row.partition_key is None or (name, row.partition_key) not in channel._busy_keys
-                   for channel in list(self.connection.channels)
-                   for name, buffer in list(channel._buffers.items()) if name != queue
-                   for row in list(buffer))
-
-    def _next_free(self, queue: str, buffer: deque[ClaimedRow]) -> ClaimedRow | None:
-        """The first buffered row whose partition key has nothing in work here: rows
-        of one key go out one after another, in claim order; other keys pass them."""
-        for index, row in enumerate(buffer):
-            if row.partition_key is None:
-                del buffer[index]
-                return row
-            key = (queue, row.partition_key)
-            if key not in self._busy_keys:
-                del buffer[index]
-                self._busy_keys.add(key)
-                return row
-        return None
-
-    def slot_freed(self, was_full: bool) -> None:
-        """A prefetch slot came free (any thread): wake the consumer if it stopped claiming
-        for want of one, rather than let it sleep a whole polling interval."""
-        if was_full or self._starved:
-            self._starved = False
-            self.broker.wakeup.poke()
-
-    def key_settled(self, queue: str, row: ClaimedRow) -> None:
-        """A row left this process: its partition key may send the next row (any thread)."""
-        if row.partition_key is not None:
-            self._busy_keys.discard((queue, row.partition_key))
-            self.broker.wakeup.poke()
-
-    def _deliverable(self, table: QueueTable, row: ClaimedRow) -> dict[str, Any] | None:
-        """The message of a claimed row, or None when the row went to its dead-letter queue
-        (delivered too often, or undecodable)."""
-        held = self.broker.held_for(table, row)
-        tag = self._next_delivery_tag()
-        message = self.broker.admit(held, row, lambda: decode_stored(row, table, tag))
-        if message is None:
-            self.key_settled(table.queue, row)
-            return None
-        expires_at = message.pop(EXPIRES_KEY, None)
-        if expires_at is not None and expires_at <= time():
-            self._expire(held, row)
-            return None
-        self.qos.track(tag, held, row)
-        return message
-
-    def _expire(self, held: Held, row: ClaimedRow) -> None:
-        """An expired message is not delivered: it goes to its queue's dead-letter queue
-        when it has one (as RabbitMQ dead-letters expired messages), else it is completed."""
-        if held.table.options.dead_letter_queue:
-            self.broker.dead_letter(held, row, "expired")
-        else:
-            self.broker.settle(Settlement.COMPLETE, held)
-        self.key_settled(held.table.queue, row)
-
-    def _release_buffered(self, queues: list[str]) -> int:
-        """Rows claimed but never handed to kombu go back with their attempt returned;
-        how many."""
-        released = 0
-        for queue in queues:
-            buffer = self._buffers.pop(queue, None)
-            if not buffer:  # nothing to give back: the queue may be gone meanwhile
-                continue
-            table = self.broker.table(queue)
-            while buffer:
-                row = buffer.popleft()
-                self.broker.settle(Settlement.RELEASE_UNCOUNTED, self.broker.held_for(table, row))
-                released += 1
-        return released
+        return any(channel.deliveries.ready(besides=queue)
+                   for channel in list(self.connection.channels))
 
     def basic_consume(self, queue: str, no_ack: bool, callback: Callable[[Any], Any],
                       consumer_tag: str, **kwargs: Any) -> Any:
@@ -416,7 +310,7 @@ class Channel(virtual.Channel):
         result = super().basic_cancel(consumer_tag)
         if queue:
             self.broker.routes.consuming(queue, added=False)
-            if self._release_buffered([queue]):
+            if self.deliveries.release_buffered([queue]):
                 self.broker.keeper.flush(timeout=SETTLE_LIMIT)
             if queue in self._auto_delete and queue not in self._active_queues:
                 self._auto_delete.discard(queue)
@@ -432,7 +326,7 @@ class Channel(virtual.Channel):
 
     def close(self) -> None:
         if not self.closed:
-            self._release_buffered(list(self._buffers))
+            self.deliveries.release_buffered(list(self.deliveries.buffers))
             for queue in self._exclusive:
                 self.queue_delete(queue)
             self._exclusive.clear()
