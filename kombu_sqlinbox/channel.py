@@ -197,19 +197,17 @@ class Channel(virtual.Channel):
             if row is None:
                 if table.transient and self._transient_may_wait(queue):
                     raise Empty()
-                limit = deliveries.claim_size(self.qos.can_consume_max_estimate(),
-                                              bool(self._consumers))
-                if limit <= 0:
-                    deliveries.starved = True
-                    raise Empty()
                 try:
-                    claimed = self.broker.claim(table, limit, deliveries.keys_in_work(queue))
+                    claimed = deliveries.claim(table, buffer, self.qos.can_consume_max_estimate(),
+                                               bool(self._consumers))
                 except DBAPIError as exc:
                     if not self.broker.restore_dropped(table):
                         raise
                     logger.warning("sqlinbox: a claim on queue %r failed (%s); claiming "
                                    "again next round", queue, exc.orig)
                     raise Empty() from None
+                if claimed is None:
+                    raise Empty()
                 if table.transient:
                     if not claimed:
                         self._found_empty[queue] = monotonic()
@@ -217,7 +215,6 @@ class Channel(virtual.Channel):
                     self.connection.working = bool(claimed)
                 if not claimed:
                     raise Empty()
-                buffer.extend(claimed)
                 continue
             message = deliveries.deliverable(table, row, self._next_delivery_tag())
             if message is not None:

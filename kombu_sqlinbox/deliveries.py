@@ -32,8 +32,21 @@ class Deliveries:
         #: the delivered rows by delivery tag, until settled
         self._rows: dict[Any, tuple[Held, ClaimedRow]] = {}
 
-    # -- out of the buffer -------------------------------------------------------
-    def claim_size(self, free: int | None, consuming: bool) -> int:
+    # -- into the buffer, and out of it ------------------------------------------
+    def claim(self, table: QueueTable, buffer: deque[ClaimedRow], free: int | None,
+              consuming: bool) -> int | None:
+        """Claim as many rows of ``table`` into its ``buffer`` as may go out (``free``: the
+        free prefetch slots, None without a limit); how many came. None: no slot is free
+        (the next settlement wakes the consumer)."""
+        limit = self._claim_size(free, consuming)
+        if limit <= 0:
+            self.starved = True
+            return None
+        claimed = self.broker.claim(table, limit, self._keys_in_work(table.queue))
+        buffer.extend(claimed)
+        return len(claimed)
+
+    def _claim_size(self, free: int | None, consuming: bool) -> int:
         """Free prefetch slots (None: no limit) less the buffered rows that can go out
         next; one for a plain basic_get. Rows held back behind their key's row in work
         take no slot, so other keys get them."""
@@ -48,7 +61,7 @@ class Deliveries:
                     next_keys.add((queue, row.partition_key))  # its first row goes out next
         return min(free - keyless - len(next_keys), self.broker.options.max_batch)
 
-    def keys_in_work(self, queue: str) -> list[Any]:
+    def _keys_in_work(self, queue: str) -> list[Any]:
         """The queue's partition keys with a row in work here: a claim passes over their
         rows, which would only wait in the buffer (at most one claim's worth waits per key)."""
         return [key for name, key in self.busy_keys.copy() if name == queue]
