@@ -66,7 +66,7 @@ from bench.remote import OFFLINE, PING_TIMEOUT, POOL, cli_ping, monitoring, wait
 from bench.report import grid
 from bench.targets import DATABASES, Context, Target, celery_env
 from bench.workers import MONITORED_FLAGS, STARTUP, stop_all, worker
-from kombu_sqlinbox.broker import close_all
+from kombu_sqlinbox.brokers import close_all
 from kombu_sqlinbox.tables import table_name_for_queue
 
 #: a table counts as growing when the most rows it had in the last third of the samples

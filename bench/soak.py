@@ -58,7 +58,7 @@ from bench.soak_app import (
 )
 from bench.targets import DATABASES, Context
 from celery_ext.outbox import engine_from_url, outbox_of
-from kombu_sqlinbox.broker import close_all
+from kombu_sqlinbox.brokers import close_all
 from tests.processes import ROOT, START_LIMIT, STOP_LIMIT, Proc, worker_argv, worker_ready
 from tests.servers import restart_server, server_answers, start_server
 

@@ -149,7 +149,7 @@ class Context:
     def __exit__(self, *exc: object) -> None:
         """Close this process's transport engines, then drop every table of this run on the
         servers and remove the SQLite files."""
-        from kombu_sqlinbox.broker import close_all
+        from kombu_sqlinbox.brokers import close_all
 
         close_all()
         gc.collect()  # let closed kombu sqla channels give their sessions back

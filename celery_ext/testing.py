@@ -38,7 +38,7 @@ from celery.states import REJECTED
 from sqlalchemy import create_engine, inspect
 
 from kombu_sqlinbox import clock as clocks
-from kombu_sqlinbox.broker import broker_for, close_all
+from kombu_sqlinbox.brokers import broker_for, close_all
 from kombu_sqlinbox.codec import DEATH_HEADER
 from kombu_sqlinbox.database import sqlalchemy_url
 from kombu_sqlinbox.options import parse_options

@@ -1,10 +1,8 @@
 """Per-process state behind every Transport on one database.
 
-Celery opens several kombu connections per process (consumer, producer pool,
-events); they all share one :class:`Broker` per URL and options, so the process
-has one engine with a bounded pool, one lease keeper and one view of which
-queue lives in which table. A forked child (a prefork pool process) starts with
-none of it: it opens its own engine when it first publishes.
+The process's Transports on one URL and options share one :class:`Broker`
+(:mod:`.brokers`): one engine with a bounded pool, one lease keeper and one view of
+which queue lives in which table.
 
 The broker composes the layers below it: the :class:`~.database.Database`, and on
 it the claim forms (:mod:`.claims`), the lease keeper (:mod:`.keeper`) and the wake-up
@@ -13,7 +11,6 @@ it the claim forms (:mod:`.claims`), the lease keeper (:mod:`.keeper`) and the w
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import threading
@@ -48,6 +45,7 @@ from .rows import ClaimedRow, Held, Settlement
 from .rows import QueueTable as QueueTable
 from .tables import Role, TableSpec, check_name, default_table, table_name_for_queue
 from .wakeups import Wakeup
+from .transient import TransientQueues
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -79,12 +77,13 @@ class Broker:
         self.keeper = LeaseKeeper(self.database, wake=self.wakeup.poke)
         self.forms = claim_forms(self.database, self.keeper, self.wakeup)
         self.routes = Routes(self.database, options.table_prefix, options.create_tables,
-                             wake=self.wakeup.published, sweep_interval=options.sweep_interval,
+                             sweep_interval=options.sweep_interval,
                              sweep_batch=options.sweep_batch)
         self.routes.restore_table = self._restore_table
+        self.transient = TransientQueues(self.routes, wake=self.wakeup.published)
         #: how a message for transient queues is encoded (the codec's view of their table)
-        self.transient_template = QueueTable("", self.routes.spec, options.defaults, False,
-                                             True, self.routes, transient=True)
+        self.transient_template = QueueTable("", self.transient.spec, options.defaults, False,
+                                             True, self.transient, transient=True)
         self.pid = os.getpid()
         self.closed = False
 
@@ -129,7 +128,7 @@ class Broker:
     def _resolve(self, queue: str, caller: Connection | None) -> tuple[QueueTable, bool]:
         options = self.options.for_queue(queue)
         if not self.has_own_table(queue) and self.routes.is_transient(queue):
-            return QueueTable(queue, self.routes.spec, options, False, True, self.routes,
+            return QueueTable(queue, self.transient.spec, options, False, True, self.transient,
                               transient=True), True
         spec = self.spec_for(queue)
         created = options.table is None
@@ -192,7 +191,7 @@ class Broker:
         if not self.dialect.notify:
             self.wakeup.listen(None)  # the same-host signal alone, where there is one
         else:
-            self.wakeup.listen(self.routes.channel(table.queue) if table.transient
+            self.wakeup.listen(self.transient.channel(table.queue) if table.transient
                                else self.dialect.channel(table.spec))
 
     def sweep(self) -> None:
@@ -376,7 +375,7 @@ class Broker:
         self.dialect.check_message_size(
             table.queue, len(payload or b"") + (len(headers) if headers else 0))
         if table.transient:
-            self.routes.put(table.queue, payload or b"", headers, ttl, priority)
+            self.transient.put(table.queue, payload or b"", headers, ttl, priority)
             return
         self.publish(table, self.dialect.publish_params(
             table.spec, payload, headers, priority, eta, group, partition_key, task, columns),
@@ -440,14 +439,14 @@ class Broker:
     def size(self, table: QueueTable) -> int:
         """How many of the queue's messages are not in work (ready or delayed)."""
         if table.transient:
-            return self.routes.size(table.queue)
+            return self.transient.size(table.queue)
         statement = self.dialect.statements(table.spec).size
         return int(self.read(table, lambda conn: conn.execute(statement).scalar_one()))
 
     def purge(self, table: QueueTable) -> int:
         """Delete the queue's messages not in work; how many went."""
         if table.transient:
-            return self.routes.purge(table.queue)
+            return self.transient.purge(table.queue)
         statement = self.dialect.statements(table.spec).purge
         return int(self.run(lambda conn: conn.execute(statement).rowcount))
 
@@ -495,62 +494,3 @@ class Broker:
 def _seconds(milliseconds: Any) -> float | None:
     """A queue argument in milliseconds (``x-expires``, ``x-message-ttl``) in seconds."""
     return None if milliseconds is None else float(milliseconds) / 1000.0
-
-
-_BROKERS: dict[tuple[str, str], Broker] = {}
-_BROKERS_LOCK = threading.Lock()
-
-
-class _Shutdown:
-    """Whether this process's Celery worker has begun to shut down (:func:`stop_waiting`)."""
-
-    begun = False
-
-
-def stop_waiting(**_: Any) -> None:
-    """Celery's ``worker_shutting_down``: the consumers of this process stop waiting for
-    work. Celery's blocking loop looks for a shutdown only between drains of up to two
-    seconds, and drains once more after it, so an idle worker's warm shutdown would
-    otherwise sit out two whole waits. Sent from Celery's signal handler, perhaps in the
-    middle of code holding a lock: it takes none."""
-    _Shutdown.begun = True
-    for broker in list(_BROKERS.values()):
-        broker.wakeup.poke()
-
-
-def shutting_down() -> bool:
-    """Whether :func:`stop_waiting` ran in this process."""
-    return _Shutdown.begun
-
-
-def broker_for(url: str, options: TransportOptions) -> Broker:
-    """The process's broker for this URL and options."""
-    key = (url, repr(options))
-    with _BROKERS_LOCK:
-        found = _BROKERS.get(key)
-        if found is None or found.pid != os.getpid() or found.closed:
-            found = _BROKERS[key] = Broker(url, options)
-        return found
-
-
-def close_all() -> None:
-    """Write what is pending and close every broker of this process; also run at the
-    process's exit, so acks made just before a normal exit are not delivered again."""
-    with _BROKERS_LOCK:
-        brokers = list(_BROKERS.values())
-        _BROKERS.clear()
-    for broker in brokers:
-        broker.close()
-
-
-def _forget_after_fork() -> None:
-    """A forked child must not use the parent's pooled connections or held rows, and is
-    not the worker that shuts down."""
-    _Shutdown.begun = False
-    for broker in _BROKERS.values():
-        broker.database.dispose(close=False)
-    _BROKERS.clear()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
-atexit.register(close_all)

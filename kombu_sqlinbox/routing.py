@@ -1,4 +1,4 @@
-"""Exchanges, bindings and transient queues, shared by every process on one database.
+"""Exchanges, bindings and the queue registry, shared by every process on one database.
 
 kombu's virtual channel keeps its bindings in the memory of one process. Remote control
 and events need them shared: a worker replies through the ``reply.celery.pidbox``
@@ -12,14 +12,11 @@ messages, keyed by queue name, instead of a table each: they come and go by the
 thousand, and a CREATE or DROP TABLE per ``celery inspect`` would cost more than the
 messages. A queue registry records which queues are transient, their ``x-expires`` and
 ``x-message-ttl``; a bounded sweep deletes what expired, also when its owner crashed.
-
-A transient message leaves its table when it is claimed (delivered at most once, like
-a message of an AMQP transient queue without acknowledgement).
+The transient messages themselves: :mod:`.transient`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import threading
@@ -33,13 +30,11 @@ from weakref import WeakSet
 from sqlalchemy import Connection, event, inspect
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from .codec import priority_of
 from .database import Database
-from .dialects import RoutingStatements, plain_payload
+from .dialects import RoutingStatements
 from .errors import SchemaMismatch
 from .renewal import Renewer
-from .rows import ClaimedRow, Held, QueueTable, Settlement
-from .tables import TableBuilder, TableSpec, check_name
+from .tables import check_name
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -60,14 +55,6 @@ class Declared:
     message_ttl: float | None
 
 
-@dataclass(frozen=True)
-class TransientHeld(Held):
-    """A claimed transient message: it already left its table, so giving it back
-    (a requeue, a consumer cancelled with it buffered) publishes it again."""
-
-    row: ClaimedRow | None = None
-
-
 def matches(kind: str, routing_key: str, bound_key: str, pattern: str) -> bool:
     """Whether a binding takes a routing key, as kombu's exchange types decide."""
     if kind == "fanout":
@@ -78,25 +65,22 @@ def matches(kind: str, routing_key: str, bound_key: str, pattern: str) -> bool:
 
 
 class Routes:
-    """The routing tables of one table prefix, for this process; also the claim form of
-    transient queues (:class:`~.rows.Claims`)."""
+    """The routing tables of one table prefix, for this process: the queue registry, the
+    bindings and the sweep (the transient messages themselves: :mod:`.transient`)."""
 
     def __init__(self, database: Database, prefix: str, create: bool,
-                 wake: Callable[[], None], sweep_interval: float, sweep_batch: int) -> None:
+                 sweep_interval: float, sweep_batch: int) -> None:
         self.database = database
         self.dialect = database.dialect
         self.prefix = prefix
         self.create = create
-        self.wake = wake
         self.sweep_interval = sweep_interval
         self.sweep_batch = sweep_batch
         self.sql: RoutingStatements = self.dialect.routing_statements(prefix)
-        #: the transient messages' table, as the codec and the claim glue see a queue table
-        self.spec: TableSpec = TableBuilder(self.sql.names[2]).id().payload().headers().build()
         self._lock = threading.Lock()
         self._ready = False
         #: why transient messages cannot be written or claimed (an earlier release's table)
-        self._outdated_by: str | None = None
+        self.outdated_by: str | None = None
         self._transient: dict[str, bool] = {}
         self._declared: dict[str, Declared] = {}
         self._bound: dict[str, set[tuple[str, str, str, str, str]]] = {}
@@ -152,14 +136,14 @@ class Routes:
                 logger.warning("sqlinbox: routing table %s: %s", table, problem)
             return self._outdated(conn)
 
-        lacking = missing(caller) if caller is not None else self._read(missing)
+        lacking = missing(caller) if caller is not None else self.read(missing)
         if not lacking:
             return True
         if not self.create:
             if lacking != [self.sql.upgrade[1]]:
                 return False
             # bindings and the registry serve as they are; transient messages wait for it
-            self._outdated_by = (
+            self.outdated_by = (
                 f"table {self.sql.names[2]!r} has no column {self.sql.upgrade[0]!r} "
                 f"(create_tables is off); add it with:\n{self.sql.upgrade[1]};")
             return True
@@ -173,7 +157,7 @@ class Routes:
             self.database.run(self._create)
         return True
 
-    def _read(self, work: Callable[[Connection], T]) -> T:
+    def read(self, work: Callable[[Connection], T]) -> T:
         """Run read-only ``work`` in the bound caller's transaction when there is one
         (what it wrote is visible only there), else in a deferred one of our own."""
         caller = self.database.bound_caller()
@@ -203,7 +187,7 @@ class Routes:
         found = {c["name"] for c in inspect(conn).get_columns(self.sql.names[2])}
         return [] if column in found else [alter]
 
-    def _write(self, work: Callable[[Connection], T], durable: bool = True) -> T:
+    def write(self, work: Callable[[Connection], T], durable: bool = True) -> T:
         """Run ``work`` in the bound caller's transaction when there is one on this
         database (SQLite has one writer: our own would wait for the caller's), else in
         a transaction of our own."""
@@ -223,7 +207,7 @@ class Routes:
             return
         self.require(f"queue {queue!r} (transient, or with x-expires or x-message-ttl)")
         self._declared[queue] = declared
-        self._write(lambda conn: conn.execute(self.sql.declare, self._declare_params(
+        self.write(lambda conn: conn.execute(self.sql.declare, self._declare_params(
             queue, declared)))
 
     @staticmethod
@@ -238,7 +222,7 @@ class Routes:
         if found is None:
             if not self.available():
                 return False
-            kind = self._read(
+            kind = self.read(
                 lambda conn: conn.execute(self.sql.kind, {"name": queue}).scalar())
             found = self._transient[queue] = bool(kind)
         return found
@@ -255,7 +239,7 @@ class Routes:
         if cached is None or cached[0] < now:
             if not self.available():
                 return None
-            found = self._read(lambda conn: conn.execute(
+            found = self.read(lambda conn: conn.execute(
                 self.sql.message_ttl, {"name": queue}).scalar())
             cached = self._ttls[queue] = (now + BINDINGS_CACHE,
                                           None if found is None else float(found))
@@ -266,7 +250,7 @@ class Routes:
         return bool(self._registered([queue]))
 
     def _registered(self, queues: Sequence[str]) -> set[str]:
-        return set(self._read(
+        return set(self.read(
             lambda conn: conn.execute(self.sql.registered, {"ids": list(queues)}).scalars().all()))
 
     def consuming(self, queue: str, added: bool) -> None:
@@ -275,7 +259,7 @@ class Routes:
         if added:
             self._consumers[queue] += 1  # first: counted as its cancel will be, come what may
             if queue not in self._declared and self.available():  # another's declaration
-                found = self._read(lambda conn: conn.execute(
+                found = self.read(lambda conn: conn.execute(
                     self.sql.expires, {"name": queue}).scalar())
                 self._consumed_expires[queue] = None if found is None else float(found)
             if self._expires(queue) is not None:
@@ -364,7 +348,7 @@ class Routes:
         """Delete a queue's registry row, bindings and transient messages."""
         self._forget_here(queue)
         if self.available():
-            self._write(lambda conn: self._forget(conn, [queue]))
+            self.write(lambda conn: self._forget(conn, [queue]))
 
     def _forget_here(self, queue: str) -> None:
         """Drop what this process remembers of a deleted queue."""
@@ -397,7 +381,7 @@ class Routes:
 
     def _write_binding(self, exchange: str, kind: str, queue: str, routing_key: str,
                        pattern: str) -> None:
-        self._write(lambda conn: conn.execute(self.sql.bind, {
+        self.write(lambda conn: conn.execute(self.sql.bind, {
             "exchange": exchange, "type": kind, "queue": queue, "routing_key": routing_key,
             "pattern": pattern}))
 
@@ -408,14 +392,14 @@ class Routes:
         if not self.available():
             return
         self._wrote_bindings()
-        self._write(lambda conn: conn.execute(self.sql.unbind, {
+        self.write(lambda conn: conn.execute(self.sql.unbind, {
             "exchange": exchange, "queue": queue, "routing_key": routing_key}))
 
     def delete_exchange(self, exchange: str) -> None:
         self._tables_of.pop(exchange, None)
         if self.available():
             self._wrote_bindings()
-            self._write(lambda conn: conn.execute(self.sql.unbind_exchange,
+            self.write(lambda conn: conn.execute(self.sql.unbind_exchange,
                                                   {"exchange": exchange}))
 
     def bound(self, exchange: str, routing_key: str) -> tuple[set[str], bool] | None:
@@ -443,87 +427,9 @@ class Routes:
                 any(transient for _, transient in taking))
 
     def _read_bindings(self, exchange: str) -> list[tuple[str, str, str, str, int]]:
-        return self._read(lambda conn: [
+        return self.read(lambda conn: [
             (row[0], row[1], row[2], row[3], int(row[4]))
             for row in conn.execute(self.sql.bound, {"exchange": exchange})])
-
-    # -- messages --------------------------------------------------------------
-    def route(self, exchange: str, routing_key: str, payload: bytes | str,
-              headers: str | None, ttl: float | None, priority: int = 0) -> None:
-        """Publish to every transient queue bound to ``exchange`` that takes
-        ``routing_key``: one statement, whatever the number of queues."""
-        check_name(exchange, "exchange name")
-        check_name(routing_key, "routing key", empty=True)
-        if not self.available():
-            return
-        self._publish(self.sql.route, {"exchange": exchange, "routing_key": routing_key,
-                                       "payload": payload, "headers": headers, "ttl": ttl,
-                                       "priority": priority})
-
-    def put(self, queue: str, payload: bytes | str, headers: str | None,
-            ttl: float | None, priority: int = 0) -> None:
-        """Publish to one transient queue (nothing when it is no longer registered)."""
-        self._publish(self.sql.put, {"queue": queue, "payload": payload, "headers": headers,
-                                     "ttl": ttl, "priority": priority})
-
-    def _current(self) -> None:
-        """Refuse transient messages while their table lacks what this release needs."""
-        if self._outdated_by is not None:
-            raise SchemaMismatch(self._outdated_by)
-
-    def _publish(self, statement: Any, params: dict[str, Any]) -> None:
-        self._current()
-        params["channel_prefix"] = self.prefix + "t_"
-        self._write(lambda conn: conn.execute(statement, params), durable=False)
-        self.wake()
-
-    def channel(self, queue: str) -> str:
-        return self.dialect.transient_channel(self.prefix, queue)
-
-    def size(self, queue: str) -> int:
-        return int(self._read(
-            lambda conn: conn.execute(self.sql.size, {"queue": queue}).scalar_one()))
-
-    def purge(self, queue: str) -> int:
-        return int(self._write(
-            lambda conn: conn.execute(self.sql.purge, {"queue": queue}).rowcount))
-
-    # -- the claim form of transient queues ----------------------------------------
-    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
-        """Take up to ``limit`` unexpired messages of the queue, higher priority first,
-        then oldest."""
-        self._current()
-        params = {"queue": table.queue, "limit": limit}
-
-        def take(conn: Connection) -> list[Any]:
-            first, *then = self.sql.claim
-            rows = list(conn.execute(first, params).all())
-            for statement in then:  # where DELETE cannot return: delete what was read
-                if rows:
-                    conn.execute(statement, {"ids": [row[0] for row in rows]})
-            return rows
-
-        rows = self.database.run_fenced(take)
-        rows.sort(key=lambda row: (-row[3], row[0]))  # higher priority first, then oldest
-        return [ClaimedRow(id=row[0], attempt=1, payload=plain_payload(row[1]),
-                           headers=row[2], group=None, partition_key=None) for row in rows]
-
-    def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
-        return TransientHeld(table, row.id, row.attempt, row=row)
-
-    def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
-        """An ack has nothing to do; a message given back is published again."""
-        row = getattr(held, "row", None)
-        if how is Settlement.COMPLETE or row is None:
-            return
-        properties = json.loads(row.headers or "{}").get("properties") or {}
-        self.put(held.table.queue, row.payload, row.headers, None, priority_of(properties))
-
-    def run_held(self, held: Held, work: Callable[[Connection], T]) -> T:
-        return self.database.run(work)
-
-    def settled(self, rows: Iterable[Held]) -> None:
-        """Nothing is leased, so nothing to forget."""
 
     # -- expiry ----------------------------------------------------------------
     def sweep(self) -> list[str]:

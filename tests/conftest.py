@@ -107,7 +107,7 @@ def table_prefix(engine: Engine) -> Iterator[str]:
 def _close_brokers() -> Iterator[None]:
     """Each test starts and ends with no pooled connections left open in this process."""
     yield
-    from kombu_sqlinbox.broker import close_all
+    from kombu_sqlinbox.brokers import close_all
 
     close_all()
 

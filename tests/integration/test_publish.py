@@ -18,7 +18,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from kombu_sqlinbox.broker import close_all
+from kombu_sqlinbox.brokers import close_all
 from kombu_sqlinbox.database import closed_by_server
 from kombu_sqlinbox.dialects.sqlite import SQLiteDialect
 

@@ -148,7 +148,7 @@ class OutboxEnv:
             for name in (self.table, self.table + "_effects"):
                 conn.execute(text(f"DROP TABLE IF EXISTS {self.quote(name)}"))
         if self.broker.startswith("sqlinbox+"):
-            from kombu_sqlinbox.broker import close_all
+            from kombu_sqlinbox.brokers import close_all
 
             close_all()
             broker_engine = create_engine(sqlalchemy_url(self.db))

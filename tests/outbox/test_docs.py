@@ -76,7 +76,7 @@ def shop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 def cleanup(shop: Shop, settings: dict[str, str], broker: str) -> None:
     app, outbox = shop.proj.app, shop.proj.outbox
     if broker == "sqlinbox":
-        from kombu_sqlinbox.broker import close_all
+        from kombu_sqlinbox.brokers import close_all
 
         close_all()
         tables = [table_name_for_queue(settings["SHOP_QUEUE"])]

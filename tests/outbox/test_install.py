@@ -145,7 +145,7 @@ def test_uninstall_undoes_install(tmp_path: Path) -> None:
         deliver(app, "again-processed", processed)
         assert ran[-1] == "after-unprocessed"
     finally:
-        from kombu_sqlinbox.broker import close_all
+        from kombu_sqlinbox.brokers import close_all
 
         with contextlib.suppress(OutboxError):
             outbox_of(app).uninstall()

@@ -240,7 +240,8 @@ def cluster_on(broker: str, tmp: Path, failed: Callable[[], bool]) -> Iterator[C
     finally:
         made.close(raised or failed())
         if broker != "redis":
-            from kombu_sqlinbox.broker import close_all, sqlalchemy_url
+            from kombu_sqlinbox.broker import sqlalchemy_url
+            from kombu_sqlinbox.brokers import close_all
 
             close_all()
             engine = create_engine(sqlalchemy_url(made.broker_url.removeprefix("sqlinbox+")))

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from kombu_sqlinbox.broker import close_all, sqlalchemy_url
+from kombu_sqlinbox.broker import sqlalchemy_url
+from kombu_sqlinbox.brokers import close_all
 from kombu_sqlinbox.dialects import dialect_for
 from tests.remote.conftest import HOST, Cluster, at_once, cluster_on, example_app
 

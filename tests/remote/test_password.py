@@ -44,7 +44,7 @@ def role_url() -> Iterator[str]:
     try:
         yield server.set(username=role, password=SECRET).render_as_string(hide_password=False)
     finally:
-        from kombu_sqlinbox.broker import close_all
+        from kombu_sqlinbox.brokers import close_all
 
         close_all()
         with admin.connect() as conn:
@@ -182,7 +182,7 @@ def mariadb_user() -> Iterator[tuple[str, str]]:
     try:
         yield user, server.set(username=user).render_as_string(hide_password=False)
     finally:
-        from kombu_sqlinbox.broker import close_all
+        from kombu_sqlinbox.brokers import close_all
 
         close_all()
         with admin.connect() as conn:

@@ -12,7 +12,7 @@ from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
 
 import celery_ext
-from kombu_sqlinbox.broker import close_all
+from kombu_sqlinbox.brokers import close_all
 from tests.databases import drop_tables
 from tests.docs.support import EXAMPLES
 from tests.integration.support import quoted

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
-from kombu_sqlinbox.broker import close_all
+from kombu_sqlinbox.brokers import close_all
 from kombu_sqlinbox.dialects.sqlite import SQLiteDialect
 from tests.transactional.apps.service import refunds_app, web
 from tests.transactional.conftest import (

@@ -1,7 +1,7 @@
-"""The core modules depend one way: transport (operations beside it), broker, claims
-(routing beside it), keeper (wakeups beside it), own_session (retries beside it),
-database, dialects, codec, rows. Each is built and tested on the ones below it; none
-imports one above (not even for type checking), which would bring the cycle back."""
+"""The core modules depend one way: transport and channel (operations beside them), the
+deliveries, broker, claims, database, dialects, codec, rows. Each is built and tested on
+the ones below it; none imports one above (not even for type checking), which would
+bring the cycle back."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import kombu_sqlinbox
 PACKAGE = Path(kombu_sqlinbox.__file__).parent
 #: from the top down
 LAYERS = (
-    ("transport", "operations"),
+    ("transport", "channel", "operations"),
+    ("deliveries", "polling", "brokers"),
     ("broker",),
-    ("claims", "routing"),
+    ("claims", "routing", "transient"),
     ("keeper", "wakeups"),
     ("own_session", "retries"),
     ("database",),

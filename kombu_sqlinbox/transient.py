@@ -1,0 +1,127 @@
+"""Transient messages: the one table every transient queue's messages share.
+
+A message for transient queues is published in one statement, to one queue or to every
+transient queue bound to an exchange that takes its routing key (the bindings table of
+:mod:`.routing`). It leaves its table when it is claimed (delivered at most once, like a
+message of an AMQP transient queue without acknowledgement).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from sqlalchemy import Connection
+
+from .codec import priority_of
+from .dialects import plain_payload
+from .errors import SchemaMismatch
+from .routing import Routes
+from .rows import ClaimedRow, Held, QueueTable, Settlement
+from .tables import TableBuilder, TableSpec, check_name
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TransientHeld(Held):
+    """A claimed transient message: it already left its table, so giving it back
+    (a requeue, a consumer cancelled with it buffered) publishes it again."""
+
+    row: ClaimedRow | None = None
+
+
+
+class TransientQueues:
+    """The transient messages of one table prefix, for this process; also the claim form
+    of transient queues (:class:`~.rows.Claims`)."""
+
+    def __init__(self, routes: Routes, wake: Callable[[], None]) -> None:
+        self.routes = routes
+        self.database = routes.database
+        self.dialect = routes.dialect
+        self.prefix = routes.prefix
+        self.sql = routes.sql
+        self.wake = wake
+        #: the transient messages' table, as the codec and the claim glue see a queue table
+        self.spec: TableSpec = TableBuilder(self.sql.names[2]).id().payload().headers().build()
+
+    # -- messages --------------------------------------------------------------
+    def route(self, exchange: str, routing_key: str, payload: bytes | str,
+              headers: str | None, ttl: float | None, priority: int = 0) -> None:
+        """Publish to every transient queue bound to ``exchange`` that takes
+        ``routing_key``: one statement, whatever the number of queues."""
+        check_name(exchange, "exchange name")
+        check_name(routing_key, "routing key", empty=True)
+        if not self.routes.available():
+            return
+        self._publish(self.sql.route, {"exchange": exchange, "routing_key": routing_key,
+                                       "payload": payload, "headers": headers, "ttl": ttl,
+                                       "priority": priority})
+
+    def put(self, queue: str, payload: bytes | str, headers: str | None,
+            ttl: float | None, priority: int = 0) -> None:
+        """Publish to one transient queue (nothing when it is no longer registered)."""
+        self._publish(self.sql.put, {"queue": queue, "payload": payload, "headers": headers,
+                                     "ttl": ttl, "priority": priority})
+
+    def _current(self) -> None:
+        """Refuse transient messages while their table lacks what this release needs."""
+        if self.routes.outdated_by is not None:
+            raise SchemaMismatch(self.routes.outdated_by)
+
+    def _publish(self, statement: Any, params: dict[str, Any]) -> None:
+        self._current()
+        params["channel_prefix"] = self.prefix + "t_"
+        self.routes.write(lambda conn: conn.execute(statement, params), durable=False)
+        self.wake()
+
+    def channel(self, queue: str) -> str:
+        return self.dialect.transient_channel(self.prefix, queue)
+
+    def size(self, queue: str) -> int:
+        return int(self.routes.read(
+            lambda conn: conn.execute(self.sql.size, {"queue": queue}).scalar_one()))
+
+    def purge(self, queue: str) -> int:
+        return int(self.routes.write(
+            lambda conn: conn.execute(self.sql.purge, {"queue": queue}).rowcount))
+
+    # -- the claim form of transient queues ----------------------------------------
+    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
+        """Take up to ``limit`` unexpired messages of the queue, higher priority first,
+        then oldest."""
+        self._current()
+        params = {"queue": table.queue, "limit": limit}
+
+        def take(conn: Connection) -> list[Any]:
+            first, *then = self.sql.claim
+            rows = list(conn.execute(first, params).all())
+            for statement in then:  # where DELETE cannot return: delete what was read
+                if rows:
+                    conn.execute(statement, {"ids": [row[0] for row in rows]})
+            return rows
+
+        rows = self.database.run_fenced(take)
+        rows.sort(key=lambda row: (-row[3], row[0]))  # higher priority first, then oldest
+        return [ClaimedRow(id=row[0], attempt=1, payload=plain_payload(row[1]),
+                           headers=row[2], group=None, partition_key=None) for row in rows]
+
+    def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
+        return TransientHeld(table, row.id, row.attempt, row=row)
+
+    def settle(self, how: Settlement, held: Held, delay: float = 0.0) -> None:
+        """An ack has nothing to do; a message given back is published again."""
+        row = getattr(held, "row", None)
+        if how is Settlement.COMPLETE or row is None:
+            return
+        properties = json.loads(row.headers or "{}").get("properties") or {}
+        self.put(held.table.queue, row.payload, row.headers, None, priority_of(properties))
+
+    def run_held(self, held: Held, work: Callable[[Connection], T]) -> T:
+        return self.database.run(work)
+
+    def settled(self, rows: Iterable[Held]) -> None:
+        """Nothing is leased, so nothing to forget."""
