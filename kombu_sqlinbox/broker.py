@@ -44,8 +44,8 @@ from .routing import Declared, Routes
 from .rows import ClaimedRow, Held, Settlement
 from .rows import QueueTable as QueueTable
 from .tables import Role, TableSpec, check_name, default_table, table_name_for_queue
-from .wakeups import Wakeup
 from .transient import TransientQueues
+from .wakeups import Wakeup
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -24,7 +24,6 @@ from kombu.transport.virtual.base import queue_declare_ok_t
 from sqlalchemy.exc import DBAPIError
 
 from .broker import Broker, QueueTable
-from .keeper import SETTLE_LIMIT
 from .codec import (
     GROUP_HEADER,
     PARTITION_HEADER,
@@ -37,6 +36,7 @@ from .codec import (
     stores_plain,
 )
 from .deliveries import Deliveries
+from .keeper import SETTLE_LIMIT
 from .rows import ClaimedRow, Held, Settlement
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,6 @@ from .broker import Broker, QueueTable
 from .brokers import broker_for, shutting_down, stop_waiting
 from .channel import Channel, QoS
 from .errors import ConfigurationError, MessageTooLarge, SchemaMismatch
-from .keeper import SETTLE_LIMIT
 from .options import parse_options
 from .polling import Cadence, EventLoop
 from .urls import client_url, conceal_password, refuse_alternates_with_query, shown_uri
