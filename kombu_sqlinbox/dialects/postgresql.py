@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import Connection, TextClause, bindparam, text
+from sqlalchemy import types as sqltypes
 
 from ..clock import PARAMETER
 from ..tables import Role, TableSpec
@@ -81,6 +82,15 @@ class PostgreSQLDialect(Dialect):
     transient_codes = frozenset({"40P01", "40001", "55P03"})
 
     plan_settings = ("SET LOCAL enable_seqscan = off", "SET LOCAL enable_sort = off")
+
+    def type_problem(self, role: Role, reflected: sqltypes.TypeEngine[Any]) -> str | None:
+        """A VARCHAR(n) takes a small message and refuses the first larger one."""
+        problem = super().type_problem(role, reflected)
+        length = getattr(reflected, "length", None)
+        if problem is None and role in (Role.PAYLOAD, Role.HEADERS) and length:
+            return (f"has type {reflected}, which holds at most {length} characters: too "
+                    "few for a Celery message")
+        return problem
 
     def plan_problem(self, plan: str, index: str) -> str | None:
         """With scans and sorts priced out, a plan still scanning or sorting has no
