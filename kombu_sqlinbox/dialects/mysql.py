@@ -30,6 +30,8 @@ from .wakeups import no_wakeups
 NOW = "UTC_TIMESTAMP(6)"
 #: column types that hold at most 64 KiB: too small for a Celery message
 SMALL_LOB_TYPES = ("TINYBLOB", "BLOB", "TINYTEXT", "TEXT", "VARCHAR", "VARBINARY", "CHAR")
+#: the roles a Celery message fills, and the type that holds any message
+LONG_TYPES = {Role.PAYLOAD: "LONGBLOB", Role.HEADERS: "LONGTEXT"}
 
 
 class Utf8Name(sqltypes.TypeDecorator[str]):
@@ -209,8 +211,8 @@ class MySQLDialect(Dialect):
     def type_problem(self, role: Role, reflected: sqltypes.TypeEngine[Any]) -> str | None:
         problem = super().type_problem(role, reflected)
         small = type(reflected).__name__.upper() in SMALL_LOB_TYPES
-        if problem is None and role is Role.PAYLOAD and small:
-            return f"has type {reflected}, which holds at most 64 KiB; use LONGBLOB"
+        if problem is None and small and role in LONG_TYPES:
+            return f"has type {reflected}, which holds at most 64 KiB; use {LONG_TYPES[role]}"
         return problem
 
     def alter_type_ddl(self, spec: TableSpec, column: ColumnSpec) -> str:

@@ -189,3 +189,37 @@ def test_check_passes_an_id_a_sequence_generates(
         with engine.begin() as conn:
             conn.execute(text(f"DROP TABLE {quoted(engine, f'{table_prefix}jobs')}"))
             conn.execute(text(f"DROP SEQUENCE {sequence}"))
+
+
+#: a bounded column for each role that takes text, as a migration might have made it
+BOUNDED = {
+    "postgresql": [("payload", "ALTER TABLE {t} ALTER COLUMN payload TYPE VARCHAR(200) "
+                               "USING encode(payload, 'escape')"),
+                   ("headers", "ALTER TABLE {t} ALTER COLUMN headers TYPE VARCHAR(200)")],
+    "mysql": [("headers", "ALTER TABLE {t} MODIFY COLUMN headers VARCHAR(200)"),
+              ("headers", "ALTER TABLE {t} MODIFY COLUMN headers TEXT")],
+}
+
+
+@pytest.mark.parametrize("database", ["postgresql", "mysql"], indirect=True)
+def test_check_fails_on_a_text_column_too_short_for_a_message(
+        cli: Cli, engine: Engine, database: str, table_prefix: str) -> None:
+    """A payload or headers column whose type bounds its length (VARCHAR(200), MySQL's
+    64 KiB TEXT) takes a small message and refuses a larger one: ``check`` names it before
+    the first large publish fails. SQLite enforces no length: a declared one is no problem."""
+    printed = cli("ddl", "jobs").stdout
+    jobs = quoted(engine, f"{table_prefix}jobs")
+    for role, alter in BOUNDED[database]:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP TABLE IF EXISTS {jobs}"))
+            for statement in statements(printed):
+                conn.execute(text(statement.rstrip(";")))
+            conn.execute(text(alter.format(t=jobs)))
+        failed = cli("check", check=False)
+        assert failed.returncode == 1, (alter, failed.stdout)
+        (problem,) = [line for line in failed.stdout.splitlines()
+                      if line.startswith("PROBLEM")]
+        assert problem.startswith(
+            f"PROBLEM jobs ({table_prefix}jobs): table '{table_prefix}jobs': column "
+            f"'{role}' (role {role}) has type "), (alter, problem)
+        assert "holds at most" in problem, problem

@@ -9,6 +9,7 @@ the checks that follow a command ask through the Python API.
 
 from __future__ import annotations
 
+import html
 import itertools
 import json
 import os
@@ -220,8 +221,27 @@ def test_flower_lists_workers_and_tasks(cluster: Cluster) -> None:
         task = cluster.wait(succeeded, "Flower to show the task succeeded")
         assert task["name"] == "monitor.add" and task["result"] == "42", task
         assert task["worker"] in (A, B), task
+        if cluster.broker != "redis":
+            # Flower reads queue depth from RabbitMQ's or Redis' own API only: its Broker
+            # tab and queue lengths refuse the broker, and the guide says what shows them
+            for page in ("broker", "api/queues/length"):
+                refused = http_error(f"http://127.0.0.1:{port}/{page}")
+                said = html.unescape(refused.read().decode())
+                assert refused.code == 404 and "'sqlinbox' broker is not supported" in said, (
+                    page, refused.code, said)
+            depth = cluster.celery("sqlinbox", "queues").stdout
+            assert depth.startswith("queue ") and "\ncelery " in depth, depth
     finally:
         flower.kill()
+
+
+def http_error(url: str) -> urllib.error.HTTPError:
+    """The error status ``url`` answers with (the test fails on a success)."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            raise AssertionError(f"{url} answered {response.status}: {response.read()!r}")
+    except urllib.error.HTTPError as refused:
+        return refused
 
 
 def test_beat_answers_ping(cluster: Cluster) -> None:

@@ -158,19 +158,29 @@ outbox = celery_ext.install(app, table="{outbox}", create_table=False)
 TESTS = """
 import os
 
+from sqlalchemy import create_engine, inspect
+
+
+def record(sqlinbox):
+    \"\"\"Write the test's prefix and the tables under it now, while the test runs.\"\"\"
+    engine = create_engine(os.environ["SQLINBOX_DATABASE"])
+    names = [name for name in inspect(engine).get_table_names()
+             if name.startswith(sqlinbox.prefix)]
+    engine.dispose()
+    with open(os.environ["SQLINBOX_PREFIXES"], "a") as out:
+        out.write(" ".join([sqlinbox.prefix, *sorted(names)]) + "\\n")
+
 
 def test_drain(sqlinbox, sqlinbox_app, sqlinbox_drain):
-    with open(os.environ["SQLINBOX_PREFIXES"], "a") as out:
-        out.write(sqlinbox.prefix + "\\n")
     sqlinbox_app.send_task("service.add", (1, 2))
     sqlinbox_app.send_task("service.add", (2, 3), queue="jobs")
     assert sorted(ran.result for ran in sqlinbox_drain()) == [3, 5]
+    record(sqlinbox)
 
 
 def test_outbox(sqlinbox, sqlinbox_outbox):
-    with open(os.environ["SQLINBOX_PREFIXES"], "a") as out:
-        out.write(sqlinbox.prefix + "\\n")
     assert sqlinbox_outbox.status().unprocessed == 0
+    record(sqlinbox)
 """
 
 
@@ -178,8 +188,10 @@ def test_the_fixtures_leave_the_service_tables_alone(
         database: str, db_url: str, engine: Engine, table_prefix: str,
         pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run against a database where the service already has its outbox table (one
-    unprocessed record) and a declared queue table (one message): a test run creates and
-    drops only tables of its tests' own prefixes, and leaves the service's as they were.
+    unprocessed record) and a declared queue table (one message): each test runs on
+    tables under a prefix of its own (the queues', the routing tables, the declared ones
+    renamed), dropped after it, and the service's tables (its routing tables under its
+    own prefix too) are left as they were.
     The service makes its tables itself (create_tables off): the tests' own are the
     fixtures' to make."""
     tag = uuid.uuid4().hex[:8]
@@ -189,6 +201,7 @@ def test_the_fixtures_leave_the_service_tables_alone(
     pytester.makeini("[pytest]\nsqlinbox = true\nsqlinbox_app = service:app\n")
     prefixes = pytester.path / "prefixes.txt"
     monkeypatch.setenv("SQLINBOX_PREFIXES", str(prefixes))
+    monkeypatch.setenv("SQLINBOX_DATABASE", db_url)
     monkeypatch.syspath_prepend(pytester.path)
     import service  # the project's own module, as the deployed service has it
 
@@ -201,20 +214,30 @@ def test_the_fixtures_leave_the_service_tables_alone(
         close_all()
         before = {jobs: count(engine, jobs), outbox_table: count(engine, outbox_table)}
         assert before == {jobs: 1, outbox_table: 1}
+        service_tables = tables_of(engine, table_prefix, jobs, outbox_table)
 
         result = pytester.runpytest_subprocess("-p", "no:cacheprovider",
                                                f"--sqlinbox-url={db_url}")
         assert {jobs: count(engine, jobs), outbox_table: count(engine, outbox_table)} == before
+        assert tables_of(engine, table_prefix, jobs, outbox_table) == service_tables
         result.assert_outcomes(passed=2)
-        used = prefixes.read_text().split()
-        assert len(used) == 2
-        left = [name for name in inspect(engine).get_table_names()
-                if name.startswith(tuple(used))]
-        assert left == []
+        during = {prefix: names for prefix, *names in map(str.split,
+                                                         prefixes.read_text().splitlines())}
+        assert len(during) == 2, during
+        for prefix, names in during.items():  # the queues', renamed declared and routing
+            assert {f"{prefix}celery", f"{prefix}{jobs}", f"{prefix}queues"} <= set(names), (
+                prefix, names)
+        assert any(f"{prefix}{outbox_table}" in names for prefix, names in during.items())
+        assert tables_of(engine, *during) == set()
     finally:
         close_all()
         drop_tables(engine, jobs)
         drop_tables(engine, outbox_table)
+
+
+def tables_of(engine: Engine, *starts: str) -> set[str]:
+    """The tables whose names start with one of ``starts`` (prefixes, or whole names)."""
+    return {name for name in inspect(engine).get_table_names() if name.startswith(starts)}
 
 
 def count(engine: Engine, table: str) -> int | None:
