@@ -20,7 +20,7 @@ from sqlalchemy.pool import Pool
 
 from . import binding
 from .clock import key_of
-from .dialects import Dialect, RowsInsert, dialect_class, dialect_for
+from .dialects import SPELLINGS, Dialect, RowsInsert, dialect_class, dialect_for
 from .errors import ConfigurationError
 from .tables import TableSpec
 from .urls import masked
@@ -42,7 +42,8 @@ BARE_DRIVERS = {
 
 def sqlalchemy_url(url: str) -> URL:
     """The SQLAlchemy URL behind ``sqlinbox+...``. A URL naming no driver
-    (``postgresql://``, ``mysql://``) takes whichever supported driver is installed."""
+    (``postgresql://``, ``mysql://``) takes whichever supported driver is installed;
+    ``postgres://`` is read as ``postgresql://``."""
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError):  # ValueError: a port that is not a number
@@ -52,6 +53,9 @@ def sqlalchemy_url(url: str) -> URL:
             f"broker URL {masked(url)!r} is not an SQLAlchemy URL; write e.g. "
             "sqlinbox+postgresql://user@host/db or sqlinbox+sqlite:///jobs.db"
         )
+    backend, plus, driver = parsed.drivername.partition("+")
+    if backend in SPELLINGS:
+        parsed = parsed.set(drivername=SPELLINGS[backend] + plus + driver)
     candidates = BARE_DRIVERS.get(parsed.drivername)
     if candidates is None:
         return parsed

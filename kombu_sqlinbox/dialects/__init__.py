@@ -24,12 +24,15 @@ from .postgresql import PostgreSQLDialect
 from .sqlite import SQLiteDialect
 
 __all__ = [
-    "Capabilities", "ClaimedRow", "Dialect", "MySQLDialect", "PostgreSQLDialect",
-    "RoutingStatements", "RowsInsert", "SQLiteDialect", "Statements", "Tokens",
-    "dialect_class", "dialect_for", "plain_payload", "register", "url_schemes",
+    "SPELLINGS", "Capabilities", "ClaimedRow", "Dialect", "MySQLDialect", "PostgreSQLDialect",
+    "RoutingStatements", "RowsInsert", "SQLiteDialect", "Statements", "Tokens", "dialect_class",
+    "dialect_for", "plain_payload", "register", "url_schemes",
 ]
 
 _REGISTRY: dict[str, type[Dialect]] = {}
+#: other names URLs give a registered dialect: ``postgres://``, the ``DATABASE_URL`` of
+#: Heroku and many other hosts, which SQLAlchemy no longer reads as PostgreSQL
+SPELLINGS = {"postgres": "postgresql"}
 
 
 def register(dialect: type[Dialect]) -> type[Dialect]:
@@ -60,7 +63,8 @@ def dialect_for(engine: Engine) -> Dialect:
 
 def url_schemes() -> list[str]:
     """Every SQLAlchemy URL scheme of a registered dialect: ``<dialect>`` and
-    ``<dialect>+<driver>`` for each driver SQLAlchemy ships or a package registers."""
+    ``<dialect>+<driver>`` for each driver SQLAlchemy ships or a package registers, under
+    each of its :data:`SPELLINGS` too."""
     schemes = set()
     for name in _REGISTRY:
         schemes.add(name)
@@ -75,4 +79,7 @@ def url_schemes() -> list[str]:
         name, _, driver = plugin.name.partition(".")
         if name in _REGISTRY and driver:
             schemes.add(f"{name}+{driver}")
+    for spelling, name in SPELLINGS.items():
+        schemes.update(spelling + scheme[len(name):] for scheme in list(schemes)
+                       if scheme.partition("+")[0] == name)
     return sorted(schemes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from celery import Celery
 from kombu import Connection
+from sqlalchemy.engine import make_url
 
 from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.transport import Transport
@@ -41,3 +42,17 @@ def test_an_unknown_transport_option_is_an_error_naming_it(broker_url: str) -> N
 def test_a_url_that_is_not_sqlalchemy_is_refused_clearly() -> None:
     with pytest.raises(ConfigurationError, match="SQLAlchemy URL"):
         Connection("sqlinbox://", transport_options={}).connect()
+
+
+@pytest.mark.databases("postgresql")
+@pytest.mark.parametrize("scheme", ["postgres", "postgres+psycopg2"])
+def test_the_postgres_spelling_reaches_postgresql(db_url: str, table_prefix: str,
+                                                  scheme: str) -> None:
+    # Heroku and many other hosts give DATABASE_URL as postgres://
+    url = make_url(db_url).set(drivername=scheme).render_as_string(hide_password=False)
+    app = Celery("heroku", broker=f"sqlinbox+{url}",
+                 broker_transport_options={"table_prefix": table_prefix})
+    with app.connection_for_write() as conn:
+        assert conn.default_channel.broker.engine.dialect.name == "postgresql"
+        publish(conn, "jobs", {"n": 3})
+        assert get_within(conn, "jobs").payload == {"n": 3}

@@ -50,17 +50,20 @@ def standalone_options(prefix: str, **more: Any) -> str:
 def cli(ops_env: dict[str, str], db_url: str, table_prefix: str) -> Cli:
     """Run ``celery -A tests.ops.apps sqlinbox ARGS`` (or, ``standalone``, the ``sqlinbox``
     console script with ``--url`` and ``--transport-options``: the app's and ``more``, or
-    ``options`` alone under this test's prefix) and return what it did; ``check`` (the
-    default) fails the test on a non-zero exit."""
+    ``options`` alone under this test's prefix; ``--url url`` in place of the test's
+    database URL) and return what it did; ``check`` (the default) fails the test on a
+    non-zero exit."""
 
     def run(*args: str, standalone: bool = False, stdin: str | None = None,
             check: bool = True, options: dict[str, object] | None = None,
-            more: dict[str, object] | None = None) -> subprocess.CompletedProcess[str]:
+            more: dict[str, object] | None = None,
+            url: str | None = None) -> subprocess.CompletedProcess[str]:
+        url = url or db_url
         if options is not None:
             given = json.dumps({"table_prefix": table_prefix, **options})
-            argv = [SQLINBOX, "--url", db_url, "--transport-options", given, *args]
+            argv = [SQLINBOX, "--url", url, "--transport-options", given, *args]
         elif standalone or more:
-            argv = [SQLINBOX, "--url", db_url, "--transport-options",
+            argv = [SQLINBOX, "--url", url, "--transport-options",
                     standalone_options(table_prefix, **(more or {})), *args]
         else:
             argv = [sys.executable, "-m", "celery", "-A", "tests.ops.apps", "sqlinbox", *args]

@@ -19,7 +19,8 @@ from kombu_sqlinbox.transport import Transport
 
 
 @pytest.mark.parametrize("scheme", ["postgresql", "postgresql+psycopg", "postgresql+psycopg2",
-                                    "mysql+pymysql", "mariadb+pymysql", "sqlite+pysqlite"])
+                                    "postgres", "postgres+psycopg2", "mysql+pymysql",
+                                    "mariadb+pymysql", "sqlite+pysqlite"])
 def test_every_dialect_and_driver_scheme_names_the_transport(scheme: str) -> None:
     assert scheme in url_schemes()
     assert resolve_transport(f"sqlinbox+{scheme}") is Transport
