@@ -5,7 +5,7 @@ from __future__ import annotations
 project = "kombu-sqlinbox"
 author = "kombu-sqlinbox contributors"
 copyright = "kombu-sqlinbox contributors"
-release = "0.1.0"
+from kombu_sqlinbox import __version__ as release  # one place for the version
 
 extensions: list[str] = []
 root_doc = "index"

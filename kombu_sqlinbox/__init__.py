@@ -18,7 +18,7 @@ from .tables import Column, InboxTable, Role, RowTask, TableBuilder, TableSpec, 
 for _scheme in ("", *(f"+{name}" for name in url_schemes())):
     TRANSPORT_ALIASES.setdefault(f"sqlinbox{_scheme}", "kombu_sqlinbox.transport:Transport")
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
     "Column",
     "ConfigurationError",

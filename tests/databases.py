@@ -17,11 +17,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Connection, TextClause, inspect, text
+from sqlalchemy import Connection, TextClause, create_engine, inspect, text
 from sqlalchemy.engine import Engine, make_url
 
 from kombu_sqlinbox.broker import Broker
@@ -161,3 +162,26 @@ def pages_read(conn: Connection, database: str, broker: Broker, spec: TableSpec,
         assert hit is not None, plan
         return int(hit[1]) + int(hit[2] or 0), plan
     return sum(int(n) for n in re.findall(r'"pages_accessed": (\d+)', plan)), plan
+
+
+@contextlib.contextmanager
+def fresh_database(kind: str, tmp: Path) -> Iterator[str]:
+    """An SQLAlchemy URL of an empty database of its own on the server, dropped afterwards
+    (SQLite: a new file in ``tmp``), for a test whose processes use default table names."""
+    if kind == "sqlite":
+        yield database_url(kind, tmp, "fresh.db")
+        return
+    server = make_url(require_server(kind))
+    if kind == "postgresql":
+        server = server.set(drivername="postgresql+psycopg")
+    name = f"sqlinbox_fresh_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    try:
+        yield server.set(database=name).render_as_string(hide_password=False)
+    finally:
+        force = " WITH (FORCE)" if kind == "postgresql" else ""
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}{force}")
+        admin.dispose()

@@ -46,12 +46,13 @@ def wait_until(
 class Proc:
     """A child process in its own session with its output in a log file."""
 
-    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], log: Path) -> None:
+    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], log: Path,
+                 cwd: Path = ROOT) -> None:
         self.name = name
         self.log = log
         with log.open("wb") as out:
             self.popen = subprocess.Popen(
-                list(argv), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                list(argv), cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True)
 
     def output(self) -> str:

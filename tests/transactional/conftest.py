@@ -17,15 +17,13 @@ import json
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import kombu.pools
 import pytest
 from sqlalchemy import Engine, create_engine, func, select, text
-from sqlalchemy.engine import make_url
 
-from tests.databases import DATABASES, database_url, require_server
+from tests.databases import DATABASES, fresh_database
 from tests.processes import Proc, Processes, wait_until
 from tests.transactional.apps import service as service_app
 from tests.transactional.apps.service import card_processor, refunds_app
@@ -57,28 +55,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     pools = metafunc.definition.get_closest_marker("pools")
     metafunc.parametrize("database", DATABASES, scope="package")
     metafunc.parametrize("pool", pools.args if pools else POOLS, scope="package")
-
-
-@contextmanager
-def fresh_database(kind: str, tmp: Path) -> Iterator[str]:
-    """An SQLAlchemy URL of an empty database, dropped afterwards (SQLite: a new file)."""
-    if kind == "sqlite":
-        yield database_url(kind, tmp, "refunds.db")
-        return
-    server = make_url(require_server(kind))
-    if kind == "postgresql":
-        server = server.set(drivername="postgresql+psycopg")
-    name = f"sqlinbox_tx_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(server, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f"CREATE DATABASE {name}")
-    try:
-        yield server.set(database=name).render_as_string(hide_password=False)
-    finally:
-        force = " WITH (FORCE)" if kind == "postgresql" else ""
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}{force}")
-        admin.dispose()
 
 
 def drop_app_connections() -> None:

@@ -17,12 +17,12 @@ from sqlalchemy.orm import Session
 
 from kombu_sqlinbox.brokers import close_all
 from kombu_sqlinbox.dialects.sqlite import SQLiteDialect
+from tests.databases import fresh_database
 from tests.transactional.apps.service import refunds_app, web
 from tests.transactional.conftest import (
     REFUND,
     Service,
     drop_app_connections,
-    fresh_database,
     pointed_at,
     queue_rows,
 )
