@@ -157,7 +157,7 @@ def configure(ctx: click.Context, app: Any, url: str | None,
     ctx.obj = SimpleNamespace(app=app, url=url, transport_options=options)
 
 
-@click.group(name="sqlinbox", help=__doc__.splitlines()[0] if __doc__ else None)
+@click.group(name="sqlinbox", help="Queue health, dead letters, DDL, the schema check, the outbox.")
 @database_options
 @click.pass_context
 def sqlinbox(ctx: click.Context, url: str | None, transport_options: str | None) -> None:
