@@ -7,8 +7,9 @@ here a misspelt key fails at start-up with its name, because a silently ignored
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from difflib import get_close_matches
 from importlib import import_module
 from typing import Any
 
@@ -105,9 +106,20 @@ def _declaration(key: str, value: Any) -> TableSpec:
     )
 
 
+#: the options of one queue, which also stand at the top as every queue's default
+QUEUE_KEYS = frozenset({"max_attempts", "dead_letter_queue", "claim", "visibility_timeout",
+                        "isolation_level", "sqlite_begin", "synchronous_commit"})
+
+
+def unknown_option(name: str, key: str, known: Iterable[str]) -> ConfigurationError:
+    """The error for a key no option has, naming the closest one: a typo is the usual
+    cause, and the message should end the search for it."""
+    close = get_close_matches(key, sorted(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigurationError(f"unknown transport option {name!r}{hint}")
+
+
 def _queue_options(prefix: str, raw: Mapping[str, Any], base: QueueOptions) -> QueueOptions:
-    known = {"table", "max_attempts", "dead_letter_queue", "claim", "visibility_timeout",
-             "isolation_level", "sqlite_begin", "synchronous_commit"}
     if not isinstance(raw, Mapping):
         raise ConfigurationError(
             f"transport option {prefix.rstrip('.')}: expected a dict of queue options, "
@@ -115,8 +127,8 @@ def _queue_options(prefix: str, raw: Mapping[str, Any], base: QueueOptions) -> Q
     changes: dict[str, Any] = {}
     for key, value in raw.items():
         name = f"{prefix}{key}"
-        if key not in known:
-            raise ConfigurationError(f"unknown transport option {name!r}")
+        if key not in QUEUE_KEYS and key != "table":
+            raise unknown_option(name, key, (*QUEUE_KEYS, "table"))
         if key == "table":
             changes[key] = _declaration(name, value)
         elif key == "max_attempts":
@@ -153,9 +165,7 @@ def _queue_options(prefix: str, raw: Mapping[str, Any], base: QueueOptions) -> Q
 def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
     """Check and convert ``transport_options``; raise naming the first bad key."""
     raw = dict(raw or {})
-    queue_keys = {"max_attempts", "dead_letter_queue", "claim", "visibility_timeout",
-                  "isolation_level", "sqlite_begin", "synchronous_commit"}
-    defaults = _queue_options("", {k: raw.pop(k) for k in list(raw) if k in queue_keys},
+    defaults = _queue_options("", {k: raw.pop(k) for k in list(raw) if k in QUEUE_KEYS},
                               QueueOptions())
     if "table" in raw:
         raise ConfigurationError("transport option 'table' belongs under queues={name: {...}}")
@@ -190,5 +200,6 @@ def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
                 for name, settings in value.items()
             }
         else:
-            raise ConfigurationError(f"unknown transport option {key!r}")
+            known = {option.name for option in fields(TransportOptions)} - {"defaults"}
+            raise unknown_option(key, key, (*known, *QUEUE_KEYS, *KOMBU_KEYS))
     return TransportOptions(**result)

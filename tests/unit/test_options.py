@@ -125,3 +125,22 @@ def test_an_in_memory_sqlite_database_is_refused_at_start_up(url: str) -> None:
             conn.connect()
     finally:
         conn.release()
+
+
+@pytest.mark.parametrize("raw, name, meant", [
+    ({"visiblity_timeout": 30}, "'visiblity_timeout'", "visibility_timeout"),
+    ({"queues": {"celery": {"max_atempts": 3}}}, "\"queues['celery'].max_atempts\"",
+     "max_attempts"),
+    ({"polling_intervall": 1}, "'polling_intervall'", "polling_interval"),
+])
+def test_a_misspelled_key_names_the_closest_option(raw: dict[str, Any], name: str,
+                                                   meant: str) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        parse_options(raw)
+    assert str(raised.value) == f"unknown transport option {name}; did you mean {meant!r}?"
+
+
+def test_a_key_like_no_option_names_none() -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        parse_options({"zzzz": 1})
+    assert str(raised.value) == "unknown transport option 'zzzz'"
