@@ -24,6 +24,7 @@ from typing import Any
 import click
 from celery.app.utils import find_app
 from celery.bin.base import CeleryCommand, CeleryOption
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from kombu_sqlinbox.codec import DEATH_HEADER, DELIVERY_PROPERTIES
 from kombu_sqlinbox.dead_letters import EVERY
@@ -81,8 +82,21 @@ def operations(ctx: click.Context) -> Iterator[Operations]:
         yield made
     except ConfigurationError as exc:  # a queue that is not a dead-letter queue...
         raise click.UsageError(str(exc)) from None
+    except (OperationalError, InterfaceError) as exc:
+        if obj.traceback:
+            raise
+        raise database_failed(str(url), exc) from None
     finally:
         made.close()
+
+
+def database_failed(url: str, exc: OperationalError | InterfaceError) -> click.ClickException:
+    """A database that is down or refuses the command is the operator's to fix, not a bug:
+    one line naming the database (its password masked) and the driver's reason, instead
+    of SQLAlchemy's chained traceback (``--traceback`` shows it)."""
+    reason = str(exc.orig if exc.orig is not None else exc).strip().splitlines()[0]
+    return click.ClickException(
+        f"the database {masked(url)} failed: {reason} (--traceback for the details)")
 
 
 def _age(seconds: float | None) -> str:
@@ -136,7 +150,12 @@ def render_prometheus(figures: Sequence[QueueFigures]) -> str:
 
 
 def database_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--url`` and ``--transport-options``: the database without the app's settings."""
+    """``--url`` and ``--transport-options``: the database without the app's settings;
+    ``--traceback``: the whole traceback of a database failure, not one line."""
+    command = click.option(
+        "--traceback", "show_traceback", is_flag=True, cls=CeleryOption,
+        help_group="Database",
+        help="show the traceback of a database failure")(command)
     command = click.option(
         "--transport-options", cls=CeleryOption, help_group="Database",
         help="the transport options as JSON; default: the app's")(command)
@@ -147,22 +166,24 @@ def database_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def configure(ctx: click.Context, app: Any, url: str | None,
-              transport_options: str | None) -> None:
+              transport_options: str | None, show_traceback: bool = False) -> None:
     """``ctx.obj``: the app (or None), the URL and the transport options given."""
     try:
         options = None if transport_options is None else json.loads(transport_options)
     except ValueError as exc:
         raise click.BadParameter(f"not JSON: {exc}", param_hint="--transport-options") \
             from None
-    ctx.obj = SimpleNamespace(app=app, url=url, transport_options=options)
+    ctx.obj = SimpleNamespace(app=app, url=url, transport_options=options,
+                              traceback=show_traceback)
 
 
 @click.group(name="sqlinbox", help="Queue health, dead letters, DDL, the schema check, the outbox.")
 @database_options
 @click.pass_context
-def sqlinbox(ctx: click.Context, url: str | None, transport_options: str | None) -> None:
+def sqlinbox(ctx: click.Context, url: str | None, transport_options: str | None,
+             show_traceback: bool) -> None:
     """Under ``celery``: the app is the one Celery found (``ctx.obj.app``)."""
-    configure(ctx, getattr(ctx.obj, "app", None), url, transport_options)
+    configure(ctx, getattr(ctx.obj, "app", None), url, transport_options, show_traceback)
 
 
 @sqlinbox.command(cls=CeleryCommand)
@@ -466,9 +487,10 @@ sqlinbox.add_command(outbox)
 @database_options
 @click.pass_context
 def main(ctx: click.Context, app_name: str | None, url: str | None,
-         transport_options: str | None) -> None:
+         transport_options: str | None, show_traceback: bool) -> None:
     """Standalone: the app is optional where ``--url`` names the database."""
-    configure(ctx, find_app(app_name) if app_name else None, url, transport_options)
+    configure(ctx, find_app(app_name) if app_name else None, url, transport_options,
+              show_traceback)
 
 
 for _name, _command in sqlinbox.commands.items():

@@ -70,3 +70,21 @@ def test_bad_input_is_refused_naming_it(tmp_path: Path) -> None:
                {"PYTHONPATH": str(ROOT)})
     assert done.returncode == 2 and "the app's broker is not sqlinbox ('memory://')" in (
         done.stderr), done.stderr
+
+
+def test_a_database_that_is_down_is_one_line_with_its_password_masked() -> None:
+    """Nothing listens on port 1: the operator reads what failed and where, in one line,
+    exit status 1; ``--traceback`` shows the whole chain for a bug report."""
+    for url in ("postgresql://root:s3cret@127.0.0.1:1/test",
+                "mysql://root:s3cret@127.0.0.1:1/test"):
+        down = run([SQLINBOX, "--url", url, "queues"], {})
+        assert down.returncode == 1, down.stderr
+        assert down.stdout == ""
+        (line,) = down.stderr.splitlines()
+        masked = url.replace("s3cret", "***")
+        assert line.startswith(f"Error: the database {masked} failed: "), line
+        assert "refused" in line and line.endswith("(--traceback for the details)"), line
+        traced = run([SQLINBOX, "--url", url, "--traceback", "queues"], {})
+        assert traced.returncode == 1
+        assert "Traceback (most recent call last)" in traced.stderr
+        assert "s3cret" not in down.stderr
