@@ -29,32 +29,14 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from kombu_sqlinbox.codec import DEATH_HEADER, DELIVERY_PROPERTIES
 from kombu_sqlinbox.dead_letters import EVERY
 from kombu_sqlinbox.errors import ConfigurationError
-from kombu_sqlinbox.operations import DeadFilter, DeadLetter, Operations, QueueFigures
+from kombu_sqlinbox.operations import DeadFilter, DeadLetter, Operations
 from kombu_sqlinbox.options import parse_options
 from kombu_sqlinbox.urls import client_url, masked
 
+from .ops_render import age_text, render_prometheus, render_text, text_table
 from .outbox_cli import outbox, progress
 
 __all__ = ["main", "sqlinbox"]
-
-#: Prometheus metric names and help, by figure
-METRICS = {
-    "ready": "Messages claimable now.",
-    "delayed": "Messages not due yet (eta, countdown, retry delay).",
-    "in_work": "Messages held under a live lease.",
-    "blocked": "Due messages waiting behind an unfinished earlier message of their FIFO group.",
-    "blocked_groups": "FIFO groups whose head is in work with messages behind it.",
-    "lapsed": "Leases that ran out unsettled (a dead worker's messages, claimable again).",
-    "oldest_ready_age": "Seconds the oldest claimable message has been ready.",
-    "oldest_lease_age": "Seconds since the oldest live lease was taken or last extended.",
-    "dead_letters": "Messages in the queue's dead-letter queue.",
-}
-SECONDS = ("oldest_ready_age", "oldest_lease_age")
-
-
-def metric_name(figure: str) -> str:
-    return f"sqlinbox_queue_{figure}" + ("_seconds" if figure in SECONDS else "")
-
 
 @contextmanager
 def operations(ctx: click.Context) -> Iterator[Operations]:
@@ -97,56 +79,6 @@ def database_failed(url: str, exc: OperationalError | InterfaceError) -> click.C
     reason = str(exc.orig if exc.orig is not None else exc).strip().splitlines()[0]
     return click.ClickException(
         f"the database {masked(url)} failed: {reason} (--traceback for the details)")
-
-
-def _age(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds:.1f}s"
-
-
-def _rows(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> str:
-    """A plain text table; ``align`` has a ``<`` (left) or ``>`` per column (default: the
-    first left, the rest right)."""
-    align = align or "<" + ">" * (len(header) - 1)
-    cells = [list(header), *[[str(value) for value in row] for row in rows]]
-    widths = [max(len(row[n]) for row in cells) for n in range(len(header))]
-    def line(row: list[str]) -> str:
-        return "  ".join(cell.ljust(width) if side == "<" else cell.rjust(width)
-                         for cell, width, side in zip(row, widths, align, strict=True))
-
-    return "\n".join(line(row).rstrip() for row in cells)
-
-
-def render_text(figures: Sequence[QueueFigures]) -> str:
-    return _rows(
-        ("queue", "ready", "delayed", "in work", "lease age", "blocked", "groups", "lapsed",
-         "oldest ready", "dead letters"),
-        [(f.queue, f.ready, f.delayed, f.in_work, _age(f.oldest_lease_age), f.blocked,
-          f.blocked_groups, f.lapsed, _age(f.oldest_ready_age),
-          "-" if f.dead_letters is None else f"{f.dead_letters} ({f.dead_letter_queue})")
-         for f in figures])
-
-
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def render_prometheus(figures: Sequence[QueueFigures]) -> str:
-    """Prometheus text exposition: one gauge per figure, labelled by queue and table; an
-    age with nothing to measure, and the dead letters of a queue without a dead-letter
-    queue, have no sample."""
-    lines = []
-    for figure, help_text in METRICS.items():
-        name = metric_name(figure)
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
-        for found in figures:
-            value = getattr(found, figure)
-            if value is None:
-                continue
-            labels = f'queue="{_label(found.queue)}",table="{_label(found.table)}"'
-            if figure == "dead_letters":
-                labels += f',dead_letter_queue="{_label(str(found.dead_letter_queue))}"'
-            lines.append(f"{name}{{{labels}}} {value}")
-    return "\n".join(lines) + "\n"
 
 
 def database_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -277,11 +209,11 @@ def dead_list(ctx: click.Context, /, dlq: tuple[str, ...], limit: int | None, as
         click.echo(json.dumps([_dead_row(dead) for dead in found], indent=2))
         return
     now = time.time()
-    click.echo(_rows(
+    click.echo(text_table(
         ("id", "dead-letter queue", "queue", "task", "attempts", "age", "reason"),
         [(d.id, d.dead_letter_queue, d.queue or "-", d.task or "-",
           "-" if d.attempts is None else d.attempts,
-          _age(None if d.at is None else now - d.at), d.why)
+          age_text(None if d.at is None else now - d.at), d.why)
          for d in found], align="><<<>><"))
 
 

@@ -12,7 +12,7 @@ import sys
 from sqlalchemy import inspect
 from sqlalchemy.engine import Engine
 
-from celery_ext.ops_cli import METRICS, metric_name
+from celery_ext.ops_render import METRICS, metric_name
 from kombu_sqlinbox.tables import table_name_for_queue
 from tests.processes import ROOT
 

@@ -1,0 +1,77 @@
+"""How the ``sqlinbox`` commands print queue figures: a plain text table, or Prometheus's
+text exposition (``queues --format prometheus``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kombu_sqlinbox.operations import QueueFigures
+
+#: Prometheus metric names and help, by figure
+METRICS = {
+    "ready": "Messages claimable now.",
+    "delayed": "Messages not due yet (eta, countdown, retry delay).",
+    "in_work": "Messages held under a live lease.",
+    "blocked": "Due messages waiting behind an unfinished earlier message of their FIFO group.",
+    "blocked_groups": "FIFO groups whose head is in work with messages behind it.",
+    "lapsed": "Leases that ran out unsettled (a dead worker's messages, claimable again).",
+    "oldest_ready_age": "Seconds the oldest claimable message has been ready.",
+    "oldest_lease_age": "Seconds since the oldest live lease was taken or last extended.",
+    "dead_letters": "Messages in the queue's dead-letter queue.",
+}
+SECONDS = ("oldest_ready_age", "oldest_lease_age")
+
+
+def metric_name(figure: str) -> str:
+    return f"sqlinbox_queue_{figure}" + ("_seconds" if figure in SECONDS else "")
+
+
+def age_text(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}s"
+
+
+def text_table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> str:
+    """A plain text table; ``align`` has a ``<`` (left) or ``>`` per column (default: the
+    first left, the rest right)."""
+    align = align or "<" + ">" * (len(header) - 1)
+    cells = [list(header), *[[str(value) for value in row] for row in rows]]
+    widths = [max(len(row[n]) for row in cells) for n in range(len(header))]
+    def line(row: list[str]) -> str:
+        return "  ".join(cell.ljust(width) if side == "<" else cell.rjust(width)
+                         for cell, width, side in zip(row, widths, align, strict=True))
+
+    return "\n".join(line(row).rstrip() for row in cells)
+
+
+def render_text(figures: Sequence[QueueFigures]) -> str:
+    return text_table(
+        ("queue", "ready", "delayed", "in work", "lease age", "blocked", "groups", "lapsed",
+         "oldest ready", "dead letters"),
+        [(f.queue, f.ready, f.delayed, f.in_work, age_text(f.oldest_lease_age), f.blocked,
+          f.blocked_groups, f.lapsed, age_text(f.oldest_ready_age),
+          "-" if f.dead_letters is None else f"{f.dead_letters} ({f.dead_letter_queue})")
+         for f in figures])
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_prometheus(figures: Sequence[QueueFigures]) -> str:
+    """Prometheus text exposition: one gauge per figure, labelled by queue and table; an
+    age with nothing to measure, and the dead letters of a queue without a dead-letter
+    queue, have no sample."""
+    lines = []
+    for figure, help_text in METRICS.items():
+        name = metric_name(figure)
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+        for found in figures:
+            value = getattr(found, figure)
+            if value is None:
+                continue
+            labels = f'queue="{_label(found.queue)}",table="{_label(found.table)}"'
+            if figure == "dead_letters":
+                labels += f',dead_letter_queue="{_label(str(found.dead_letter_queue))}"'
+            lines.append(f"{name}{{{labels}}} {value}")
+    return "\n".join(lines) + "\n"
