@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import click
+
 
 class SqlInboxError(Exception):
     """Base of every error raised by kombu-sqlinbox itself."""
 
 
-class ConfigurationError(SqlInboxError, ValueError):
-    """A setting, declaration or queue name is not usable; raised at start-up."""
+class ConfigurationError(SqlInboxError, ValueError, click.ClickException):
+    """A setting, declaration or queue name is not usable; raised at start-up.
+
+    A :class:`click.ClickException` too, so that ``celery worker`` (a click command) and
+    every other command print its message on one line and exit 1: a user's mistake, not
+    a bug, which a traceback of Celery's start-up would bury."""
+
+    def __init__(self, message: str) -> None:
+        click.ClickException.__init__(self, message)
 
 
 class SchemaMismatch(ConfigurationError):
