@@ -7,10 +7,12 @@ runs against it. Whatever happens, :func:`start_server` brings it back.
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 from sqlalchemy import create_engine, text
 
+from tests.parts import SHARED_ENV
 from tests.processes import wait_until
 
 #: bounded waits for the server's own commands and for it to answer again
@@ -52,7 +54,13 @@ def start_server(database: str, url: str) -> None:
 
 
 def restart_server(database: str, url: str) -> None:
-    """Restart the server and wait until it answers again."""
+    """Restart the server and wait until it answers again; refused while other parts of
+    the suite run beside this one (``python -m tests.parts`` says so in the environment):
+    a test that restarts a server belongs to an exclusive part."""
+    if os.environ.get(SHARED_ENV):
+        raise AssertionError(
+            f"restarting {database} would fail the parts running beside this one: "
+            f"a test that restarts a server belongs in tests.parts.EXCLUSIVE's part")
     if database == "postgresql":
         result = run("pg_ctlcluster", "15", "main", "restart")
         assert result.returncode == 0, result.stderr

@@ -1,0 +1,145 @@
+"""Run the suite's parts side by side: ``python -m tests.parts`` (what ``tox -e suite``
+runs).
+
+Each part is a ``[testenv:NAME]`` of ``tox.ini`` and runs its commands there, so a part
+run alone (``tox -e ops``) and a part run here are the same commands. Most of the suite
+waits (on real workers, leases, a server's reply) rather than computes, so on two cores
+several parts at once finish well before one after the other: they share the servers as
+separate users would, every test under a table prefix and queue names of its own. A part
+that restarts a database server takes the servers away from everyone: it runs alone,
+after the others (``EXCLUSIVE``), and :func:`tests.servers.restart_server` refuses to run
+while :data:`SHARED_ENV` says other parts are running beside it.
+
+Each part's output is printed whole when it ends (never interleaved), then a table of
+every part's time and result; the exit status is non-zero when any part failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: set for a part that runs beside others: a test must not take a server away
+SHARED_ENV = "SQLINBOX_TEST_SHARED_MACHINE"
+#: the parts that run side by side, the longest first so the short ones fill in behind
+SHARED = ("acceptance", "ops", "remote", "postgresql", "mysql", "outbox", "frameworks",
+          "sqlite", "package", "drivers", "docs", "type", "unit")
+#: the parts that must have the machine to themselves (they restart a database server)
+EXCLUSIVE = ("restart",)
+#: parts at once: the waits overlap, while a fourth part mostly slows the others down
+JOBS = 3
+
+
+@dataclass
+class Outcome:
+    """One part's run: its name, exit status, seconds and whole output."""
+
+    name: str
+    status: int
+    seconds: float
+    output: str
+
+    @property
+    def summary(self) -> str:
+        """The part's last non-empty line (pytest's count of passed and failed)."""
+        lines = [line for line in self.output.splitlines() if line.strip()]
+        return lines[-1].strip("= ") if lines else ""
+
+
+def part_commands(name: str, tox_ini: Path = ROOT / "tox.ini") -> list[list[str]]:
+    """The commands of ``[testenv:NAME]``, as tox runs them with no positional arguments."""
+    config = configparser.ConfigParser(interpolation=None)
+    config.read(tox_ini)
+    section = f"testenv:{name}"
+    if not config.has_option(section, "commands"):
+        raise SystemExit(f"tox.ini has no commands for part {name!r}")
+    lines = config.get(section, "commands").replace("{posargs}", "").splitlines()
+    return [shlex.split(line) for line in lines if line.strip()]
+
+
+def run_part(name: str, shared: bool) -> Outcome:
+    """Run one part's commands one after the other, stopping at the first that fails."""
+    env = dict(os.environ)
+    if shared:
+        env[SHARED_ENV] = "1"
+    started = time.monotonic()
+    status = 0
+    with tempfile.TemporaryFile(mode="w+") as log:
+        for argv in part_commands(name):
+            log.write(f"$ {shlex.join(argv)}\n")
+            log.flush()
+            status = subprocess.call(argv, cwd=ROOT, env=env, stdout=log,
+                                     stderr=subprocess.STDOUT)
+            if status:
+                break
+        log.seek(0)
+        output = log.read()
+    return Outcome(name, status, time.monotonic() - started, output)
+
+
+def report(outcome: Outcome) -> None:
+    """Print one finished part's whole output under a heading naming it."""
+    verdict = "passed" if outcome.status == 0 else f"FAILED (exit {outcome.status})"
+    print(f"\n===== part {outcome.name}: {verdict} in {outcome.seconds:.0f} s =====",
+          flush=True)
+    print(outcome.output, end="", flush=True)
+
+
+def run_shared(names: Sequence[str], jobs: int) -> list[Outcome]:
+    """Run ``names`` with ``jobs`` of them at a time, reporting each as it ends."""
+    outcomes: list[Outcome] = []
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        pending: set[Future[Outcome]] = {pool.submit(run_part, name, jobs > 1)
+                                         for name in names}
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                outcomes.append(future.result())
+                report(outcomes[-1])
+    return outcomes
+
+
+def table(outcomes: Sequence[Outcome], wall: float) -> str:
+    """Every part's seconds and result, and the run's wall time against their sum."""
+    rows = [f"{'part':<12} {'seconds':>8}  result"]
+    rows += [f"{o.name:<12} {o.seconds:>8.0f}  "
+             f"{'ok' if o.status == 0 else 'FAILED'}: {o.summary}" for o in outcomes]
+    rows.append(f"{'wall':<12} {wall:>8.0f}  (the parts' sum: "
+                f"{sum(o.seconds for o in outcomes):.0f} s)")
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("parts", nargs="*", help="parts to run (default: all)")
+    parser.add_argument("-j", "--jobs", type=int, default=JOBS,
+                        help=f"parts at once (default {JOBS}; 1 runs them one by one)")
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
+    chosen = args.parts or [*SHARED, *EXCLUSIVE]
+    unknown = sorted(set(chosen) - {*SHARED, *EXCLUSIVE})
+    if unknown:
+        parser.error(f"unknown part(s): {', '.join(unknown)}")
+    started = time.monotonic()
+    outcomes = run_shared([name for name in SHARED if name in chosen], args.jobs)
+    for name in (name for name in EXCLUSIVE if name in chosen):
+        outcomes.append(run_part(name, shared=False))
+        report(outcomes[-1])
+    print("\n" + table(outcomes, time.monotonic() - started), flush=True)
+    return 1 if any(o.status for o in outcomes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
