@@ -40,7 +40,9 @@ def parser(sections: list[Section], description: str) -> argparse.ArgumentParser
     if len(sections) > 1:
         made.add_argument("--sections", default=names, type=choices(names),
                           help=f"sections to run (default all: {','.join(names)})")
-    made.add_argument("--json", type=Path, help="also write every figure as JSON here")
+    made.add_argument("--json", type=Path,
+                      help="also write the tables and every figure as JSON to this file, "
+                           "or to a dated file in this directory (bench/results/)")
     made.add_argument("--pg-driver", default="psycopg2", choices=("psycopg2", "psycopg"),
                       help="PostgreSQL driver of the sqlinbox and sqla brokers (the raw "
                            "driver loop is psycopg2's either way)")
@@ -71,17 +73,18 @@ def main(sections: list[Section], argv: list[str], description: str) -> int:
           f"{'; quick: ' + ', '.join(quick) if quick else ''}. Other work on this "
           "machine makes the figures noisy.\n")
     targets: list[Row] = []
+    printed: dict[str, str] = {}
     for section in chosen:
         if section.name in failed:
-            print(f"## {section.title}\n\n{failed[section.name].text}\n")
-            continue
-        rows = found[section.name]
-        print(f"## {section.title}\n\n{section.markdown(rows, own[section.name])}\n")
-        targets += section.targets(rows)
+            printed[section.name] = failed[section.name].text
+        else:
+            printed[section.name] = section.markdown(found[section.name], own[section.name])
+            targets += section.targets(found[section.name])
+        print(f"## {section.title}\n\n{printed[section.name]}\n")
     if targets:
         print(f"## Targets\n\n{targets_table(targets)}\n")
     if args.json:
-        write_json(args.json, args, found, targets)
+        progress(f"wrote {write_json(args.json, args, printed, found, targets)}")
     return 1 if failed else 0
 
 

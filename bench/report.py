@@ -1,9 +1,14 @@
-"""Markdown tables of any section's rows, the targets table, and the JSON record."""
+"""Markdown tables of any section's rows, the targets table, and the JSON record (the
+format of ``bench/results``: its README.rst)."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,8 +49,57 @@ def targets_table(targets: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: Path, args: argparse.Namespace, sections: dict[str, list[Row]],
-               targets: list[Row]) -> None:
-    record: dict[str, Any] = {"arguments": vars(args), "sections": sections,
-                              "targets": targets}
-    path.write_text(json.dumps(record, indent=2, default=str))
+def write_json(path: Path, args: argparse.Namespace, printed: dict[str, str],
+               sections: dict[str, list[Row]], targets: list[Row]) -> Path:
+    """The run's record: what ``bench/results`` keeps of a round (date, command, machine,
+    each section's tables as printed) and every figure with its raw details. A directory
+    ``path`` gets a file named ``<date>-<sections>.json`` in it."""
+    date = datetime.date.today().isoformat()
+    if path.is_dir():
+        path = path / f"{date}-{'+'.join(printed)}.json"
+    tables, notes = [], []
+    for title, text in printed.items():
+        found, said = parse_markdown(text)
+        tables += [{"title": title, **made} for made in found]
+        notes += [f"{title}: {said}"] if said else []
+    record: dict[str, Any] = {
+        "date": date, "round": "", "section": ",".join(printed),
+        "command": " ".join(["python", "bench/run.py", *sys.argv[1:]]), "machine": machine(),
+        "notes": "\n\n".join(notes), "tables": tables,
+        "arguments": vars(args), "figures": sections, "targets": targets}
+    path.write_text(json.dumps(record, indent=1, ensure_ascii=False, default=str) + "\n")
+    return path
+
+
+def parse_markdown(text: str) -> tuple[list[dict[str, Any]], str]:
+    """The Markdown tables of a section's printout as columns and rows, and its other
+    lines."""
+    tables: list[dict[str, Any]] = []
+    rest: list[str] = []
+    lines: list[list[str]] = []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            lines.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+            continue
+        if lines:
+            tables.append({"columns": lines[0], "rows": lines[2:]})
+            lines = []
+        if line.strip():
+            rest.append(line.strip())
+    return tables, " ".join(rest)
+
+
+def machine() -> str:
+    """What the figures depend on: CPUs, memory, the load when the run began, Python."""
+    def field(file: str, name: str) -> str:
+        try:
+            with open(file) as lines:
+                return next((line.split(":", 1)[1].strip() for line in lines
+                             if line.startswith(name)), "?")
+        except OSError:
+            return "?"
+    memory = field("/proc/meminfo", "MemTotal").split()[0]
+    gib = f"{int(memory) / 2**20:.0f} GiB" if memory.isdigit() else "? GiB"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{os.cpu_count()} CPUs {field('/proc/cpuinfo', 'model name')}, {gib}; load "
+            f"average {load:.1f} at the end; Python {platform.python_version()}")

@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.engine import make_url
 
 from tests.databases import require_server
@@ -69,7 +69,8 @@ def test_a_worker_runs_on_what_migrate_created(
         site_database: str, tmp_path: Path, processes: Processes) -> None:
     """The site runs with ``create_tables: False``: after ``manage.py migrate``, a real
     worker starts (its remote-control queue needs the routing tables), answers a ping
-    and runs a task."""
+    and runs a task sent through the app, and nothing creates a table after ``migrate``:
+    the database's tables are the same before and after the worker ran."""
     site = tmp_path / "site"
     shutil.copytree(SITE, site, ignore=shutil.ignore_patterns("*.sqlite3", "__pycache__"))
     env = {"SHOP_DATABASE": site_database, "DJANGO_SETTINGS_MODULE": "shopsite.settings",
@@ -78,14 +79,31 @@ def test_a_worker_runs_on_what_migrate_created(
                   text=True, timeout=120)
     migrated = run([sys.executable, "manage.py", "migrate"])
     assert migrated.returncode == 0, migrated.stdout + migrated.stderr
+    migrated_tables = tables(site_database)
+    made = {"sqlinbox_celery", "sqlinbox_queues", "sqlinbox_bindings", "shop_outbox"}
+    assert made <= migrated_tables, migrated_tables
 
     worker = processes.worker("shopsite", env=env, pool="solo")
     asked = run([sys.executable, "-c", ASK])
     assert asked.returncode == 0, asked.stdout + asked.stderr
-    assert asked.stdout.split() == ["pong", "ran"], asked.stdout
+    assert asked.stdout.split() == ["create_tables=False", "pong", "ran"], asked.stdout
     wait_until(lambda: "reserved stock for order 7" in worker.output(), 30,
                "the worker to log the task's result", alive=[worker])
     worker.stop()
+    assert tables(site_database) == migrated_tables
+
+
+def tables(site_database: str) -> set[str]:
+    """The tables of the site's database, read through the drivers the suite reads with
+    (the site's own URL names none: Django picks its backend from the scheme)."""
+    url = make_url(site_database)
+    drivers = {"postgresql": "postgresql+psycopg", "mysql": "mysql+pymysql"}
+    engine = create_engine(url.set(drivername=drivers.get(url.drivername, url.drivername)))
+    try:
+        with engine.connect() as conn:
+            return set(inspect(conn).get_table_names())
+    finally:
+        engine.dispose()
 
 
 #: what a client of the site asks a worker: a ping, then a task (its result in the log)
@@ -94,6 +112,9 @@ import socket
 
 import shopsite
 from orders.tasks import reserve_stock
+
+options = shopsite.celery_app.conf.broker_transport_options
+print(f"create_tables={options['create_tables']}")
 
 replies = shopsite.celery_app.control.ping([f"w1@{socket.gethostname()}"], timeout=10)
 print("pong" if replies and "pong" in str(replies) else f"no pong: {replies!r}")

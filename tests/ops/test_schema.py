@@ -1,6 +1,6 @@
 """``ddl`` prints what creates every queue's table; ``check`` passes on exactly that
-schema and fails, naming the problem, on a dropped index, a wrong column type and (MariaDB)
-routing tables that compare names ignoring trailing spaces."""
+schema and fails, naming the problem, on a dropped index, a missing column, a wrong
+column type and (MariaDB) routing tables that compare names ignoring trailing spaces."""
 
 from __future__ import annotations
 
@@ -61,6 +61,24 @@ def test_check_passes_on_the_printed_ddl_and_catches_drift(
     assert problems[1].startswith(
         f"PROBLEM fifo ({table_prefix}fifo_jobs): table '{table_prefix}fifo_jobs': "
         "column 'attempt' (role attempt) has type"), problems[1]
+
+
+def test_check_fails_on_a_missing_column_with_what_adds_it(
+        cli: Cli, engine: Engine, table_prefix: str) -> None:
+    """A queue table without a column a role needs (here ``attempt``) fails ``check``,
+    which prints the ``ALTER TABLE`` that adds it."""
+    with engine.begin() as conn:
+        for statement in statements(cli("ddl", "jobs").stdout):
+            conn.execute(text(statement.rstrip(";")))
+        conn.execute(text(
+            f"ALTER TABLE {quoted(engine, f'{table_prefix}jobs')} DROP COLUMN attempt"))
+    failed = cli("check", check=False)
+    assert failed.returncode == 1, failed.stdout
+    (problem,) = [line for line in failed.stdout.splitlines() if line.startswith("PROBLEM")]
+    assert problem.startswith(f"PROBLEM jobs ({table_prefix}jobs): table "
+                              f"'{table_prefix}jobs': column 'attempt' (role attempt) is "
+                              "missing"), failed.stdout
+    assert "ADD COLUMN" in failed.stdout, failed.stdout
 
 
 def test_check_fails_without_the_routing_tables(
