@@ -59,28 +59,29 @@ celeryd_init.connect(consume_without_pool_waits, weak=False,
 
 
 def user_mistake(exc: BaseException | None) -> ConfigurationError | DatabaseUnreachable | None:
-    """The mistake behind ``exc`` (kombu re-raises a connection error as its own, the
-    original as its cause), if a user's or their server's rather than a bug."""
+    """The mistake ``exc`` is or was raised from (kombu re-raises a connection error as its
+    own, from it), if a user's or their server's; None for a bug, even one raised while
+    handling a mistake."""
     while exc is not None:
         if isinstance(exc, (ConfigurationError, DatabaseUnreachable)):
             return exc
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__
     return None
 
 
 class OneLineMistakes(logging.Filter):
-    """Celery's worker logs the error that stops it ("Unrecoverable error") with a
-    traceback of its start-up, some sixty lines, for an unreachable database (once its
-    retries are spent) and a setting found wrong as it connects: those become one line
-    saying what to do, unless the worker logs at DEBUG, which keeps the traceback."""
+    """Celery's worker logs the error that stops it ("Unrecoverable error") with the
+    traceback of its start-up, 60 to 170 lines, also for an unreachable database (once
+    its retries are spent) and a setting found wrong as it connects: those become a line
+    or two saying what to do, unless the worker logs at DEBUG, which keeps the traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         mistake = user_mistake(record.exc_info[1] if record.exc_info else None)
         if mistake is None or logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
             return True
         if isinstance(mistake, DatabaseUnreachable):
-            record.msg = "cannot connect to the broker database %s: %s\n%s (-l debug shows " \
-                "the traceback)"
+            record.msg = ("cannot connect to the broker database %s: %s\n"
+                          "%s (-l debug shows the traceback)")
             record.args = (mistake.url, mistake, mistake.advice())
         else:
             record.msg, record.args = "%s (-l debug shows the traceback)", (mistake,)

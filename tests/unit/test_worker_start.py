@@ -15,7 +15,7 @@ from celery.apps.worker import Worker
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 import kombu_sqlinbox  # noqa: F401  (the start-up hook and the sqlinbox+ alias)
-from kombu_sqlinbox.errors import DatabaseUnreachable
+from kombu_sqlinbox.errors import ConfigurationError, DatabaseUnreachable
 from kombu_sqlinbox.worker import ONE_LINE_MISTAKES
 
 
@@ -112,3 +112,14 @@ def test_a_mistake_kombu_re_raised_is_found_behind_its_error() -> None:
     assert record.getMessage().startswith(
         "cannot connect to the broker database sqlinbox+sqlite:///x/q.db: unable to open\n"
         "Check that the file's directory exists")
+
+
+def test_a_bug_raised_while_handling_a_mistake_keeps_its_traceback() -> None:
+    try:
+        try:
+            raise ConfigurationError("a mistake")
+        except ConfigurationError:
+            raise RuntimeError("a bug in the handling") from None
+    except RuntimeError as exc:
+        record = stopping_record(exc)
+    assert ONE_LINE_MISTAKES.filter(record) and record.exc_info is not None
