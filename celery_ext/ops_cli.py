@@ -28,7 +28,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from kombu_sqlinbox.codec import DEATH_HEADER, DELIVERY_PROPERTIES
 from kombu_sqlinbox.dead_letters import EVERY
-from kombu_sqlinbox.errors import ConfigurationError
+from kombu_sqlinbox.errors import ConfigurationError, reason_of
 from kombu_sqlinbox.operations import DeadFilter, DeadLetter, Operations
 from kombu_sqlinbox.options import parse_options
 from kombu_sqlinbox.urls import client_url, masked
@@ -76,9 +76,8 @@ def database_failed(url: str, exc: OperationalError | InterfaceError) -> click.C
     """A database that is down or refuses the command is the operator's to fix, not a bug:
     one line naming the database (its password masked) and the driver's reason, instead
     of SQLAlchemy's chained traceback (``--traceback`` shows it)."""
-    reason = str(exc.orig if exc.orig is not None else exc).strip().splitlines()[0]
     return click.ClickException(
-        f"the database {masked(url)} failed: {reason} (--traceback for the details)")
+        f"the database {masked(url)} failed: {reason_of(exc)} (--traceback for the details)")
 
 
 def database_options(command: Callable[..., Any]) -> Callable[..., Any]:

@@ -8,13 +8,19 @@ run on it without a broker.
 from __future__ import annotations
 
 import random
+import re
 import select
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from inspect import signature as inspect_signature
+from typing import Any, TypeVar, cast
 
 from sqlalchemy import Connection, create_engine, event, inspect
+from sqlalchemy import util as sa_util
 from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.engine.create import _pool_translate_kwargs as POOL_KEYWORDS
+from sqlalchemy.engine.default import DefaultDialect
 from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.pool import Pool
 
@@ -22,6 +28,7 @@ from . import binding
 from .clock import key_of
 from .dialects import SPELLINGS, Dialect, RowsInsert, dialect_class, dialect_for
 from .errors import ConfigurationError
+from .options import unknown_option
 from .tables import TableSpec
 from .urls import masked
 
@@ -95,10 +102,49 @@ def engine_for(url: str | URL, sqlite_begin: str = "IMMEDIATE",
     refuse_memory_database(parsed)
     engine_options = {**dialect_class(parsed.get_backend_name()).engine_defaults,
                       **engine_options}
-    engine = create_engine(parsed, **engine_options)
+    try:
+        engine = create_engine(parsed, **engine_options)
+    except TypeError as exc:
+        refused = refused_engine_option(exc, parsed, engine_options.get("poolclass"))
+        if refused is None:
+            raise
+        raise refused from exc
     dialect = dialect_for(engine)
     dialect.prepare_engine(engine, sqlite_begin)
     return engine, dialect
+
+
+#: the keywords SQLAlchemy's create_engine() refused, as its TypeError names them
+_REFUSED = re.compile(r"^Invalid argument\(s\) (.+?) sent to create_engine\(\)")
+
+
+def refused_engine_option(exc: TypeError, url: URL, poolclass: type[Pool] | None
+                          ) -> ConfigurationError | None:
+    """For SQLAlchemy's TypeError on a keyword ``create_engine()`` does not take (which
+    names no transport option and no fix), the error naming the option and the closest
+    keyword it does take; None for any other TypeError."""
+    found = _REFUSED.match(str(exc))
+    if found is None:
+        return None
+    key = re.findall(r"'([^']*)'", found.group(1))[0]
+    return unknown_option(f"engine_options[{key!r}]", key, engine_keywords(url, poolclass))
+
+
+def engine_keywords(url: URL, poolclass: type[Pool] | None = None) -> set[str]:
+    """The keywords ``create_engine()`` takes for ``url``, read from SQLAlchemy as it reads
+    them: its own (its typed signature, which Python 3.10 cannot read), the dialect's,
+    the driver import's, the pool's (under their ``pool_`` names) and the Engine's."""
+    dialect = cast("type[DefaultDialect]", url.get_dialect())  # every dialect is one
+    pool = poolclass or dialect.get_pool_class(url)
+    names = {*sa_util.get_cls_kwargs(dialect), *sa_util.get_func_kwargs(dialect.import_dbapi),
+             *(POOL_KEYWORDS.get(name, name) for name in sa_util.get_cls_kwargs(pool)),
+             *sa_util.get_cls_kwargs(Engine)}
+    if sys.version_info >= (3, 11):
+        from typing import get_overloads
+
+        names.update(name for overload in get_overloads(create_engine)
+                     for name in inspect_signature(overload).parameters)
+    return {name for name in names if not name.startswith("_")} - {"url", "kwargs", "cls"}
 
 
 def closed_by_server(connection: Any) -> bool:

@@ -26,3 +26,32 @@ class SchemaMismatch(ConfigurationError):
 
 class MessageTooLarge(SqlInboxError):
     """A message is larger than the database accepts in one statement."""
+
+
+class DatabaseUnreachable(SqlInboxError):
+    """The broker's database cannot be connected to (a server down or elsewhere, refused
+    credentials, an SQLite file that cannot be opened). A connection error: kombu and
+    Celery retry it as they retry any broker; its message is the driver's reason, one line.
+    """
+
+    def __init__(self, url: str, reason: str, server: bool = True) -> None:
+        super().__init__(reason)
+        #: the broker URL, its password masked
+        self.url = url
+        #: whether a server is connected to (not an SQLite file)
+        self.server = server
+
+    def advice(self) -> str:
+        """What a user checks: the mistake is theirs or their server's, not a bug."""
+        if self.server:
+            return ("Check that the database server is running and that the URL's host, "
+                    "port, user and password are right")
+        return "Check that the file's directory exists and that the worker may write there"
+
+
+def reason_of(exc: BaseException) -> str:
+    """The first line of the driver's message in a database error (SQLAlchemy's wraps
+    it as ``orig``, and adds lines of its own): what the server or driver said."""
+    original = getattr(exc, "orig", None)
+    text = str(original if original is not None else exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

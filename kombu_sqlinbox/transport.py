@@ -20,7 +20,13 @@ from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 from .broker import Broker, QueueTable
 from .brokers import broker_for, shutting_down, stop_waiting
 from .channel import Channel, QoS
-from .errors import ConfigurationError, MessageTooLarge, SchemaMismatch
+from .errors import (
+    ConfigurationError,
+    DatabaseUnreachable,
+    MessageTooLarge,
+    SchemaMismatch,
+    reason_of,
+)
 from .options import parse_options
 from .polling import Cadence, EventLoop
 from .urls import client_url, conceal_password, refuse_alternates_with_query, shown_uri
@@ -61,7 +67,7 @@ class Transport(virtual.Transport):
 
     connection_errors = (
         *virtual.Transport.connection_errors, OperationalError, InterfaceError,
-        DisconnectionError, *DRIVER_CONNECTION_ERRORS,
+        DisconnectionError, DatabaseUnreachable, *DRIVER_CONNECTION_ERRORS,
     )
     channel_errors = (*virtual.Transport.channel_errors, MessageTooLarge)
 
@@ -169,7 +175,15 @@ class Transport(virtual.Transport):
         return True
 
     def establish_connection(self) -> Any:
-        self.broker.ping()
+        """Connect once to the database: a failure is a connection error kombu and Celery
+        retry, saying what the driver said and which URL, in one line (SQLAlchemy's own
+        message takes three, and names no URL)."""
+        broker = self.broker
+        try:
+            broker.ping()
+        except self.connection_errors as exc:
+            raise DatabaseUnreachable(self.as_uri(""), reason_of(exc),
+                                      server=broker.engine.dialect.name != "sqlite") from exc
         return super().establish_connection()
 
     def driver_version(self) -> str:

@@ -6,12 +6,14 @@ Connected when the package is imported (the app's module imports it for the
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery.signals import celeryd_init
 from kombu import Connection
 from kombu.transport import resolve_transport
 
+from .errors import ConfigurationError, DatabaseUnreachable
 from .options import parse_options
 
 
@@ -54,3 +56,46 @@ def chosen(conf: Any, key: str) -> bool:
 
 celeryd_init.connect(consume_without_pool_waits, weak=False,
                      dispatch_uid="sqlinbox.consume_without_pool_waits")
+
+
+def user_mistake(exc: BaseException | None) -> ConfigurationError | DatabaseUnreachable | None:
+    """The mistake ``exc`` is or was raised from (kombu re-raises a connection error as its
+    own, from it), if a user's or their server's; None for a bug, even one raised while
+    handling a mistake."""
+    while exc is not None:
+        if isinstance(exc, (ConfigurationError, DatabaseUnreachable)):
+            return exc
+        exc = exc.__cause__
+    return None
+
+
+class OneLineMistakes(logging.Filter):
+    """Celery's worker logs the error that stops it ("Unrecoverable error") with the
+    traceback of its start-up, 60 to 170 lines, also for an unreachable database (once
+    its retries are spent) and a setting found wrong as it connects: those become a line
+    or two saying what to do, unless the worker logs at DEBUG, which keeps the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        mistake = user_mistake(record.exc_info[1] if record.exc_info else None)
+        if mistake is None or logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            return True
+        if isinstance(mistake, DatabaseUnreachable):
+            record.msg = ("cannot connect to the broker database %s: %s\n"
+                          "%s (-l debug shows the traceback)")
+            record.args = (mistake.url, mistake, mistake.advice())
+        else:
+            record.msg, record.args = "%s (-l debug shows the traceback)", (mistake,)
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+#: one filter for every worker of the process (``addFilter`` adds it once)
+ONE_LINE_MISTAKES = OneLineMistakes()
+
+
+def shorten_mistakes(**_: Any) -> None:
+    """On Celery's worker logger: where Celery logs the error that stops a worker."""
+    logging.getLogger("celery.worker").addFilter(ONE_LINE_MISTAKES)
+
+
+celeryd_init.connect(shorten_mistakes, weak=False, dispatch_uid="sqlinbox.shorten_mistakes")

@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import create_engine
 
 from kombu_sqlinbox.dialects import dialect_for
+from kombu_sqlinbox.errors import DatabaseUnreachable
 from kombu_sqlinbox.options import CLAIM_FORMS, KOMBU_KEYS, QueueOptions, TransportOptions
 from kombu_sqlinbox.tables import default_table, table_name_for_queue
 from tests.unit.test_layers import LAYERS
@@ -95,3 +96,11 @@ def test_design_page_lists_the_layers_in_the_order_the_imports_keep() -> None:
     listed = text.split(".. layers-start")[1].split(".. layers-end")[0]
     shown = re.findall(r"^\d+\. ``kombu_sqlinbox\.(\w+)``", listed, re.MULTILINE)
     assert shown == [layer[0] for layer in LAYERS]
+
+
+def test_the_advice_an_unreachable_database_gets_is_as_documented() -> None:
+    text = " ".join((DOCS / "configuration.rst").read_text().split())
+    for server in (True, False):
+        advice = DatabaseUnreachable("url", "reason", server).advice()
+        assert advice in text, advice
+    assert "(-l debug shows the traceback)" in text

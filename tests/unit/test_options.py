@@ -7,9 +7,11 @@ from typing import Any
 
 import pytest
 from kombu import Connection
+from sqlalchemy.engine import make_url
 
 import kombu_sqlinbox
 from kombu_sqlinbox import ConfigurationError, TableBuilder
+from kombu_sqlinbox.database import engine_for, engine_keywords
 from kombu_sqlinbox.options import KOMBU_KEYS, TransportOptions, parse_options
 
 #: importable by dotted path, as a Celery config file would name it
@@ -144,3 +146,41 @@ def test_a_key_like_no_option_names_none() -> None:
     with pytest.raises(ConfigurationError) as raised:
         parse_options({"zzzz": 1})
     assert str(raised.value) == "unknown transport option 'zzzz'"
+
+
+URLS = ("postgresql://app@127.0.0.1/test", "mysql+pymysql://app@127.0.0.1/test",
+        "sqlite:///unused.db")
+
+
+@pytest.mark.parametrize("url", URLS)
+@pytest.mark.parametrize("raw, meant", [
+    ({"pool_pre_pingg": True}, "pool_pre_ping"),  # the pool's, under its create_engine name
+    ({"timeout": 5}, "pool_timeout"),
+    ({"connect_argss": {}}, "connect_args"),  # create_engine's own
+    ({"hide_parameter": True}, "hide_parameters"),  # the Engine's
+])
+def test_a_misspelled_engine_option_names_the_closest_create_engine_keyword(
+        url: str, raw: dict[str, Any], meant: str) -> None:
+    (key,) = raw
+    with pytest.raises(ConfigurationError, match=re.escape(
+            f"unknown transport option \"engine_options[{key!r}]\"; did you mean {meant!r}?")):
+        engine_for(url, **raw)
+
+
+def test_the_keywords_offered_are_the_dialects_own() -> None:
+    with pytest.raises(ConfigurationError, match="did you mean 'use_native_hstore'"):
+        engine_for(URLS[0], use_native_hstor=False)
+    assert "use_native_hstore" in engine_keywords(make_url(URLS[0]))
+    assert "use_native_hstore" not in engine_keywords(make_url(URLS[2]))
+
+
+@pytest.mark.parametrize("url", URLS)
+def test_connect_args_reach_the_driver_unchecked(url: str) -> None:
+    """What the driver takes is the driver's to judge, when it connects."""
+    engine, _ = engine_for(url, connect_args={"any_driver_setting": 1}, pool_pre_ping=True)
+    engine.dispose()
+
+
+def test_another_type_error_of_create_engine_passes_unchanged() -> None:
+    with pytest.raises(TypeError, match="must be a mapping"):
+        engine_for(URLS[2], execution_options=5)

@@ -4,14 +4,19 @@ user chose otherwise, and nothing changes for the event loop or another broker."
 
 from __future__ import annotations
 
+import logging
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from celery import Celery
 from celery.apps.worker import Worker
+from kombu.exceptions import OperationalError as KombuOperationalError
 
 import kombu_sqlinbox  # noqa: F401  (the start-up hook and the sqlinbox+ alias)
+from kombu_sqlinbox.errors import ConfigurationError, DatabaseUnreachable
+from kombu_sqlinbox.worker import ONE_LINE_MISTAKES
 
 
 def built(app: Celery, **options: Any) -> Worker:
@@ -69,3 +74,52 @@ def test_without_a_prefetch_limit_the_wait_stays(sqlite: str) -> None:
     assert started(sqlite, worker_prefetch_multiplier=0).pool_putlocks is True
     app = Celery("start", broker=sqlite, set_as_current=False)
     assert built(app, prefetch_multiplier=0).pool_putlocks is True
+
+
+def stopping_record(exc: BaseException) -> logging.LogRecord:
+    """The record Celery's worker logs for the error that stops it, ``exc`` raised."""
+    try:
+        raise exc
+    except BaseException:
+        return logging.getLogger("celery.worker").makeRecord(
+            "celery.worker", logging.CRITICAL, __file__, 1, "Unrecoverable error: %r",
+            (exc,), sys.exc_info())
+
+
+def test_a_bug_that_stops_a_worker_keeps_its_traceback() -> None:
+    record = stopping_record(RuntimeError("a bug"))
+    assert ONE_LINE_MISTAKES.filter(record)
+    assert record.exc_info is not None and record.getMessage().startswith(
+        "Unrecoverable error: RuntimeError")
+
+
+def test_a_mistake_kombu_re_raised_is_found_behind_its_error() -> None:
+    """kombu raises a connection error that ran out of retries as its own, from it."""
+    try:
+        try:
+            raise DatabaseUnreachable("sqlinbox+sqlite:///x/q.db", "unable to open", False)
+        except DatabaseUnreachable as exc:
+            raise KombuOperationalError(str(exc)) from exc
+    except KombuOperationalError as exc:
+        record = stopping_record(exc)
+    logger = logging.getLogger("celery.worker")
+    level = logger.level
+    logger.setLevel(logging.INFO)  # as ``celery worker -l info`` runs
+    try:
+        assert ONE_LINE_MISTAKES.filter(record) and record.exc_info is None
+    finally:
+        logger.setLevel(level)
+    assert record.getMessage().startswith(
+        "cannot connect to the broker database sqlinbox+sqlite:///x/q.db: unable to open\n"
+        "Check that the file's directory exists")
+
+
+def test_a_bug_raised_while_handling_a_mistake_keeps_its_traceback() -> None:
+    try:
+        try:
+            raise ConfigurationError("a mistake")
+        except ConfigurationError:
+            raise RuntimeError("a bug in the handling") from None
+    except RuntimeError as exc:
+        record = stopping_record(exc)
+    assert ONE_LINE_MISTAKES.filter(record) and record.exc_info is not None
