@@ -16,9 +16,13 @@ from typing import Any
 from .errors import ConfigurationError
 from .tables import InboxTable, TableBuilder, TableSpec, as_spec
 
-#: keys kombu's Connection reads itself for its retry policy: accepted, not ours
+#: keys kombu's Connection reads itself for its retry policy, and those of
+#: ``Connection.ensure()``, which ``Producer.publish(retry=True, retry_policy=...)`` copies
+#: into the connection's transport options (Celery's ``task_publish_retry_policy``):
+#: accepted, not ours
 KOMBU_KEYS = frozenset(
-    {"max_retries", "interval_start", "interval_step", "interval_max", "connect_retries_timeout"}
+    {"max_retries", "interval_start", "interval_step", "interval_max", "connect_retries_timeout",
+     "retry_errors", "errback", "on_revive"}
 )
 CLAIM_FORMS = ("lease", "row_lock", "advisory")
 ISOLATION_LEVELS = ("READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE")
