@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Connection, create_engine, event, inspect
 from sqlalchemy.engine import URL, Engine, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 from sqlalchemy.pool import Pool
 
 from . import binding
@@ -38,6 +38,14 @@ BARE_DRIVERS = {
     "mysql": (("MySQLdb", "mysqldb"), ("pymysql", "pymysql")),
     "mariadb": (("MySQLdb", "mysqldb"), ("pymysql", "pymysql")),
 }
+#: the kombu-sqlinbox extra that installs each driver it supports
+DRIVER_EXTRAS = {"psycopg": "postgres", "psycopg2": "psycopg2", "pymysql": "mysql"}
+
+
+def _install_hint(drivers: Sequence[str]) -> str:
+    """How to install the first of ``drivers`` that an extra brings."""
+    extra = next((DRIVER_EXTRAS[name] for name in drivers if name in DRIVER_EXTRAS), None)
+    return f"pip install 'kombu-sqlinbox[{extra}]'" if extra else "install it"
 
 
 def sqlalchemy_url(url: str) -> URL:
@@ -58,7 +66,7 @@ def sqlalchemy_url(url: str) -> URL:
         parsed = parsed.set(drivername=SPELLINGS[backend] + plus + driver)
     candidates = BARE_DRIVERS.get(parsed.drivername)
     if candidates is None:
-        return parsed
+        return _driver_installed(parsed, url)
     for module, driver in candidates:
         try:
             found = __import__(module)
@@ -69,9 +77,25 @@ def sqlalchemy_url(url: str) -> URL:
         return parsed.set(drivername=f"{parsed.drivername}+{driver}")
     modules = " or ".join(module for module, _ in candidates)
     raise ConfigurationError(
-        f"a {parsed.drivername}:// broker URL needs a driver: install {modules} (the "
-        "kombu-sqlinbox extras 'psycopg', 'postgres' and 'mysql' bring one)"
+        f"a {parsed.drivername}:// URL needs a driver, {modules}, and neither is installed: "
+        f"{_install_hint([driver for _, driver in candidates])}"
     )
+
+
+def _driver_installed(parsed: URL, given: str) -> URL:
+    """``parsed``, whose driver imports; else the error naming the extra that installs it
+    (SQLAlchemy would raise the driver's bare ImportError when the engine is made)."""
+    try:
+        dialect = parsed.get_dialect()
+    except NoSuchModuleError:  # no such database: refused by its name where it is served
+        return parsed
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"URL {masked(given)!r} names the driver {dialect.driver!r}, which is not "
+            f"installed ({exc}): {_install_hint([dialect.driver])}") from None
+    return parsed
 
 
 def refuse_memory_database(url: URL) -> None:
