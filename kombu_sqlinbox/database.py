@@ -51,7 +51,7 @@ def _install_hint(drivers: Sequence[str]) -> str:
 def sqlalchemy_url(url: str) -> URL:
     """The SQLAlchemy URL behind ``sqlinbox+...``. A URL naming no driver
     (``postgresql://``, ``mysql://``) takes whichever supported driver is installed;
-    ``postgres://`` is read as ``postgresql://``."""
+    ``postgres://`` is read as ``postgresql://``, and a scheme in any case as in lower case."""
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError):  # ValueError: a port that is not a number
@@ -61,9 +61,9 @@ def sqlalchemy_url(url: str) -> URL:
             f"broker URL {masked(url)!r} is not an SQLAlchemy URL; write e.g. "
             "sqlinbox+postgresql://user@host/db or sqlinbox+sqlite:///jobs.db"
         )
-    backend, plus, driver = parsed.drivername.partition("+")
-    if backend in SPELLINGS:
-        parsed = parsed.set(drivername=SPELLINGS[backend] + plus + driver)
+    # a URL's scheme is case-insensitive; SQLAlchemy's dialect names are lower case
+    backend, plus, driver = parsed.drivername.lower().partition("+")
+    parsed = parsed.set(drivername=SPELLINGS.get(backend, backend) + plus + driver)
     candidates = BARE_DRIVERS.get(parsed.drivername)
     if candidates is None:
         return _driver_installed(parsed, url)
