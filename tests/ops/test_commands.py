@@ -116,3 +116,15 @@ def test_the_outbox_commands_on_a_database_that_is_down_are_one_line(tmp_path: P
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
         assert done.stderr.splitlines()[-1].startswith("Error: no outbox is installed"), (
             done.stderr)
+
+
+def test_a_password_holding_a_semicolon_is_masked_too() -> None:
+    """A ``;`` separates failover URLs only where a URL follows it: one inside a password
+    written without percent-encoding (which SQLAlchemy reads) is masked with the rest."""
+    for url in ("postgresql://root:s3;cret@127.0.0.1:1/test",
+                "mysql+pymysql://root:s3;cret@127.0.0.1:1/test"):
+        down = run([SQLINBOX, "--url", url, "queues"], {})
+        assert down.returncode == 1, down.stderr
+        (line,) = down.stderr.splitlines()
+        assert line.startswith(f"Error: the database {url.replace('s3;cret', '***')} failed"), (
+            line)
