@@ -28,13 +28,13 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from kombu_sqlinbox.codec import DEATH_HEADER, DELIVERY_PROPERTIES
 from kombu_sqlinbox.dead_letters import EVERY
-from kombu_sqlinbox.errors import ConfigurationError, reason_of
+from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.operations import DeadFilter, DeadLetter, Operations
 from kombu_sqlinbox.options import parse_options
 from kombu_sqlinbox.urls import client_url, masked
 
 from .ops_render import age_text, render_prometheus, render_text, text_table
-from .outbox_cli import outbox, progress
+from .outbox_cli import database_failed, outbox, progress
 
 __all__ = ["main", "sqlinbox"]
 
@@ -70,14 +70,6 @@ def operations(ctx: click.Context) -> Iterator[Operations]:
         raise database_failed(str(url), exc) from None
     finally:
         made.close()
-
-
-def database_failed(url: str, exc: OperationalError | InterfaceError) -> click.ClickException:
-    """A database that is down or refuses the command is the operator's to fix, not a bug:
-    one line naming the database (its password masked) and the driver's reason, instead
-    of SQLAlchemy's chained traceback (``--traceback`` shows it)."""
-    return click.ClickException(
-        f"the database {masked(url)} failed: {reason_of(exc)} (--traceback for the details)")
 
 
 def database_options(command: Callable[..., Any]) -> Callable[..., Any]:

@@ -14,22 +14,47 @@ commands are ``celery -A proj sqlinbox outbox ...`` (:mod:`celery_ext.ops_cli`).
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
 import click
 from celery.app.utils import find_app
+from sqlalchemy.exc import InterfaceError, OperationalError
 
-from .outbox import Outbox, outbox_of
+from kombu_sqlinbox.errors import reason_of
+from kombu_sqlinbox.urls import masked
 
-__all__ = ["main", "outbox", "progress"]
+from .outbox import Outbox, OutboxError, outbox_of
+
+__all__ = ["database_failed", "main", "outbox", "progress"]
 
 
-def _outbox(ctx: click.Context) -> Outbox:
+def database_failed(url: str, exc: OperationalError | InterfaceError) -> click.ClickException:
+    """A database that is down or refuses the command is the operator's to fix, not a bug:
+    one line naming the database (its password masked) and the driver's reason, instead
+    of SQLAlchemy's chained traceback (``--traceback`` shows it)."""
+    return click.ClickException(
+        f"the database {masked(url)} failed: {reason_of(exc)} (--traceback for the details)")
+
+
+@contextmanager
+def _outbox(ctx: click.Context) -> Iterator[Outbox]:
+    """The app's outbox; an app without one, or its database failing, is one line."""
     app = getattr(ctx.obj, "app", None)
     if app is None:
         raise click.UsageError("the outbox commands need the app: -A proj")
-    return outbox_of(app)
+    try:
+        found = outbox_of(app)
+        yield found
+    except OutboxError as exc:  # none installed, no database given yet
+        raise click.UsageError(str(exc)) from None
+    except (OperationalError, InterfaceError) as exc:
+        if getattr(ctx.obj, "traceback", False):  # ``sqlinbox --traceback outbox ...``
+            raise
+        url = found.engine.url.render_as_string(hide_password=False)
+        raise database_failed(url, exc) from None
 
 
 class _Quiet:
@@ -60,7 +85,8 @@ def outbox() -> None:
 @outbox.command(help="Counts of unprocessed and processed records, oldest unprocessed age.")
 @click.pass_context
 def status(ctx: click.Context) -> None:
-    found = _outbox(ctx).status()
+    with _outbox(ctx) as found_outbox:
+        found = found_outbox.status()
     age = "-" if found.oldest_unprocessed_age is None else f"{found.oldest_unprocessed_age:.1f}s"
     click.echo(f"unprocessed: {found.unprocessed}\nprocessed: {found.processed}\n"
                f"oldest unprocessed age: {age}")
@@ -72,8 +98,7 @@ def status(ctx: click.Context) -> None:
 @click.option("--limit", type=int, default=None, help="at most this many records")
 @click.pass_context
 def republish(ctx: click.Context, older_than: float | None, limit: int | None) -> None:
-    found = _outbox(ctx)
-    with progress("republish", found.status().unprocessed) as bar:
+    with _outbox(ctx) as found, progress("republish", found.status().unprocessed) as bar:
         done = found.republish(older_than, limit, progress=bar.update)
     failed = ", ".join(map(str, done.failed)) or "none"
     click.echo(f"republished: {done.sent}\nfailed (see the log): {failed}\n"
@@ -85,8 +110,7 @@ def republish(ctx: click.Context, older_than: float | None, limit: int | None) -
               help="seconds since processed (default: the outbox's retention)")
 @click.pass_context
 def prune(ctx: click.Context, older_than: float | None) -> None:
-    found = _outbox(ctx)
-    with progress("prune", found.status().processed) as bar:
+    with _outbox(ctx) as found, progress("prune", found.status().processed) as bar:
         pruned = found.prune(older_than, progress=bar.update)
     click.echo(f"pruned: {pruned}")
 

@@ -21,7 +21,7 @@ from sqlalchemy import util as sa_util
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.engine.create import _pool_translate_kwargs as POOL_KEYWORDS
 from sqlalchemy.engine.default import DefaultDialect
-from sqlalchemy.exc import ArgumentError, DBAPIError
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 from sqlalchemy.pool import Pool
 
 from . import binding
@@ -45,12 +45,20 @@ BARE_DRIVERS = {
     "mysql": (("MySQLdb", "mysqldb"), ("pymysql", "pymysql")),
     "mariadb": (("MySQLdb", "mysqldb"), ("pymysql", "pymysql")),
 }
+#: the kombu-sqlinbox extra that installs each driver it supports
+DRIVER_EXTRAS = {"psycopg": "postgres", "psycopg2": "psycopg2", "pymysql": "mysql"}
+
+
+def _install_hint(drivers: Sequence[str]) -> str:
+    """How to install the first of ``drivers`` that an extra brings."""
+    extra = next((DRIVER_EXTRAS[name] for name in drivers if name in DRIVER_EXTRAS), None)
+    return f"pip install 'kombu-sqlinbox[{extra}]'" if extra else "install it"
 
 
 def sqlalchemy_url(url: str) -> URL:
     """The SQLAlchemy URL behind ``sqlinbox+...``. A URL naming no driver
     (``postgresql://``, ``mysql://``) takes whichever supported driver is installed;
-    ``postgres://`` is read as ``postgresql://``."""
+    ``postgres://`` is read as ``postgresql://``, and a scheme in any case as in lower case."""
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError):  # ValueError: a port that is not a number
@@ -60,12 +68,12 @@ def sqlalchemy_url(url: str) -> URL:
             f"broker URL {masked(url)!r} is not an SQLAlchemy URL; write e.g. "
             "sqlinbox+postgresql://user@host/db or sqlinbox+sqlite:///jobs.db"
         )
-    backend, plus, driver = parsed.drivername.partition("+")
-    if backend in SPELLINGS:
-        parsed = parsed.set(drivername=SPELLINGS[backend] + plus + driver)
+    # a URL's scheme is case-insensitive; SQLAlchemy's dialect names are lower case
+    backend, plus, driver = parsed.drivername.lower().partition("+")
+    parsed = parsed.set(drivername=SPELLINGS.get(backend, backend) + plus + driver)
     candidates = BARE_DRIVERS.get(parsed.drivername)
     if candidates is None:
-        return parsed
+        return _driver_installed(parsed, url)
     for module, driver in candidates:
         try:
             found = __import__(module)
@@ -76,9 +84,25 @@ def sqlalchemy_url(url: str) -> URL:
         return parsed.set(drivername=f"{parsed.drivername}+{driver}")
     modules = " or ".join(module for module, _ in candidates)
     raise ConfigurationError(
-        f"a {parsed.drivername}:// broker URL needs a driver: install {modules} (the "
-        "kombu-sqlinbox extras 'psycopg', 'postgres' and 'mysql' bring one)"
+        f"a {parsed.drivername}:// URL needs a driver, {modules}, and neither is installed: "
+        f"{_install_hint([driver for _, driver in candidates])}"
     )
+
+
+def _driver_installed(parsed: URL, given: str) -> URL:
+    """``parsed``, whose driver imports; else the error naming the extra that installs it
+    (SQLAlchemy would raise the driver's bare ImportError when the engine is made)."""
+    try:
+        dialect = parsed.get_dialect()
+    except NoSuchModuleError:  # no such database: refused by its name where it is served
+        return parsed
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"URL {masked(given)!r} names the driver {dialect.driver!r}, which is not "
+            f"installed ({exc}): {_install_hint([dialect.driver])}") from None
+    return parsed
 
 
 def refuse_memory_database(url: URL) -> None:

@@ -16,9 +16,13 @@ from typing import Any
 from .errors import ConfigurationError
 from .tables import InboxTable, TableBuilder, TableSpec, as_spec
 
-#: keys kombu's Connection reads itself for its retry policy: accepted, not ours
+#: keys kombu's Connection reads itself for its retry policy, and those of
+#: ``Connection.ensure()``, which ``Producer.publish(retry=True, retry_policy=...)`` copies
+#: into the connection's transport options (Celery's ``task_publish_retry_policy``):
+#: accepted, not ours
 KOMBU_KEYS = frozenset(
-    {"max_retries", "interval_start", "interval_step", "interval_max", "connect_retries_timeout"}
+    {"max_retries", "interval_start", "interval_step", "interval_max", "connect_retries_timeout",
+     "retry_errors", "errback", "on_revive"}
 )
 CLAIM_FORMS = ("lease", "row_lock", "advisory")
 ISOLATION_LEVELS = ("READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE")
@@ -69,6 +73,10 @@ class TransportOptions:
         return self.queues.get(queue, self.defaults)
 
 
+#: the options set for the whole transport only
+TRANSPORT_KEYS = frozenset(option.name for option in fields(TransportOptions)) - {"defaults"}
+
+
 def _number(key: str, value: Any, minimum: float, integer: bool = False,
             above: bool = False) -> Any:
     """``value`` checked: a number (an integer) >= ``minimum``, or > it when ``above``."""
@@ -111,11 +119,14 @@ QUEUE_KEYS = frozenset({"max_attempts", "dead_letter_queue", "claim", "visibilit
                         "isolation_level", "sqlite_begin", "synchronous_commit"})
 
 
-def unknown_option(name: str, key: str, known: Iterable[str]) -> ConfigurationError:
-    """The error for a key no option has, naming the closest one: a typo is the usual
-    cause, and the message should end the search for it."""
-    close = get_close_matches(key, sorted(known), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+def unknown_option(name: str, key: str, known: Iterable[str],
+                   otherwise: str = "") -> ConfigurationError:
+    """The error for a key no option has, naming the closest one, whatever its case: a
+    typo is the usual cause, and the message should end the search for it. With no close
+    one, ``otherwise`` says where the key belongs."""
+    spelled = {name.lower(): name for name in known}
+    close = get_close_matches(key.lower(), sorted(spelled), n=1)
+    hint = f"; did you mean {spelled[close[0]]!r}?" if close else otherwise
     return ConfigurationError(f"unknown transport option {name!r}{hint}")
 
 
@@ -128,7 +139,9 @@ def _queue_options(prefix: str, raw: Mapping[str, Any], base: QueueOptions) -> Q
     for key, value in raw.items():
         name = f"{prefix}{key}"
         if key not in QUEUE_KEYS and key != "table":
-            raise unknown_option(name, key, (*QUEUE_KEYS, "table"))
+            wide = key in TRANSPORT_KEYS
+            raise unknown_option(name, key, (*QUEUE_KEYS, "table"), (
+                f"; {key!r} is set for the whole transport, not per queue" if wide else ""))
         if key == "table":
             changes[key] = _declaration(name, value)
         elif key == "max_attempts":
@@ -196,10 +209,13 @@ def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
             if not isinstance(value, Mapping):
                 raise ConfigurationError(f"transport option {key}: expected a dict of queues")
             result[key] = {
-                str(name): _queue_options(f"queues[{name!r}].", settings or {}, defaults)
+                str(name): _queue_options(f"queues[{name!r}].",
+                                          {} if settings is None else settings, defaults)
                 for name, settings in value.items()
             }
         else:
-            known = {option.name for option in fields(TransportOptions)} - {"defaults"}
-            raise unknown_option(key, key, (*known, *QUEUE_KEYS, *KOMBU_KEYS))
+            raise unknown_option(key, key, (*TRANSPORT_KEYS, *QUEUE_KEYS, *KOMBU_KEYS), (
+                f"; a queue's options go under queues={{{key!r}: {{...}}}}"
+                if isinstance(value, Mapping) else ""))
     return TransportOptions(**result)
+

@@ -21,21 +21,26 @@ from .errors import ConfigurationError
 #: how a broker URL names this transport
 URL_PREFIX = "sqlinbox+"
 #: the password of ``scheme://user:password@host`` as SQLAlchemy reads it (up to the
-#: first ``@``: it may hold ``/`` where not percent-encoded)
-_PASSWORD = re.compile(r"(://[^/@:;]*:)[^@;]*@")
-#: the same in text no URL parser reads: up to the last ``@`` before the next ``;``
-#: (which separates failover URLs), as a password may also hold ``@``
-_ANY_PASSWORD = re.compile(r"(://[^/@:;]*:)[^;]*@")
+#: first ``@``: it may hold ``/`` and ``;`` where not percent-encoded)
+_PASSWORD = re.compile(r"(://[^/@:]*:)[^@]*@")
+#: the same in a URL no parser reads: up to its last ``@``, as a password may hold ``@``
+_ANY_PASSWORD = re.compile(r"(://[^/@:]*:).*@")
+#: where a list of failover URLs is split: a ``;`` followed by the next URL's scheme
+_NEXT_URL = re.compile(r";(?=[A-Za-z][A-Za-z0-9+.-]*://)")
 
 
 def masked(url: str, mask: str = "***") -> str:
-    """``url`` with its password, if any, shown as ``mask`` (by default as SQLAlchemy
-    shows one), whether or not the rest of it parses."""
-    parsed = None if ";" in url else _parsed(url)
+    """``url`` (or each of ``;``-separated failover URLs) with its password, if any,
+    shown as ``mask`` (by default as SQLAlchemy shows one), whether or not the rest of it
+    parses."""
+    urls = _NEXT_URL.split(url)
+    if len(urls) > 1:
+        return ";".join(masked(each, mask) for each in urls)
+    parsed = _parsed(url)
     if parsed is not None and parsed.password is None:
         return url  # nothing to hide (a ``:`` and ``@`` further on are not a password)
     pattern = _ANY_PASSWORD if parsed is None else _PASSWORD
-    return pattern.sub(lambda found: f"{found.group(1)}{mask}@", url)
+    return pattern.sub(lambda found: f"{found.group(1)}{mask}@", url, count=1)
 
 
 def _parsed(url: str) -> URL | None:

@@ -244,3 +244,24 @@ def test_a_forked_child_publishes_on_connections_of_its_own(
     publish(conn, "jobs", {"n": 2})
     assert publish_connection_id(conn) == parent
     assert count_rows(engine, table_of("jobs", table_prefix)) == 3
+
+
+@pytest.mark.databases("sqlite")
+def test_a_publish_retry_policy_leaves_a_connection_that_connects_again(
+        connect: Connect) -> None:
+    """kombu's ``publish(retry=True, retry_policy=...)`` copies the policy into the
+    connection's transport options, Celery's ``task_publish_retry_policy`` with its
+    ``retry_errors`` too: the connection opened again after it closed (as kombu does after
+    a connection error), and its clones, take those keys as kombu's own."""
+    conn = connect()
+    policy = {"max_retries": 2, "interval_start": 0, "retry_errors": (TimeoutError,),
+              "errback": lambda exc, interval: None, "on_revive": lambda channel: None}
+    publish(conn, "jobs", {"n": 1}, retry=True, retry_policy=policy)
+    assert "retry_errors" in conn.transport_options  # what kombu did to the options
+    conn.close()
+    publish(conn, "jobs", {"n": 2})
+    clone = conn.clone()
+    try:
+        assert [get_within(clone, "jobs").payload["n"] for _ in range(2)] == [1, 2]
+    finally:
+        clone.release()

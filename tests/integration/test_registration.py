@@ -45,10 +45,12 @@ def test_a_url_that_is_not_sqlalchemy_is_refused_clearly() -> None:
 
 
 @pytest.mark.databases("postgresql")
-@pytest.mark.parametrize("scheme", ["postgres", "postgres+psycopg2"])
+@pytest.mark.parametrize("scheme", ["postgres", "postgres+psycopg2", "POSTGRES",
+                                    "PostgreSQL+Psycopg2"])
 def test_the_postgres_spelling_reaches_postgresql(db_url: str, table_prefix: str,
                                                   scheme: str) -> None:
-    # Heroku and many other hosts give DATABASE_URL as postgres://
+    # Heroku and many other hosts give DATABASE_URL as postgres://; a URL's scheme is
+    # case-insensitive
     url = make_url(db_url).set(drivername=scheme).render_as_string(hide_password=False)
     app = Celery("heroku", broker=f"sqlinbox+{url}",
                  broker_transport_options={"table_prefix": table_prefix})

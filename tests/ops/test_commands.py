@@ -88,3 +88,43 @@ def test_a_database_that_is_down_is_one_line_with_its_password_masked() -> None:
         assert traced.returncode == 1
         assert "Traceback (most recent call last)" in traced.stderr
         assert "s3cret" not in down.stderr
+
+
+def test_the_outbox_commands_on_a_database_that_is_down_are_one_line(tmp_path: Path) -> None:
+    """As the other commands: the outbox's database down is one line naming it (password
+    masked), exit status 1, ``--traceback`` for the chain; an app without an outbox is
+    a usage error, not a traceback."""
+    down = "postgresql://root:s3cret@127.0.0.1:1/test"
+    env = {"BROKER_URL": f"sqlinbox+{down}", "DATABASE_URL": down,
+           "PYTHONPATH": os.pathsep.join((str(EXAMPLES / "outbox"), str(ROOT)))}
+    celery = [sys.executable, "-m", "celery", "-A", "proj"]
+    for command in (["sqlinbox", "outbox", "status"], ["sqlinbox", "outbox", "republish"],
+                    ["sqlinbox", "outbox", "prune"], ["outbox", "status"]):
+        done = run([*celery, *command], env)
+        assert done.returncode == 1 and done.stdout == "", (command, done.stderr)
+        (line,) = done.stderr.splitlines()
+        assert line.startswith("Error: the database postgresql+psycopg://root:***@127.0.0.1:1"
+                               "/test failed: "), line
+        assert "refused" in line and line.endswith("(--traceback for the details)"), line
+    traced = run([*celery, "sqlinbox", "--traceback", "outbox", "status"], env)
+    assert traced.returncode == 1 and "Traceback (most recent call last)" in traced.stderr
+    no_outbox = {"BROKER_URL": f"sqlinbox+sqlite:///{tmp_path}/inbox.db",
+                 "PYTHONPATH": str(ROOT)}
+    for command in (["sqlinbox", "outbox", "status"], ["outbox", "status"]):
+        done = run([sys.executable, "-m", "celery", "-A", "tests.ops.apps", *command],
+                   no_outbox)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.splitlines()[-1].startswith("Error: no outbox is installed"), (
+            done.stderr)
+
+
+def test_a_password_holding_a_semicolon_is_masked_too() -> None:
+    """A ``;`` separates failover URLs only where a URL follows it: one inside a password
+    written without percent-encoding (which SQLAlchemy reads) is masked with the rest."""
+    for url in ("postgresql://root:s3;cret@127.0.0.1:1/test",
+                "mysql+pymysql://root:s3;cret@127.0.0.1:1/test"):
+        down = run([SQLINBOX, "--url", url, "queues"], {})
+        assert down.returncode == 1, down.stderr
+        (line,) = down.stderr.splitlines()
+        assert line.startswith(f"Error: the database {url.replace('s3;cret', '***')} failed"), (
+            line)

@@ -78,3 +78,23 @@ def test_the_changelog_names_the_version_first() -> None:
 
     changelog = (ROOT / "CHANGELOG.rst").read_text()
     assert re.findall(r"^(\d+\.\d+\.\d+)\n-+$", changelog, re.MULTILINE)[0] == __version__
+
+
+def test_a_driver_not_installed_names_the_extra_that_installs_it(installed: Installed,
+                                                                 tmp_path: Path) -> None:
+    """The guide installs the ``postgres`` extra only: a URL naming psycopg2, or a MySQL
+    URL, says which extra to install, on one line, not a driver's ImportError."""
+    for url, extra in (("postgresql+psycopg2://root:s3cret@127.0.0.1/test", "psycopg2"),
+                       ("mysql://root:s3cret@127.0.0.1/test", "mysql"),
+                       ("mysql+pymysql://root:s3cret@127.0.0.1/test", "mysql")):
+        done = installed.run(f"sqlinbox --url '{url}' queues", cwd=tmp_path, timeout=LIMIT)
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+        (error,) = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+        assert f"pip install 'kombu-sqlinbox[{extra}]'" in error, error
+        assert "s3cret" not in done.stderr
+        connect = (f"python -c 'import kombu, kombu_sqlinbox; "
+                   f"kombu.Connection(\"sqlinbox+{url}\").default_channel'")
+        done = installed.run(connect, cwd=tmp_path, timeout=LIMIT)
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.startswith("kombu_sqlinbox.errors.ConfigurationError: "), done.stderr
+        assert f"pip install 'kombu-sqlinbox[{extra}]'" in last and "s3cret" not in last

@@ -28,7 +28,8 @@ LAYERS = (
      "dialects.postgresql", "dialects.sqlite", "dialects.conformance",
      "dialects.conformance.suite", "dialects.conformance.schema", "dialects.conformance.queue",
      "dialects.conformance.capabilities", "dialects.conformance.outbox",
-     "dialects.conformance.operations", "dialects.conformance.clock"),
+     "dialects.conformance.operations", "dialects.conformance.clock",
+     "dialects.conformance.routing"),
     ("codec",),
     ("rows",),
 )

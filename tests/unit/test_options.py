@@ -134,12 +134,36 @@ def test_an_in_memory_sqlite_database_is_refused_at_start_up(url: str) -> None:
     ({"queues": {"celery": {"max_atempts": 3}}}, "\"queues['celery'].max_atempts\"",
      "max_attempts"),
     ({"polling_intervall": 1}, "'polling_intervall'", "polling_interval"),
+    ({"VISIBILITY_TIMEOUT": 30}, "'VISIBILITY_TIMEOUT'", "visibility_timeout"),
+    ({"queues": {"celery": {"Max_Attempts": 3}}}, "\"queues['celery'].Max_Attempts\"",
+     "max_attempts"),
 ])
 def test_a_misspelled_key_names_the_closest_option(raw: dict[str, Any], name: str,
                                                    meant: str) -> None:
     with pytest.raises(ConfigurationError) as raised:
         parse_options(raw)
     assert str(raised.value) == f"unknown transport option {name}; did you mean {meant!r}?"
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"queues": {"celery": {"polling_interval": 1}}},
+     "unknown transport option \"queues['celery'].polling_interval\"; 'polling_interval' "
+     "is set for the whole transport, not per queue"),
+    ({"celery": {"max_attempts": 3}},
+     "unknown transport option 'celery'; a queue's options go under "
+     "queues={'celery': {...}}"),
+])
+def test_a_key_in_the_wrong_place_says_where_it_goes(raw: dict[str, Any],
+                                                     message: str) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        parse_options(raw)
+    assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("settings", [0, "", [], False])
+def test_a_queue_given_no_dict_of_options_is_refused(settings: Any) -> None:
+    with pytest.raises(ConfigurationError, match=r"expected a dict of queue options"):
+        parse_options({"queues": {"celery": settings}})
 
 
 def test_a_key_like_no_option_names_none() -> None:

@@ -39,6 +39,7 @@ from .queue import (
     check_purge_and_drop,
     check_retry_delay,
 )
+from .routing import check_routing
 from .schema import check_ddl
 from .suite import CheckFailed, ConformanceError, Failure, Report, Suite
 
@@ -61,6 +62,7 @@ CHECKS: tuple[tuple[str, str | None, Check], ...] = (
     ("row locks (lock_clause, SKIP LOCKED)", "row_locks", check_row_locks),
     ("key locks (try_key_locks, release_key_locks)", "key_locks", check_key_locks),
     ("wake-ups (wake, listen, take_notifications)", "wakeups", check_wakeups),
+    ("routing (declare, bind, route, size, transient claim)", None, check_routing),
     ("outbox statements", None, check_outbox),
     ("operations (queue_stats, stored_page, stored_locked, remove, restore)", None,
      check_operations),
