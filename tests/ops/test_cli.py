@@ -183,7 +183,7 @@ def test_an_interrupted_requeue_says_how_many_moved(
     columns = ", ".join(column["name"] for column in inspect(engine).get_columns(dead)
                         if column["name"] != "id")
     with engine.begin() as conn:
-        for _ in range(10):  # 1,024 copies of the ops.fail letter
+        for _ in range(12):  # 4,096 copies of the ops.fail letter: more than it moves
             conn.execute(text(f"INSERT INTO {quoted(engine, dead)} ({columns}) "
                               f"SELECT {columns} FROM {quoted(engine, dead)}"))
     before = {table: row_count(engine, table) for table in (dead, jobs)}
