@@ -71,6 +71,8 @@ def part_commands(name: str, tox_ini: Path = ROOT / "tox.ini") -> list[list[str]
 def run_part(name: str, shared: bool) -> Outcome:
     """Run one part's commands one after the other, stopping at the first that fails."""
     env = dict(os.environ)
+    # the commands of this interpreter's environment, as tox puts them first on the PATH
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     if shared:
         env[SHARED_ENV] = "1"
     started = time.monotonic()
