@@ -28,7 +28,8 @@ def test_a_worker_without_a_prefetch_limit_stops_without_running_the_queue(
     ran = len(acceptance.runs.done())
     assert took < STOP_WITHIN, f"the warm shutdown took {took:.1f}s and ran {ran} tasks"
 
-    after = acceptance.worker("prefork", 2, name="w2")
+    # eight processes: the rest of the backlog is sleeps, and the suite waits for it
+    after = acceptance.worker("prefork", 8, name="w2")
     wait_until(lambda: len(acceptance.runs.done()) == len(BACKLOG), 60,
                "the rest of the backlog to run on the next worker", alive=[after])
     assert after.stop() == 0, after.tail()
