@@ -10,7 +10,6 @@ import logging
 import re
 import sys
 import traceback
-from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -30,15 +29,18 @@ _OURS = re.compile(r"sqlinbox(\+|:|$)")
 _RETRY_DISABLED = re.compile(r"has been disabled \(app\.conf\.(\w+)=False\)")
 
 
-def broker_urls(conf: Any) -> Iterator[str]:
+def broker_urls(conf: Any) -> list[str]:
     """Every URL of the app's broker settings meant for this transport, each URL of a
-    failover list on its own."""
-    for key in ("broker_url", "broker_read_url", "broker_write_url"):
-        value = conf.get(key)
+    failover list on its own, once."""
+    found: dict[str, None] = {}
+    # Celery's properties: the environment (``celery -b``) first, the read and write
+    # URLs defaulting to broker_url
+    for value in (conf.broker_url, conf.broker_read_url, conf.broker_write_url):
         for given in [value] if isinstance(value, str) else value or ():
             urls = failover_urls(given)
             refuse_alternates_with_query(urls)
-            yield from (url for url in urls if _OURS.match(url))
+            found.update(dict.fromkeys(url for url in urls if _OURS.match(url)))
+    return list(found)
 
 
 def check_broker(app: Any) -> None:
@@ -47,7 +49,7 @@ def check_broker(app: Any) -> None:
     option, an engine option): raised before a worker starts anything."""
     from .database import open_database  # here: importing the package loads no engine
 
-    urls = list(broker_urls(app.conf))
+    urls = broker_urls(app.conf)
     if not urls:
         return
     options = parse_options(app.conf.broker_transport_options)

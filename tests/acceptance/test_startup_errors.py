@@ -79,6 +79,16 @@ UNREACHABLE: dict[str, tuple[Callable[[Path], str], str]] = {
                                "/test", "Connection refused"),
     "mysql": (lambda tmp: f"sqlinbox+mysql+pymysql://app:{SECRET}@127.0.0.1:{dead_port()}"
                           "/test", "Connection refused"),
+    # the servers here trust every password of a known PostgreSQL user: an unknown one
+    "postgresql-unknown-user": (lambda tmp: f"sqlinbox+postgresql://nobody:{SECRET}@127.0.0.1"
+                                            "/test", 'role "nobody" does not exist'),
+    "postgresql-unknown-database": (
+        lambda tmp: f"sqlinbox+postgresql://root:{SECRET}@127.0.0.1/no_such_db",
+        'database "no_such_db" does not exist'),
+    "mysql-wrong-password": (lambda tmp: f"sqlinbox+mysql+pymysql://root:{SECRET}@127.0.0.1"
+                                         "/test", "Access denied for user 'root'"),
+    "mysql-unknown-database": (lambda tmp: "sqlinbox+mysql+pymysql://root@127.0.0.1/no_such_db",
+                               "Unknown database 'no_such_db'"),
     "sqlite-no-directory": (lambda tmp: f"sqlinbox+sqlite:///{tmp}/missing/q.db",
                             "unable to open database file"),
     "sqlite-under-a-file": (lambda tmp: f"sqlinbox+sqlite:///{tmp}/app.py/q.db",
@@ -187,6 +197,19 @@ def test_a_worker_with_a_wrong_broker_url_says_it_in_one_line(tmp_path: Path,
                                                               kind: str) -> None:
     broker, said = WRONG_URLS[kind]
     assert_stopped_in_one_line(start_worker(tmp_path, broker, {}, "-l", "info"), *said)
+
+
+@pytest.mark.parametrize("given", ["-b", "broker_read_url"])
+def test_a_wrong_url_given_on_the_command_line_or_for_reading_is_found_too(
+        tmp_path: Path, given: str) -> None:
+    """``celery -b URL`` (Celery reads it from the environment) and
+    ``broker_read_url`` stand in for the app's ``broker_url``."""
+    broker, said = WRONG_URLS["sqlite-in-memory"]
+    good = f"sqlinbox+sqlite:///{tmp_path}/q.db"
+    done = (start_worker(tmp_path, good, {}, "-l", "info", celery=("-b", broker))
+            if given == "-b" else
+            start_worker(tmp_path, good, {}, "-l", "info", conf={"broker_read_url": broker}))
+    assert_stopped_in_one_line(done, *said)
 
 
 def test_a_configuration_mistake_at_debug_shows_its_traceback(tmp_path: Path) -> None:
