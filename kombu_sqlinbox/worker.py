@@ -139,6 +139,8 @@ class OneLineMistakes(logging.Filter):
     is handled, with no traceback of its own."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.CRITICAL:
+            return True  # not a stop: a connection the worker retries keeps its traceback
         exc = record.exc_info[1] if record.exc_info else None
         no_retry = None if exc else _RETRY_DISABLED.search(record.getMessage())
         if no_retry:
