@@ -26,6 +26,9 @@ _PASSWORD = re.compile(r"(://[^/@:]*:)[^@]*@")
 #: the same in a URL no parser reads (its ``://`` perhaps mistyped ``//``): up to its
 #: last ``@``, as a password may hold ``@``
 _ANY_PASSWORD = re.compile(r"(//[^/@:]*:).*@")
+#: the same in one without even ``//`` (``postgresql:/app:pw@db``): from its first ``:``
+#: on, the scheme's, as nothing tells where the user ends
+_BARE_PASSWORD = re.compile(r"^([^@:]*:).*@")
 #: where a list of failover URLs is split: a ``;`` followed by the next URL's scheme
 _NEXT_URL = re.compile(r";(?=[A-Za-z][A-Za-z0-9+.-]*://)")
 
@@ -40,7 +43,8 @@ def masked(url: str, mask: str = "***") -> str:
     parsed = _parsed(url)
     if parsed is not None and parsed.password is None:
         return url  # nothing to hide (a ``:`` and ``@`` further on are not a password)
-    pattern = _ANY_PASSWORD if parsed is None else _PASSWORD
+    pattern = (_PASSWORD if parsed is not None
+               else _ANY_PASSWORD if "//" in url else _BARE_PASSWORD)
     return pattern.sub(lambda found: f"{found.group(1)}{mask}@", url, count=1)
 
 

@@ -182,6 +182,9 @@ WRONG_URLS: dict[str, tuple[str, tuple[str, ...]]] = {
         f"sqlinbox+postgresql//app:{SECRET}@127.0.0.1/test",
         ("broker URL 'sqlinbox+postgresql//app:***@127.0.0.1/test' is not an SQLAlchemy "
          "URL", "write e.g. sqlinbox+postgresql://user@host/db")),
+    "one-slash": (
+        f"sqlinbox+postgresql:/app:{SECRET}@127.0.0.1/test",
+        ("broker URL 'sqlinbox+postgresql:***@127.0.0.1/test' is not an SQLAlchemy URL",)),
     "no-scheme": (
         "sqlinbox+jobs.db",
         ("broker URL 'sqlinbox+jobs.db' is not an SQLAlchemy URL",)),
