@@ -38,8 +38,10 @@ def broker_urls(conf: Any) -> list[str]:
     for value in (conf.broker_url, conf.broker_read_url, conf.broker_write_url):
         for given in [value] if isinstance(value, str) else value or ():
             urls = failover_urls(given)
-            refuse_alternates_with_query(urls)
-            found.update(dict.fromkeys(url for url in urls if _OURS.match(url)))
+            ours = [url for url in urls if _OURS.match(url)]
+            if ours:
+                refuse_alternates_with_query(urls)
+            found.update(dict.fromkeys(ours))
     return list(found)
 
 

@@ -16,7 +16,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 
 import kombu_sqlinbox  # noqa: F401  (the start-up hook and the sqlinbox+ alias)
 from kombu_sqlinbox.errors import ConfigurationError, DatabaseUnreachable
-from kombu_sqlinbox.worker import ONE_LINE_MISTAKES
+from kombu_sqlinbox.worker import ONE_LINE_MISTAKES, check_broker
 
 
 def built(app: Celery, **options: Any) -> Worker:
@@ -136,3 +136,15 @@ def test_a_lost_connection_the_worker_retries_keeps_its_message_and_traceback() 
         "consumer: Connection to broker lost. Trying to re-establish the connection... %r")
     assert ONE_LINE_MISTAKES.filter(record) and record.exc_info is not None
     assert record.getMessage().startswith("consumer: Connection to broker lost.")
+
+
+def test_the_start_up_check_leaves_another_brokers_failover_urls_alone() -> None:
+    """Query strings in failover URLs are refused for this transport only (kombu's
+    failover cannot pass them on to it)."""
+    other = Celery("start", broker="redis://a/0?ssl_cert_reqs=none;redis://b/0?ssl_cert_reqs=none",
+                   set_as_current=False)
+    check_broker(other)
+    ours = Celery("start", broker="sqlinbox+sqlite:///a.db?timeout=5;sqlinbox+sqlite:///b.db",
+                  set_as_current=False)
+    with pytest.raises(ConfigurationError, match="no URL may have a query string"):
+        check_broker(ours)
