@@ -178,6 +178,9 @@ WRONG_URLS: dict[str, tuple[str, tuple[str, ...]]] = {
         "sqlinbox+sqlite:///:memory:",
         ("'sqlite:///:memory:' names an SQLite database in memory",
          "use a file")),
+    "failover-second": (
+        f"sqlinbox+postgresql://app:{SECRET}@127.0.0.1/test;sqlinbox+sqlite://",
+        ("'sqlite://' names an SQLite database in memory",)),
     "not-a-url": (
         f"sqlinbox+postgresql//app:{SECRET}@127.0.0.1/test",
         ("broker URL 'sqlinbox+postgresql//app:***@127.0.0.1/test' is not an SQLAlchemy "
