@@ -63,7 +63,8 @@ def check_configuration(instance: Any, options: dict[str, Any], **_: Any) -> Non
     """Under ``celery worker``, a mistake :func:`check_broker` finds ends the command in
     one line and exit status 1, as its click error would (Celery's start-up signals log
     what their receivers raise, and go on); ``-l debug`` prints the traceback first. A
-    worker built in Python raises the same error where Celery creates the transport."""
+    worker built in Python, outside a command, is not ended from here: the transport
+    raises such a mistake where Celery creates it or connects."""
     try:
         check_broker(instance.app)
     except ConfigurationError as exc:
