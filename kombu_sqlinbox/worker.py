@@ -29,16 +29,31 @@ _OURS = re.compile(r"sqlinbox(\+|:|$)")
 _RETRY_DISABLED = re.compile(r"has been disabled \(app\.conf\.(\w+)=False\)")
 
 
+def named_transport(conf: Any) -> bool:
+    """Whether ``broker_transport`` names this transport (or a subclass): every broker URL
+    is then its, a plain SQLAlchemy URL."""
+    if not conf.broker_transport:
+        return False
+    from .transport import Transport  # here: importing the package loads no transport
+
+    try:
+        named = resolve_transport(conf.broker_transport)
+    except (KeyError, ImportError, AttributeError, ValueError):  # Celery's to refuse
+        return False
+    return isinstance(named, type) and issubclass(named, Transport)
+
+
 def broker_urls(conf: Any) -> list[str]:
     """Every URL of the app's broker settings meant for this transport, each URL of a
     failover list on its own, once."""
     found: dict[str, None] = {}
+    every = named_transport(conf)
     # Celery's properties: the environment (``celery -b``) first, the read and write
     # URLs defaulting to broker_url
     for value in (conf.broker_url, conf.broker_read_url, conf.broker_write_url):
         for given in [value] if isinstance(value, str) else value or ():
             urls = failover_urls(given)
-            ours = [url for url in urls if _OURS.match(url)]
+            ours = [url for url in urls if every or _OURS.match(url)]
             if ours:
                 refuse_alternates_with_query(urls)
             found.update(dict.fromkeys(ours))

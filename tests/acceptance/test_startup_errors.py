@@ -218,6 +218,20 @@ def test_a_wrong_url_given_on_the_command_line_or_for_reading_is_found_too(
     assert_stopped_in_one_line(done, *said)
 
 
+@pytest.mark.parametrize(("broker", "options", "said"), [
+    ("sqlite://", {}, "'sqlite://' names an SQLite database in memory"),
+    ("sqlite:///{tmp}/q.db", {"engine_options": {"pool_pre_pingg": True}},
+     "did you mean 'pool_pre_ping'?"),
+], ids=["url", "engine-option"])
+def test_a_transport_named_by_its_class_is_checked_too(
+        tmp_path: Path, broker: str, options: dict[str, object], said: str) -> None:
+    """The getting-started guide's other way: a plain SQLAlchemy URL, and the transport
+    named by ``broker_transport``."""
+    done = start_worker(tmp_path, broker.format(tmp=tmp_path), options, "-l", "info",
+                        conf={"broker_transport": "kombu_sqlinbox.transport:Transport"})
+    assert_stopped_in_one_line(done, said)
+
+
 def test_a_configuration_mistake_at_debug_shows_its_traceback(tmp_path: Path) -> None:
     done = start_worker(tmp_path, WRONG_URLS["not-a-url"][0], {}, "-l", "DEBUG")
     assert done.returncode == 1, done.stderr
