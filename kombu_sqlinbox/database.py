@@ -136,11 +136,13 @@ def engine_for(url: str | URL, sqlite_begin: str = "IMMEDIATE",
                       **engine_options}
     try:
         engine = create_engine(parsed, **engine_options)
-    except TypeError as exc:
-        refused = refused_engine_option(exc, parsed, engine_options.get("poolclass"))
-        if refused is None:
-            raise
-        raise refused from exc
+    except (TypeError, ValueError, AttributeError) as exc:
+        # a keyword it does not take, or a value of the wrong kind (a pool class by name)
+        refused = (refused_engine_option(exc, parsed, engine_options.get("poolclass"))
+                   if isinstance(exc, TypeError) else None)
+        raise refused or ConfigurationError(
+            "transport option engine_options: create_engine() refused it "
+            f"({type(exc).__name__}: {exc})") from exc
     dialect = dialect_for(engine)
     dialect.prepare_engine(engine, sqlite_begin)
     return engine, dialect

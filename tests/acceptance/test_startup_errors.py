@@ -150,6 +150,16 @@ def test_a_misspelled_engine_option_stops_the_worker_in_one_line(tmp_path: Path,
     assert "TypeError" not in done.stderr
 
 
+def test_an_engine_option_of_the_wrong_kind_stops_the_worker_in_one_line(
+        tmp_path: Path) -> None:
+    """A value ``create_engine()`` cannot use (a pool class by its name) is the user's
+    mistake, not a bug: SQLAlchemy's AttributeError was an 80-line traceback."""
+    done = start_worker(tmp_path, f"sqlinbox+sqlite:///{tmp_path}/q.db",
+                        {"engine_options": {"poolclass": "NullPool"}}, "-l", "info")
+    assert_stopped_in_one_line(done, "Error: transport option engine_options: create_engine() "
+                               "refused it (AttributeError: ")
+
+
 def assert_stopped_in_one_line(done: subprocess.CompletedProcess[str], *said: str) -> None:
     """The worker exited 1 before it started (no banner), the mistake in one line holding
     each of ``said``, no traceback, no password."""
