@@ -120,6 +120,17 @@ def test_a_worker_whose_database_is_unreachable_retries_then_says_it_in_two_line
     assert advice.endswith("(-l debug shows the traceback)"), out
 
 
+@pytest.mark.parametrize("level", ["warning", "ERROR"])
+def test_a_worker_logging_above_info_stops_in_the_same_two_lines(tmp_path: Path,
+                                                                level: str) -> None:
+    url, reason = UNREACHABLE["postgresql"]
+    done = start_worker(tmp_path, url(tmp_path), {}, "-l", level)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    last, advice = done.stderr.rstrip().splitlines()[-2:]
+    assert "cannot connect to the broker database" in last and reason in last, done.stderr
+    assert advice.endswith("(-l debug shows the traceback)"), done.stderr
+
+
 @pytest.mark.parametrize("kind", ["postgresql", "sqlite-no-directory"])
 def test_a_worker_logging_at_debug_shows_the_traceback(tmp_path: Path, kind: str) -> None:
     url, reason = UNREACHABLE[kind]
