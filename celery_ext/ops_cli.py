@@ -170,6 +170,21 @@ def dead_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
+@contextmanager
+def dead_letter_operations(ctx: click.Context) -> Iterator[Operations]:
+    """:func:`operations` for the ``dead`` commands, once the database answered (a
+    database that is down is said as every command says it) and the options configure a
+    dead-letter queue: without one there is nowhere to look, which an empty list or
+    "requeued: 0" would hide."""
+    with operations(ctx) as ops:
+        ops.broker.ping()
+        if not ops.configured_dead_letter_queues():
+            raise click.ClickException(
+                "no dead-letter queue is configured: set dead_letter_queue in the transport "
+                "options (for every queue, or for one under queues={'name': {...}})")
+        yield ops
+
+
 def _filter(queue: str | None, task: str | None, reason: str | None,
             older_than: float | None, newer_than: float | None) -> DeadFilter:
     return DeadFilter(queue, task, reason, older_than, newer_than)
@@ -194,7 +209,7 @@ def dead() -> None:
 def dead_list(ctx: click.Context, /, dlq: tuple[str, ...], limit: int | None, as_json: bool,
               **filters: Any) -> None:
     """The dead letters, oldest first: id, queue, task, attempts, age, reason."""
-    with operations(ctx) as ops:
+    with dead_letter_operations(ctx) as ops:
         found = list(ops.dead_letters(_filter(**filters), dlq, limit))
     if as_json:
         click.echo(json.dumps([_dead_row(dead) for dead in found], indent=2))
@@ -228,7 +243,7 @@ def decoded_arguments(message: dict[str, Any]) -> str:
 @click.pass_context
 def dead_show(ctx: click.Context, row_id: int, dlq: tuple[str, ...]) -> None:
     """One dead letter: its message, its death record and its decoded arguments."""
-    with operations(ctx) as ops:
+    with dead_letter_operations(ctx) as ops:
         found = ops.dead_letter(row_id, dlq)
     if not found:
         raise click.ClickException(f"no dead letter {row_id}")
@@ -263,7 +278,7 @@ def dead_requeue(ctx: click.Context, /, dlq: tuple[str, ...], keep_attempts: boo
     """Move dead letters back to the queues they died in, in order, a batch per
     transaction."""
     chosen = _filter(**filters)
-    with operations(ctx) as ops:
+    with dead_letter_operations(ctx) as ops:
         ops.batch = batch
         total, left = _survey(ops, chosen, dlq, requeue=True)
         _nothing_chosen(ctx, ops, chosen, dlq, total + len(left))
@@ -286,7 +301,7 @@ def dead_requeue(ctx: click.Context, /, dlq: tuple[str, ...], keep_attempts: boo
 def dead_purge(ctx: click.Context, /, dlq: tuple[str, ...], yes: bool, **filters: Any) -> None:
     """Delete dead letters (there is no undo)."""
     chosen = _filter(**filters)
-    with operations(ctx) as ops:
+    with dead_letter_operations(ctx) as ops:
         total, left = _survey(ops, chosen, dlq, requeue=False)
         _nothing_chosen(ctx, ops, chosen, dlq, total + len(left))
         if not yes:

@@ -31,8 +31,8 @@ from .codec import (
     parked_payload,
     parked_row,
 )
-from .database import Database
 from .database import engine_for as engine_for  # re-exported: imported from here
+from .database import open_database
 from .database import same_database as same_database
 from .database import sqlalchemy_url as sqlalchemy_url
 from .dialects import RowsInsert
@@ -56,12 +56,7 @@ class Broker:
 
     def __init__(self, url: str, options: TransportOptions) -> None:
         self.options = options
-        parsed = sqlalchemy_url(url)
-        engine_options: dict[str, Any] = {"pool_size": 5, "max_overflow": 10}
-        if parsed.get_backend_name() == "sqlite":
-            engine_options.clear()
-        engine_options.update(options.engine_options)
-        self.database = Database.open(parsed, **engine_options)
+        self.database = open_database(url, options)
         self.engine, self.dialect = self.database.engine, self.database.dialect
         # the database's own, for the transport's statements
         self.run = self.database.run

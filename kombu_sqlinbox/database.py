@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from inspect import signature as inspect_signature
 from typing import Any, TypeVar, cast
+from urllib.parse import unquote
 
 from sqlalchemy import Connection, create_engine, event, inspect
 from sqlalchemy import util as sa_util
@@ -28,7 +29,7 @@ from . import binding
 from .clock import key_of
 from .dialects import SPELLINGS, Dialect, RowsInsert, dialect_class, dialect_for
 from .errors import ConfigurationError
-from .options import unknown_option
+from .options import TransportOptions, unknown_option
 from .tables import TableSpec
 from .urls import masked
 
@@ -47,20 +48,26 @@ BARE_DRIVERS = {
 }
 #: the kombu-sqlinbox extra that installs each driver it supports
 DRIVER_EXTRAS = {"psycopg": "postgres", "psycopg2": "psycopg2", "pymysql": "mysql"}
+#: the package on PyPI of an SQLAlchemy driver whose name is not its package's
+DRIVER_PACKAGES = {"mysqldb": "mysqlclient", "mysqlconnector": "mysql-connector-python",
+                   "mariadbconnector": "mariadb"}
 
 
 def _install_hint(drivers: Sequence[str]) -> str:
-    """How to install the first of ``drivers`` that an extra brings."""
+    """How to install the first of ``drivers``: the extra that brings it, else its package."""
     extra = next((DRIVER_EXTRAS[name] for name in drivers if name in DRIVER_EXTRAS), None)
-    return f"pip install 'kombu-sqlinbox[{extra}]'" if extra else "install it"
+    if extra:
+        return f"pip install 'kombu-sqlinbox[{extra}]'"
+    return f"pip install {DRIVER_PACKAGES.get(drivers[0], drivers[0])}"
 
 
 def sqlalchemy_url(url: str) -> URL:
-    """The SQLAlchemy URL behind ``sqlinbox+...``. A URL naming no driver
-    (``postgresql://``, ``mysql://``) takes whichever supported driver is installed;
-    ``postgres://`` is read as ``postgresql://``, and a scheme in any case as in lower case."""
+    """The SQLAlchemy URL behind ``sqlinbox+...`` (given with or without that prefix). A URL
+    naming no driver (``postgresql://``, ``mysql://``) takes whichever supported driver is
+    installed; ``postgres://`` is read as ``postgresql://``, and a scheme in any case as
+    in lower case."""
     try:
-        parsed = make_url(url)
+        parsed = make_url(url.removeprefix("sqlinbox+"))
     except (ArgumentError, ValueError):  # ValueError: a port that is not a number
         parsed = None
     if parsed is None or parsed.drivername == "sqlinbox":
@@ -114,8 +121,9 @@ def refuse_memory_database(url: URL) -> None:
     database = url.database or ""
     if not database or ":memory:" in database or url.query.get("mode") == "memory":
         raise ConfigurationError(
-            f"URL {url.render_as_string()!r} names an SQLite database in memory, which no "
-            "other connection or process can see; use a file: sqlinbox+sqlite:///jobs.db")
+            f"URL {unquote(url.render_as_string())!r} names an SQLite database in memory, "
+            "which no other connection or process can see; use a file: "
+            "sqlinbox+sqlite:///jobs.db")
 
 
 def engine_for(url: str | URL, sqlite_begin: str = "IMMEDIATE",
@@ -128,11 +136,13 @@ def engine_for(url: str | URL, sqlite_begin: str = "IMMEDIATE",
                       **engine_options}
     try:
         engine = create_engine(parsed, **engine_options)
-    except TypeError as exc:
-        refused = refused_engine_option(exc, parsed, engine_options.get("poolclass"))
-        if refused is None:
-            raise
-        raise refused from exc
+    except (TypeError, ValueError, AttributeError) as exc:
+        # a keyword it does not take, or a value of the wrong kind (a pool class by name)
+        refused = (refused_engine_option(exc, parsed, engine_options.get("poolclass"))
+                   if isinstance(exc, TypeError) else None)
+        raise refused or ConfigurationError(
+            "transport option engine_options: create_engine() refused it "
+            f"({type(exc).__name__}: {exc})") from exc
     dialect = dialect_for(engine)
     dialect.prepare_engine(engine, sqlite_begin)
     return engine, dialect
@@ -169,6 +179,17 @@ def engine_keywords(url: URL, poolclass: type[Pool] | None = None) -> set[str]:
         names.update(name for overload in get_overloads(create_engine)
                      for name in inspect_signature(overload).parameters)
     return {name for name in names if not name.startswith("_")} - {"url", "kwargs", "cls"}
+
+
+def open_database(url: str, options: TransportOptions) -> Database:
+    """The broker's database for ``url`` and the options' engine options; nothing
+    connects yet, so a worker's start-up check makes one to find every mistake in them."""
+    parsed = sqlalchemy_url(url)
+    engine_options: dict[str, Any] = {"pool_size": 5, "max_overflow": 10}
+    if parsed.get_backend_name() == "sqlite":
+        engine_options.clear()
+    engine_options.update(options.engine_options)
+    return Database.open(parsed, **engine_options)
 
 
 def closed_by_server(connection: Any) -> bool:

@@ -45,7 +45,7 @@ class DatabaseUnreachable(SqlInboxError):
         """What a user checks: the mistake is theirs or their server's, not a bug."""
         if self.server:
             return ("Check that the database server is running and that the URL's host, "
-                    "port, user and password are right")
+                    "port, database name, user and password are right")
         return "Check that the file's directory exists and that the worker may write there"
 
 

@@ -23,8 +23,12 @@ URL_PREFIX = "sqlinbox+"
 #: the password of ``scheme://user:password@host`` as SQLAlchemy reads it (up to the
 #: first ``@``: it may hold ``/`` and ``;`` where not percent-encoded)
 _PASSWORD = re.compile(r"(://[^/@:]*:)[^@]*@")
-#: the same in a URL no parser reads: up to its last ``@``, as a password may hold ``@``
-_ANY_PASSWORD = re.compile(r"(://[^/@:]*:).*@")
+#: the same in a URL no parser reads (its ``://`` perhaps mistyped ``//``): up to its
+#: last ``@``, as a password may hold ``@``
+_ANY_PASSWORD = re.compile(r"(//[^/@:]*:).*@")
+#: the same in one without even ``//`` (``postgresql:/app:pw@db``): from its first ``:``
+#: on, the scheme's, as nothing tells where the user ends
+_BARE_PASSWORD = re.compile(r"^([^@:]*:).*@")
 #: where a list of failover URLs is split: a ``;`` followed by the next URL's scheme
 _NEXT_URL = re.compile(r";(?=[A-Za-z][A-Za-z0-9+.-]*://)")
 
@@ -33,14 +37,20 @@ def masked(url: str, mask: str = "***") -> str:
     """``url`` (or each of ``;``-separated failover URLs) with its password, if any,
     shown as ``mask`` (by default as SQLAlchemy shows one), whether or not the rest of it
     parses."""
-    urls = _NEXT_URL.split(url)
+    urls = failover_urls(url)
     if len(urls) > 1:
         return ";".join(masked(each, mask) for each in urls)
     parsed = _parsed(url)
     if parsed is not None and parsed.password is None:
         return url  # nothing to hide (a ``:`` and ``@`` further on are not a password)
-    pattern = _ANY_PASSWORD if parsed is None else _PASSWORD
+    pattern = (_PASSWORD if parsed is not None
+               else _ANY_PASSWORD if "//" in url else _BARE_PASSWORD)
     return pattern.sub(lambda found: f"{found.group(1)}{mask}@", url, count=1)
+
+
+def failover_urls(url: str) -> list[str]:
+    """The URLs of a ``;``-separated failover list (one URL: itself)."""
+    return _NEXT_URL.split(url)
 
 
 def _parsed(url: str) -> URL | None:

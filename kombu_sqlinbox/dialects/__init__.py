@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from difflib import get_close_matches
 from importlib import import_module
 from importlib.metadata import entry_points
 from inspect import ismodule
@@ -51,10 +52,11 @@ def dialect_class(name: str) -> type[Dialect]:
     try:
         return _REGISTRY[name]
     except KeyError:
+        close = get_close_matches(name, [*_REGISTRY, *SPELLINGS], n=1)
+        hint = (f"did you mean {close[0]!r}?" if close else
+                "subclass kombu_sqlinbox.dialects.Dialect and register() it")
         raise ConfigurationError(
-            f"no kombu-sqlinbox dialect for database {name!r}; "
-            "subclass kombu_sqlinbox.dialects.Dialect and register() it"
-        ) from None
+            f"no kombu-sqlinbox dialect for database {name!r}; {hint}") from None
 
 
 def dialect_for(engine: Engine) -> Dialect:

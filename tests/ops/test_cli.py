@@ -8,8 +8,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from sqlalchemy import inspect, text
@@ -17,7 +19,7 @@ from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox.codec import DEATH_HEADER
 from tests.integration.support import quoted, rows
-from tests.ops.conftest import Cli, Seeded
+from tests.ops.conftest import CLI_LIMIT, Cli, Seeded
 from tests.processes import ROOT, wait_until
 
 FIGURES = ("ready", "delayed", "in_work", "blocked", "blocked_groups", "lapsed")
@@ -201,3 +203,54 @@ def test_an_interrupted_requeue_says_how_many_moved(
     assert said >= 5 and moved - said in (0, 1), (said, moved, err)  # a batch mid-commit
     assert "left where they are" in err and "Traceback" not in err, err
     assert row_count(engine, dead) == before[dead] - moved
+
+
+NO_DEAD_LETTER_QUEUE = '''import os
+from celery import Celery
+app = Celery("plain", broker=os.environ["PLAIN_BROKER"])
+app.conf.broker_transport_options = {"table_prefix": os.environ["PLAIN_PREFIX"]}
+'''
+#: every dead command, as an operator types it
+DEAD_COMMANDS = (["list"], ["list", "--json"], ["show", "1"], ["requeue"], ["purge"],
+                 ["purge", "--yes"], ["list", "-D", "jobs.dead"])
+
+
+def without_dead_letter_queue(tmp_path: Path, broker: str, prefix: str, *args: str
+                              ) -> subprocess.CompletedProcess[str]:
+    """``celery -A plain sqlinbox dead ARGS`` of an app whose options configure no
+    dead-letter queue."""
+    (tmp_path / "plain.py").write_text(NO_DEAD_LETTER_QUEUE)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "PLAIN_BROKER": broker,
+           "PLAIN_PREFIX": prefix}
+    return subprocess.run([sys.executable, "-m", "celery", "-A", "plain", "sqlinbox", "dead",
+                           *args], cwd=tmp_path, env=env, input="y\n", text=True,
+                          capture_output=True, timeout=CLI_LIMIT)
+
+
+@pytest.mark.parametrize("command", DEAD_COMMANDS, ids=" ".join)
+def test_dead_commands_without_a_dead_letter_queue_say_so_in_one_line(
+        tmp_path: Path, broker_url: str, table_prefix: str, command: list[str]) -> None:
+    """Not an empty table and exit 0, as if there were none: there is nowhere to look."""
+    done = without_dead_letter_queue(tmp_path, broker_url, table_prefix, *command)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stdout == "", done.stdout  # no table, no prompt
+    said = ("Error: no dead-letter queue is configured: set dead_letter_queue in the transport "
+            "options (for every queue, or for one under queues={'name': {...}})")
+    assert done.stderr.splitlines() == [said], done.stderr
+    assert said in (ROOT / "docs" / "operations.rst").read_text()  # as the guide shows it
+
+
+@pytest.mark.parametrize("command", DEAD_COMMANDS, ids=" ".join)
+def test_dead_commands_on_a_database_that_is_down_say_so_in_one_line(
+        tmp_path: Path, command: list[str]) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    broker = f"sqlinbox+postgresql://app:s3cret@127.0.0.1:{port}/test"
+    done = without_dead_letter_queue(tmp_path, broker, "plain_", *command)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stdout == "" and "s3cret" not in done.stderr, done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"Error: the database postgresql://app:***@127.0.0.1:{port}/test "
+                           "failed: ") and "Connection refused" in line, line
+    assert line.endswith("(--traceback for the details)"), line

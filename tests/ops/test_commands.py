@@ -50,7 +50,9 @@ def test_bad_input_is_refused_naming_it(tmp_path: Path) -> None:
             *url, "--transport-options", '{"max_attempt": 3}', "queues"],
         "no sqlinbox database": ["queues"],
         "the outbox commands need the app": [*url, "outbox", "status"],
-        "no dead letter 7": [*url, "dead", "show", "7"],
+        "no dead letter 7": [
+            *url, "--transport-options", '{"dead_letter_queue": "dead"}', "dead", "show", "7"],
+        "no dead-letter queue is configured": [*url, "dead", "show", "7"],
         "Invalid value for '--batch': 0 is not in the range x>=1": [
             *url, "dead", "requeue", "--batch", "0"],
         "Invalid value for '--watch': -1.0 is not in the range x>0": [

@@ -205,6 +205,14 @@ def test_connect_args_reach_the_driver_unchecked(url: str) -> None:
     engine.dispose()
 
 
-def test_another_type_error_of_create_engine_passes_unchanged() -> None:
-    with pytest.raises(TypeError, match="must be a mapping"):
-        engine_for(URLS[2], execution_options=5)
+@pytest.mark.parametrize(("options", "kind"), [
+    ({"execution_options": 5}, TypeError),  # not a keyword it lacks: a value it cannot use
+    ({"poolclass": "NullPool"}, AttributeError),
+])
+def test_a_value_create_engine_cannot_use_is_a_configuration_error(
+        options: dict[str, object], kind: type[Exception]) -> None:
+    """The user's mistake, said as the engine options' (SQLAlchemy's error behind it)."""
+    with pytest.raises(ConfigurationError, match=r"^transport option engine_options: "
+                       rf"create_engine\(\) refused it \({kind.__name__}: ") as raised:
+        engine_for(URLS[2], **options)
+    assert isinstance(raised.value.__cause__, kind)

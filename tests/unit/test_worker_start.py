@@ -16,7 +16,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 
 import kombu_sqlinbox  # noqa: F401  (the start-up hook and the sqlinbox+ alias)
 from kombu_sqlinbox.errors import ConfigurationError, DatabaseUnreachable
-from kombu_sqlinbox.worker import ONE_LINE_MISTAKES
+from kombu_sqlinbox.worker import ONE_LINE_MISTAKES, check_broker
 
 
 def built(app: Celery, **options: Any) -> Worker:
@@ -76,14 +76,16 @@ def test_without_a_prefetch_limit_the_wait_stays(sqlite: str) -> None:
     assert built(app, prefetch_multiplier=0).pool_putlocks is True
 
 
-def stopping_record(exc: BaseException) -> logging.LogRecord:
-    """The record Celery's worker logs for the error that stops it, ``exc`` raised."""
+def stopping_record(exc: BaseException, level: int = logging.CRITICAL,
+                    name: str = "celery.worker", msg: str = "Unrecoverable error: %r"
+                    ) -> logging.LogRecord:
+    """The record Celery's worker logs for the error that stops it, ``exc`` raised (or
+    another record of ``exc``)."""
     try:
         raise exc
     except BaseException:
-        return logging.getLogger("celery.worker").makeRecord(
-            "celery.worker", logging.CRITICAL, __file__, 1, "Unrecoverable error: %r",
-            (exc,), sys.exc_info())
+        return logging.getLogger(name).makeRecord(name, level, __file__, 1, msg, (exc,),
+                                                  sys.exc_info())
 
 
 def test_a_bug_that_stops_a_worker_keeps_its_traceback() -> None:
@@ -123,3 +125,26 @@ def test_a_bug_raised_while_handling_a_mistake_keeps_its_traceback() -> None:
     except RuntimeError as exc:
         record = stopping_record(exc)
     assert ONE_LINE_MISTAKES.filter(record) and record.exc_info is not None
+
+
+def test_a_lost_connection_the_worker_retries_keeps_its_message_and_traceback() -> None:
+    """Celery's consumer logs a connection lost while running as a warning, with its
+    traceback, and connects again: not a stop, whatever the error."""
+    lost = DatabaseUnreachable("sqlinbox+sqlite:///x/q.db", "unable to open", False)
+    record = stopping_record(
+        lost, logging.WARNING, "celery.worker.consumer.consumer",
+        "consumer: Connection to broker lost. Trying to re-establish the connection... %r")
+    assert ONE_LINE_MISTAKES.filter(record) and record.exc_info is not None
+    assert record.getMessage().startswith("consumer: Connection to broker lost.")
+
+
+def test_the_start_up_check_leaves_another_brokers_failover_urls_alone() -> None:
+    """Query strings in failover URLs are refused for this transport only (kombu's
+    failover cannot pass them on to it)."""
+    other = Celery("start", broker="redis://a/0?ssl_cert_reqs=none;redis://b/0?ssl_cert_reqs=none",
+                   set_as_current=False)
+    check_broker(other)
+    ours = Celery("start", broker="sqlinbox+sqlite:///a.db?timeout=5;sqlinbox+sqlite:///b.db",
+                  set_as_current=False)
+    with pytest.raises(ConfigurationError, match="no URL may have a query string"):
+        check_broker(ours)
