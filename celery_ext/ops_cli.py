@@ -35,6 +35,7 @@ from kombu_sqlinbox.urls import client_url, masked
 
 from .ops_render import age_text, render_prometheus, render_text, text_table
 from .outbox_cli import database_failed, outbox, progress
+from .results import backend_options
 
 __all__ = ["main", "sqlinbox"]
 
@@ -371,8 +372,8 @@ def _refuse_left(ctx: click.Context, left: dict[tuple[str, str], list[int]],
 @click.pass_context
 def ddl(ctx: click.Context, names: tuple[str, ...]) -> None:
     """CREATE TABLE and CREATE INDEX for the queues named (default: every queue of the app
-    and the options, with their dead-letter queues, and the routing tables), for the
-    database of the URL."""
+    and the options, with their dead-letter queues, the routing tables and the result
+    backend's tables), for the database of the URL."""
     with operations(ctx) as ops:
         chosen = names or ops.names
         for name in chosen:
@@ -383,6 +384,18 @@ def ddl(ctx: click.Context, names: tuple[str, ...]) -> None:
             routing = ops.dialect.routing_statements(ops.broker.options.table_prefix)
             click.echo("-- routing tables (bindings, queue registry, transient messages)")
             click.echo(";\n".join(routing.ddl) + ";")
+            results = ops.dialect.result_statements(
+                results_prefix(ctx.obj.app, ops.broker.options.table_prefix))
+            click.echo("-- result tables (result_backend = 'sqlinbox+...')")
+            click.echo(";\n".join(results.ddl) + ";")
+
+
+def results_prefix(app: Any, table_prefix: str) -> str:
+    """The result tables' prefix: the app's sqlinbox result backend's, else the
+    transport's."""
+    if app is not None and str(app.conf.result_backend or "").startswith("sqlinbox+"):
+        return str(backend_options(app)["table_prefix"])
+    return table_prefix
 
 
 @sqlinbox.command(cls=CeleryCommand)

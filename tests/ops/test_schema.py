@@ -5,6 +5,7 @@ column type and (MariaDB) routing tables that compare names ignoring trailing sp
 from __future__ import annotations
 
 import pytest
+from celery import Celery
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
@@ -241,3 +242,23 @@ def test_check_fails_on_a_text_column_too_short_for_a_message(
             f"PROBLEM jobs ({table_prefix}jobs): table '{table_prefix}jobs': column "
             f"'{role}' (role {role}) has type "), (alter, problem)
         assert "holds at most" in problem, problem
+
+
+def test_ddl_prints_the_result_tables_the_backend_then_uses(
+        cli: Cli, engine: Engine, db_url: str, table_prefix: str) -> None:
+    """The result backend's tables are in ``ddl``'s output: created from it, a backend
+    that does not create tables (``create_tables`` off) stores and reads results."""
+    printed = cli("ddl").stdout
+    assert "-- result tables (result_backend = 'sqlinbox+...')" in printed
+    with engine.begin() as conn:
+        for statement in statements(printed):
+            conn.execute(text(statement.rstrip(";")))
+    app = Celery("results", broker="memory://", backend="sqlinbox+" + db_url,
+                 set_as_current=False)
+    app.conf.result_backend_transport_options = {"table_prefix": table_prefix,
+                                                 "create_tables": False}
+    try:
+        app.backend.mark_as_done("from-ddl", [1, 2])
+        assert app.AsyncResult("from-ddl").get(timeout=5) == [1, 2]
+    finally:
+        app.close()
