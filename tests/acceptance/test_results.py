@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery import Celery, group
+from celery import Celery, chord, group
 from celery.result import GroupResult
 from sqlalchemy import text
 from sqlalchemy.engine import Engine, make_url
@@ -68,14 +68,19 @@ def test_a_result_too_large_fails_the_task_with_an_error_saying_so(
     assert caller.send_task("acc.sized", args=(100,)).get(timeout=RESULT_LIMIT) == "x" * 100
 
 
-def test_a_saved_group_is_restored_and_joined(acceptance: Acceptance, caller: Celery,
-                                              db_url: str) -> None:
+def test_a_saved_group_is_restored_and_a_chord_runs_its_body(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """A group saved by its id is restored and joined; a chord's body runs once its
+    header is done (through Celery's ``chord_unlock``, for now)."""
     acceptance.worker("prefork", 2, **results_conf(db_url))
     sent = group(caller.signature("acc.add", args=(n, n)) for n in range(4)).apply_async()
     sent.save()
     restored = GroupResult.restore(sent.id, app=caller)
     assert restored is not None
     assert restored.get(timeout=RESULT_LIMIT) == [0, 2, 4, 6]
+    header = [caller.signature("acc.add", args=(n, 1)) for n in range(3)]
+    body = chord(header)(caller.signature("acc.total"))
+    assert body.get(timeout=RESULT_LIMIT) == 6
 
 
 def test_backend_cleanup_on_a_worker_deletes_the_expired_results(

@@ -94,6 +94,11 @@ def add(x: int, y: int) -> int:
     return x + y
 
 
+@app.task(name="acc.total")
+def total(values: list[int]) -> int:
+    return sum(values)
+
+
 @app.task(name="acc.fail")
 def fail(reason: str) -> None:
     raise ValueError(reason)
