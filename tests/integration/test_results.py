@@ -13,6 +13,7 @@ from celery import Celery, states
 from celery.app.task import Context
 from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult, GroupResult
+from kombu.utils.encoding import ensure_bytes
 from sqlalchemy import text
 from sqlalchemy.engine import Engine, make_url
 
@@ -223,3 +224,49 @@ def test_get_gives_up_at_its_timeout(app: Celery) -> None:
     with pytest.raises(CeleryTimeout):
         app.AsyncResult("t-9").get(timeout=0.5, interval=30)
     assert 0.5 <= time.monotonic() - started < 3.0
+
+
+@pytest.mark.databases("mysql", "sqlite")
+def test_a_result_no_signal_announces_is_found_by_polling(app: Celery, engine: Engine) -> None:
+    """A worker on another host reaches no same-host signal: its result, written here
+    straight into the table, is found by the waiter's polls, soon, not at the interval."""
+    stored: list[float] = []
+    meta = ensure_bytes(app.backend.encode({"status": states.SUCCESS, "result": "polled",
+                                            "traceback": None, "children": [],
+                                            "task_id": "t-10"}))
+
+    def write_unannounced() -> None:
+        if not stored:
+            with engine.begin() as conn:
+                conn.execute(app.backend.store.sql.store, {
+                    "task_id": "t-10", "status": states.SUCCESS, "meta": meta, "ready": 1,
+                    "task_name": None, "worker": None})
+            stored.append(time.monotonic())
+
+    result = app.AsyncResult("t-10")
+    assert result.get(timeout=20, interval=30, on_interval=write_unannounced) == "polled"
+    assert time.monotonic() - stored[0] < 2.0
+
+
+@pytest.mark.databases("postgresql")
+def test_a_waiter_whose_listen_connection_dies_still_gets_the_result(
+        app: Celery, engine: Engine) -> None:
+    """The server ends the waiter's LISTEN session while it waits: the wait notices the
+    dead socket, reads the row again, and connects again for the next wait."""
+    ended: list[float] = []
+
+    def end_the_listener_then_store() -> None:
+        if not ended:
+            waiter = app.backend.store._local.waiter
+            pid = waiter._own.driver.info.backend_pid
+            with engine.begin() as conn:
+                conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+            app.backend.mark_as_done("t-11", "after the loss")
+            ended.append(time.monotonic())
+
+    result = app.AsyncResult("t-11")
+    assert result.get(timeout=20, interval=30,
+                      on_interval=end_the_listener_then_store) == "after the loss"
+    assert time.monotonic() - ended[0] < 2.0
+    app.backend.mark_as_done("t-12", "listening again")
+    assert app.AsyncResult("t-12").get(timeout=5, interval=30) == "listening again"
