@@ -53,3 +53,19 @@ def test_a_backend_without_a_url_says_how_to_write_one() -> None:
     app = app_with("celery_ext.results:SqlInboxBackend")
     with pytest.raises(ConfigurationError, match="result_backend = 'sqlinbox\\+postgresql://"):
         _ = app.backend
+
+
+def test_the_backend_pickles_with_its_url_and_expiry() -> None:
+    """Celery pickles a backend into pool processes and canvas callbacks."""
+    import pickle
+
+    from celery._state import _set_current_app
+
+    app = app_with("sqlinbox+mysql://root@h/db", result_expires=120)
+    _set_current_app(app)
+    try:
+        copy = pickle.loads(pickle.dumps(app.backend))
+    finally:
+        _set_current_app(None)
+    assert isinstance(copy, SqlInboxBackend)
+    assert (copy.url, copy.expires) == ("mysql://root@h/db", 120.0)
