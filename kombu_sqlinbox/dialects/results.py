@@ -24,6 +24,9 @@ RESULT_TABLES = ("task_results", "group_results")
 #: the state a stored result never leaves (Celery's rule: a task run again after its
 #: success does not replace the result)
 FINAL = "SUCCESS"
+#: values the schema check binds to every statement it plans
+PLAN_PARAMS = {"task_id": "-", "group_id": "-", "status": "PENDING", "task_name": None,
+               "worker": None, "meta": b"", "ready": 0, "expires": 0.0, "limit": 1}
 
 
 @dataclass(frozen=True)

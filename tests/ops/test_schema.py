@@ -262,3 +262,23 @@ def test_ddl_prints_the_result_tables_the_backend_then_uses(
         assert app.AsyncResult("from-ddl").get(timeout=5) == [1, 2]
     finally:
         app.close()
+
+
+def test_check_plans_the_result_tables_and_names_a_broken_one(
+        cli: Cli, engine: Engine, table_prefix: str) -> None:
+    """``check`` plans the result backend's statements on its tables as it does the
+    routing tables': a table of another shape is a problem naming it."""
+    with engine.begin() as conn:
+        for statement in statements(cli("ddl").stdout):
+            conn.execute(text(statement.rstrip(";")))
+    passed = cli("check")
+    assert passed.stdout.strip().endswith("on 3 queues: 0 problem(s)"), passed.stdout
+    groups = quoted(engine, f"{table_prefix}group_results")
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP TABLE {groups}"))
+        conn.execute(text(f"CREATE TABLE {groups} (group_id VARCHAR(100))"))
+    failed = cli("check", check=False)
+    assert failed.returncode == 1, failed.stdout
+    (problem,) = [line for line in failed.stdout.splitlines() if line.startswith("PROBLEM")]
+    assert problem.startswith(
+        f"PROBLEM (results) ({table_prefix}group_results): the statement "), problem
