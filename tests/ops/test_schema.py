@@ -244,10 +244,12 @@ def test_check_fails_on_a_text_column_too_short_for_a_message(
         assert "holds at most" in problem, problem
 
 
-def test_ddl_prints_the_result_tables_the_backend_then_uses(
+def test_ddl_prints_the_result_tables_and_check_plans_their_statements(
         cli: Cli, engine: Engine, db_url: str, table_prefix: str) -> None:
     """The result backend's tables are in ``ddl``'s output: created from it, a backend
-    that does not create tables (``create_tables`` off) stores and reads results."""
+    that does not create tables (``create_tables`` off) stores and reads results, and
+    ``check`` plans its statements there as it does the routing tables': a table of
+    another shape is a problem naming it."""
     printed = cli("ddl").stdout
     assert "-- result tables (result_backend = 'sqlinbox+...')" in printed
     with engine.begin() as conn:
@@ -262,15 +264,6 @@ def test_ddl_prints_the_result_tables_the_backend_then_uses(
         assert app.AsyncResult("from-ddl").get(timeout=5) == [1, 2]
     finally:
         app.close()
-
-
-def test_check_plans_the_result_tables_and_names_a_broken_one(
-        cli: Cli, engine: Engine, table_prefix: str) -> None:
-    """``check`` plans the result backend's statements on its tables as it does the
-    routing tables': a table of another shape is a problem naming it."""
-    with engine.begin() as conn:
-        for statement in statements(cli("ddl").stdout):
-            conn.execute(text(statement.rstrip(";")))
     passed = cli("check")
     assert passed.stdout.strip().endswith("on 3 queues: 0 problem(s)"), passed.stdout
     groups = quoted(engine, f"{table_prefix}group_results")
