@@ -20,7 +20,7 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -223,20 +223,21 @@ def _delete(statement: TextClause, params: dict[str, Any], conn: Connection) -> 
 
 class Waiter:
     """One thread's wait for results: LISTEN on a connection of its own (PostgreSQL),
-    the same-host signal's socket (SQLite), else polling at a :class:`Cadence`."""
+    else the same-host signal's socket (SQLite, MariaDB/MySQL) and polling at a
+    :class:`Cadence`."""
 
     def __init__(self, store: ResultStore) -> None:
         self.store = store
         dialect = store.dialect
-        self.listens = dialect.capabilities.wakeups and dialect.notify
-        self._own = OwnSession(store.database) if self.listens else None
+        listens = dialect.capabilities.wakeups and dialect.notify
+        self._own = OwnSession(store.database) if listens else None
         self.signal = (LocalSignal(store.signal_directory)
                        if store.signal_directory is not None else None)
         self.cadence = Cadence(POLL_FIRST, POLL_BACKOFF)
         self._channel: str | None = None
 
     @contextlib.contextmanager
-    def watching(self, task_id: str) -> Any:
+    def watching(self, task_id: str) -> Iterator[None]:
         """LISTEN on the task's channel (or bind the same-host signal's socket) for the
         wait, before its first read, so that no announcement falls between the two;
         UNLISTEN after."""
