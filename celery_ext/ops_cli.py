@@ -28,6 +28,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from kombu_sqlinbox.codec import DEATH_HEADER, DELIVERY_PROPERTIES
 from kombu_sqlinbox.dead_letters import EVERY
+from kombu_sqlinbox.dialects.results import PLAN_PARAMS as RESULT_PLAN_PARAMS
 from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.operations import DeadFilter, DeadLetter, Operations
 from kombu_sqlinbox.options import parse_options
@@ -35,8 +36,12 @@ from kombu_sqlinbox.urls import client_url, masked
 
 from .ops_render import age_text, render_prometheus, render_text, text_table
 from .outbox_cli import database_failed, outbox, progress
+from .results import backend_options
 
 __all__ = ["main", "sqlinbox"]
+
+#: how ``check`` names the result tables' problems
+RESULTS = "(results)"
 
 @contextmanager
 def operations(ctx: click.Context) -> Iterator[Operations]:
@@ -386,8 +391,8 @@ def _refuse_left(ctx: click.Context, left: dict[tuple[str, str], list[int]],
 @click.pass_context
 def ddl(ctx: click.Context, names: tuple[str, ...]) -> None:
     """CREATE TABLE and CREATE INDEX for the queues named (default: every queue of the app
-    and the options, with their dead-letter queues, and the routing tables), for the
-    database of the URL."""
+    and the options, with their dead-letter queues, the routing tables and the result
+    backend's tables), for the database of the URL."""
     with operations(ctx) as ops:
         chosen = names or ops.names
         for name in chosen:
@@ -398,17 +403,35 @@ def ddl(ctx: click.Context, names: tuple[str, ...]) -> None:
             routing = ops.dialect.routing_statements(ops.broker.options.table_prefix)
             click.echo("-- routing tables (bindings, queue registry, transient messages)")
             click.echo(";\n".join(routing.ddl) + ";")
+            results = ops.dialect.result_statements(
+                result_settings(ctx.obj.app, ops.broker.options.table_prefix)[0])
+            click.echo("-- result tables (result_backend = 'sqlinbox+...')")
+            click.echo(";\n".join(results.ddl) + ";")
+
+
+def result_settings(app: Any, table_prefix: str) -> tuple[str, bool]:
+    """The result tables' prefix, and whether they are created on first use: the app's
+    sqlinbox result backend's options, else the transport's prefix (and created)."""
+    if app is not None and str(app.conf.result_backend or "").startswith("sqlinbox+"):
+        options = backend_options(app)
+        return str(options["table_prefix"]), bool(options["create_tables"])
+    return table_prefix, True
 
 
 @sqlinbox.command(cls=CeleryCommand)
 @click.pass_context
 def check(ctx: click.Context) -> None:
-    """Plan every statement the transport runs on each queue against the live schema
-    (nothing is run): missing tables or columns, wrong types, a claim that does not use
-    its index. Exits 1 on any problem."""
+    """Plan every statement the transport runs on each queue (and the result backend on
+    its tables) against the live schema (nothing is run): missing tables or columns,
+    wrong types, a claim that does not use its index. Exits 1 on any problem."""
     with operations(ctx) as ops:
         planned, problems = ops.check()
         count = len(ops.queues())
+        prefix, create = result_settings(ctx.obj.app, ops.broker.options.table_prefix)
+        results = ops.dialect.result_statements(prefix)
+        more, found = ops.tables_check(RESULTS, "result", results, RESULT_PLAN_PARAMS, create,
+                                       "no task's result can be stored")
+        planned, problems = planned + more, problems + found
     for problem in problems:
         click.echo(f"PROBLEM {problem.queue} ({problem.table}): {problem.what}")
     click.echo(f"checked {planned} statements on {count} queues: {len(problems)} problem(s)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import click
+from kombu.exceptions import EncodeError
 
 
 class SqlInboxError(Exception):
@@ -26,6 +27,12 @@ class SchemaMismatch(ConfigurationError):
 
 class MessageTooLarge(SqlInboxError):
     """A message is larger than the database accepts in one statement."""
+
+
+class ResultTooLarge(SqlInboxError, EncodeError):
+    """A task's result (with its meta) is larger than the result table's column or the
+    server's statement limit accepts. An ``EncodeError``: Celery's worker then stores
+    the task as failed with this error, which ``AsyncResult.get()`` raises."""
 
 
 class DatabaseUnreachable(SqlInboxError):

@@ -413,22 +413,33 @@ class Operations:
         return planned, problems
 
     def routing_check(self) -> tuple[int, list[Problem]]:
-        """Plan the statements on the routing tables, as :meth:`check` does a queue's;
-        missing tables are a problem only where the transport does not create them:
-        without them no worker can declare its remote-control queue. A table whose
-        statements do not plan is named once, with the first error."""
+        """Plan the statements on the routing tables (:meth:`tables_check`); then what the
+        dialect finds wrong in them (names compared otherwise than the statements
+        expect)."""
         sql = self.dialect.routing_statements(self.options.table_prefix)
+        return self.tables_check(
+            ROUTING, "routing", sql, ROUTING_PLAN_PARAMS, self.options.create_tables,
+            "a worker cannot declare its remote-control queue, nor any process a transient "
+            "queue or a fanout binding", partial(self.dialect.routing_problems, names=sql.names))
+
+    def tables_check(self, label: str, kind: str, sql: Any, params: Mapping[str, Any],
+                     create: bool, without: str,
+                     more: Callable[[Connection], list[tuple[str, str]]] | None = None,
+                     ) -> tuple[int, list[Problem]]:
+        """Plan every statement of ``sql`` (statements of tables ``sql.names``), as
+        :meth:`check` does a queue's; missing tables are a problem only where they are
+        not created on first use (``create`` false; ``without``: what fails then). A table
+        whose statements do not plan is named once, with the first error; ``more``
+        finds other problems in tables that are there."""
         missing = self.broker.run(
             lambda conn: [name for name in sql.names if not inspect(conn).has_table(name)],
             read_only=True)
         if missing:
-            if self.options.create_tables:
-                return 0, []  # the transport creates them on first use, as printed
-            return 0, [Problem(ROUTING, missing[0], (
-                f"the routing tables {', '.join(missing)} do not exist (create_tables is off): "
-                "a worker cannot declare its remote-control queue, nor any process a "
-                "transient queue or a fanout binding; create them with:\n"
-                + ";\n".join(sql.ddl) + ";"))]
+            if create:
+                return 0, []  # created on first use, as printed
+            return 0, [Problem(label, missing[0], (
+                f"the {kind} tables {', '.join(missing)} do not exist (create_tables is off): "
+                f"{without}; create them with:\n" + ";\n".join(sql.ddl) + ";"))]
         planned, failed = 0, dict[str, str]()
         for field in dataclasses.fields(sql):
             value = getattr(sql, field.name)
@@ -436,17 +447,16 @@ class Operations:
             for statement in (part for part in parts if isinstance(part, TextClause)):
                 table = min(sql.names, key=lambda name: _position(statement.text, name))
                 try:
-                    self.broker.run(partial(_rows, self.dialect.explained(statement),
-                                            ROUTING_PLAN_PARAMS), attempts=1, read_only=True)
+                    self.broker.run(partial(_rows, self.dialect.explained(statement), params),
+                                    attempts=1, read_only=True)
                     planned += 1
                 except DBAPIError as exc:
                     failed.setdefault(table, f"{field.name}: {exc.orig}")
-        problems = [Problem(ROUTING, table, (
-            f"the statement {what} (the ddl command prints what makes the routing tables)"))
+        problems = [Problem(label, table, (
+            f"the statement {what} (the ddl command prints what makes the {kind} tables)"))
             for table, what in failed.items()]
-        kept_apart = self.broker.run(partial(self.dialect.routing_problems, names=sql.names),
-                                     read_only=True)  # names compared as the statements expect
-        return planned, problems + [Problem(ROUTING, table, what) for table, what in kept_apart]
+        found = [] if more is None else self.broker.run(more, read_only=True)
+        return planned, problems + [Problem(label, table, what) for table, what in found]
 
     def _ensure(self, spec: TableSpec, conn: Connection) -> bool:
         return self.dialect.ensure_table(conn, spec, create=False)

@@ -28,7 +28,8 @@ from .errors import (
     reason_of,
 )
 from .options import parse_options
-from .polling import Cadence, EventLoop
+from .polling import EventLoop
+from .retries import Cadence
 from .urls import client_url, conceal_password, refuse_alternates_with_query, shown_uri
 
 

@@ -105,11 +105,14 @@ def table_prefix(engine: Engine) -> Iterator[str]:
 
 @pytest.fixture(autouse=True)
 def _close_brokers() -> Iterator[None]:
-    """Each test starts and ends with no pooled connections left open in this process."""
+    """Each test starts and ends with no pooled connections left open in this process (the
+    brokers' and the result stores')."""
     yield
+    from kombu_sqlinbox import results
     from kombu_sqlinbox.brokers import close_all
 
     close_all()
+    results.close_all()
 
 
 @pytest.hookimpl(wrapper=True)

@@ -14,6 +14,7 @@ from .base import (
     Capabilities,
     ClaimedRow,
     Dialect,
+    ResultStatements,
     RoutingStatements,
     RowsInsert,
     Statements,
@@ -26,8 +27,8 @@ from .sqlite import SQLiteDialect
 
 __all__ = [
     "SPELLINGS", "Capabilities", "ClaimedRow", "Dialect", "MySQLDialect", "PostgreSQLDialect",
-    "RoutingStatements", "RowsInsert", "SQLiteDialect", "Statements", "Tokens", "dialect_class",
-    "dialect_for", "plain_payload", "register", "url_schemes",
+    "ResultStatements", "RoutingStatements", "RowsInsert", "SQLiteDialect", "Statements",
+    "Tokens", "dialect_class", "dialect_for", "plain_payload", "register", "url_schemes",
 ]
 
 _REGISTRY: dict[str, type[Dialect]] = {}

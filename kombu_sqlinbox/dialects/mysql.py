@@ -24,6 +24,7 @@ from ..tables import ColumnSpec, Role, TableSpec
 from .base import Dialect
 from .core import Capabilities
 from .driver import _expanding
+from .results import FINAL
 from .routing import TRANSIENT_ORDER, RoutingStatements
 from .wakeups import no_wakeups
 
@@ -305,6 +306,38 @@ class MySQLDialect(Dialect):
             else:
                 tables[-1] = f"{tables[-1][:-1]}, INDEX {match[1]} ({match[2]}))"
         return [f"{table} ENGINE=InnoDB DEFAULT CHARSET=utf8mb4" for table in tables]
+
+    # -- results: the result tables (celery_ext.results) ----------------------------------
+    #: ids compared byte for byte, as Celery compares them
+    result_id_type = "VARBINARY(255)"
+    result_text_type = "VARCHAR(255)"
+    result_meta_type = "LONGBLOB"
+    result_meta_bytes = (1 << 32) - 1
+    result_time_type = "DOUBLE"
+
+    def result_upsert(self, table: str, key: str, values: Sequence[tuple[str, str]],
+                      guarded: bool) -> str:
+        """ON DUPLICATE KEY UPDATE, each assignment guarded by the state as the earlier
+        ones left it (``status`` comes last)."""
+        columns = ", ".join(column for column, _ in values)
+        given = ", ".join(value for _, value in values)
+        updates = ", ".join(
+            f"{column} = IF(status = '{FINAL}', {column}, VALUES({column}))" if guarded
+            else f"{column} = VALUES({column})" for column, _ in values if column != key)
+        return (f"INSERT INTO {table} ({columns}) VALUES ({given}) "
+                f"ON DUPLICATE KEY UPDATE {updates}")
+
+    def result_expire_sql(self, table: str, key: str) -> str:
+        """MySQL takes no LIMIT in an IN subquery, but DELETE itself takes one."""
+        return (f"DELETE FROM {table} WHERE date_done < {self.epoch(self.now)} - :expires "
+                f"ORDER BY date_done LIMIT :limit")
+
+    def result_ddl(self, tasks: str, groups: str, names: tuple[str, str]) -> list[str]:
+        """No CREATE INDEX IF NOT EXISTS here: the indexes go inside CREATE TABLE."""
+        made = super().result_ddl(tasks, groups, names)
+        return [f"{table[:-1]}, INDEX {index.split()[5]} (date_done)) "
+                "ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
+                for table, index in zip(made[::2], made[1::2], strict=True)]
 
     # -- outbox: the outbox's statements (celery_ext.outbox) -------------------------------
     outbox_column_types = {

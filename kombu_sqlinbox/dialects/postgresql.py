@@ -288,6 +288,15 @@ class PostgreSQLDialect(Dialect):
     def outbox_ago(self) -> str:
         return f"{self.now} - make_interval(secs => :older_than)"
 
+    # -- results: the result tables (celery_ext.results) ----------------------------------
+    result_meta_type = "BYTEA"
+    #: a BYTEA value's limit
+    result_meta_bytes = (1 << 30) - 1
+
+    def result_notify(self, conn: Connection, channel: str) -> None:
+        if self.notify:
+            self.execute(conn, WAKE, {"channel": channel})
+
     # -- wakeups: wake-ups and advisory key locks ------------------------------------------
     def wake(self, conn: Connection, spec: TableSpec) -> None:
         if self.notify:

@@ -274,6 +274,9 @@ class SQLiteDialect(Dialect):
     # -- routing: bindings, the queue registry, transient queues ---------------------------
     seconds_type = "REAL"
 
+    # -- results: the result tables (celery_ext.results) ----------------------------------
+    result_time_type = "REAL"
+
     # -- outbox: the outbox's statements (celery_ext.outbox) -------------------------------
     outbox_column_types = {
         "id": "TEXT NOT NULL",

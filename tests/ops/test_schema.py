@@ -5,6 +5,7 @@ column type and (MariaDB) routing tables that compare names ignoring trailing sp
 from __future__ import annotations
 
 import pytest
+from celery import Celery
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
@@ -241,3 +242,36 @@ def test_check_fails_on_a_text_column_too_short_for_a_message(
             f"PROBLEM jobs ({table_prefix}jobs): table '{table_prefix}jobs': column "
             f"'{role}' (role {role}) has type "), (alter, problem)
         assert "holds at most" in problem, problem
+
+
+def test_ddl_prints_the_result_tables_and_check_plans_their_statements(
+        cli: Cli, engine: Engine, db_url: str, table_prefix: str) -> None:
+    """The result backend's tables are in ``ddl``'s output: created from it, a backend
+    that does not create tables (``create_tables`` off) stores and reads results, and
+    ``check`` plans its statements there as it does the routing tables': a table of
+    another shape is a problem naming it."""
+    printed = cli("ddl").stdout
+    assert "-- result tables (result_backend = 'sqlinbox+...')" in printed
+    with engine.begin() as conn:
+        for statement in statements(printed):
+            conn.execute(text(statement.rstrip(";")))
+    app = Celery("results", broker="memory://", backend="sqlinbox+" + db_url,
+                 set_as_current=False)
+    app.conf.result_backend_transport_options = {"table_prefix": table_prefix,
+                                                 "create_tables": False}
+    try:
+        app.backend.mark_as_done("from-ddl", [1, 2])
+        assert app.AsyncResult("from-ddl").get(timeout=5) == [1, 2]
+    finally:
+        app.close()
+    passed = cli("check")
+    assert passed.stdout.strip().endswith("on 3 queues: 0 problem(s)"), passed.stdout
+    groups = quoted(engine, f"{table_prefix}group_results")
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP TABLE {groups}"))
+        conn.execute(text(f"CREATE TABLE {groups} (group_id VARCHAR(100))"))
+    failed = cli("check", check=False)
+    assert failed.returncode == 1, failed.stdout
+    (problem,) = [line for line in failed.stdout.splitlines() if line.startswith("PROBLEM")]
+    assert problem.startswith(
+        f"PROBLEM (results) ({table_prefix}group_results): the statement "), problem

@@ -144,6 +144,14 @@ def routing_statements(dialect: Dialect) -> Iterator[tuple[str, Any]]:
     yield "transient_channel", dialect.transient_channel("sqlinbox_", "celery.pidbox")
 
 
+def result_statements(dialect: Dialect) -> Iterator[tuple[str, Any]]:
+    results = dialect.result_statements("sqlinbox_")
+    for field in dataclasses.fields(results):
+        yield f"results.{field.name}", getattr(results, field.name)
+    yield "result_channel", dialect.result_channel("sqlinbox_", "a-task-id")
+    yield "result_limit", dialect.result_limit()
+
+
 def settings(dialect: Dialect) -> Iterator[tuple[str, Any]]:
     """The class-level values a dialect's statements and sessions are built from."""
     for name in ("now", "pinned_now", "eta_value", "capabilities", "lock_clause",
@@ -193,7 +201,8 @@ def render(database: str) -> str:
         for name, spec in specs().items():
             found += [(f"{name}: {what}", item)
                       for what, item in table_statements(dialect, drivers, spec)]
-        found += [*outbox_statements(dialect), *routing_statements(dialect)]
+        found += [*outbox_statements(dialect), *routing_statements(dialect),
+                  *result_statements(dialect)]
         sections += [f"## {variant} | {what}\n{value(item)}\n" for what, item in found]
     return "\n".join(sections)
 

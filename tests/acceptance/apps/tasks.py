@@ -86,3 +86,33 @@ app.task(bind=True, name="acc.run")(run)
 app.task(bind=True, name="acc.run_late", acks_late=True)(run)
 #: one run every ten seconds: a worker keeps a second request reserved, waiting for a token
 app.task(bind=True, name="acc.run_limited", rate_limit="6/m")(run)
+
+
+# -- results (tests/acceptance/test_results.py) ---------------------------------------------
+@app.task(name="acc.add")
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+@app.task(name="acc.total")
+def total(values: list[int]) -> int:
+    return sum(values)
+
+
+@app.task(name="acc.fail")
+def fail(reason: str) -> None:
+    raise ValueError(reason)
+
+
+@app.task(name="acc.sized")
+def sized(size: int) -> str:
+    """A result of ``size`` characters."""
+    return "x" * size
+
+
+@app.task(bind=True, name="acc.retried", max_retries=1)
+def retried(self: Task) -> int:
+    """Retried once at once, then returns how many retries it took."""
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return int(self.request.retries)

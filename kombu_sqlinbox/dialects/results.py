@@ -1,0 +1,163 @@
+"""The result tables' statements: one row per task (its state, its encoded result, when
+it finished) and one per saved group, under the table prefix; every value bound, every
+time epoch seconds read from the database's clock.
+
+Celery's result backend (:mod:`celery_ext.results`) runs them through
+:mod:`kombu_sqlinbox.results`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from sqlalchemy import Connection, TextClause, text
+from sqlalchemy.engine import Engine
+
+from ..roles import check_identifier
+from .driver import DriverFamily
+
+#: the result tables under a table prefix: tasks' results, saved groups
+RESULT_TABLES = ("task_results", "group_results")
+#: the state a stored result never leaves (Celery's rule: a task run again after its
+#: success does not replace the result)
+FINAL = "SUCCESS"
+#: values the schema check binds to every statement it plans
+PLAN_PARAMS = {"task_id": "-", "group_id": "-", "status": "PENDING", "task_name": None,
+               "worker": None, "meta": b"", "ready": 0, "expires": 0.0, "limit": 1}
+
+
+@dataclass(frozen=True)
+class ResultStatements:
+    """The statements on the result tables of one table prefix."""
+
+    names: tuple[str, str]
+    ddl: list[str]
+    drop: list[str]
+    #: write a task's state and encoded meta (``:task_id, :status, :task_name, :worker,
+    #: :meta, :ready``); a row already in SUCCESS is left as it is
+    store: TextClause
+    #: ``status, meta, date_done`` of ``:task_id``
+    read: TextClause
+    forget: TextClause
+    save_group: TextClause
+    #: ``meta, date_done`` of ``:group_id``
+    restore_group: TextClause
+    delete_group: TextClause
+    #: at most ``:limit`` rows of each table done more than ``:expires`` seconds ago
+    expire: tuple[TextClause, TextClause]
+
+    @staticmethod
+    def tables(prefix: str) -> tuple[str, str]:
+        tasks, groups = (check_identifier(prefix + name, "table") for name in RESULT_TABLES)
+        return tasks, groups
+
+
+class ResultFamily(DriverFamily):
+    """The result tables' statements, built once per table prefix."""
+
+    #: a task or group id (any string Celery is given; compared as stored)
+    result_id_type: ClassVar[str] = "VARCHAR(255)"
+    #: a state, task name or worker name
+    result_text_type: ClassVar[str] = "TEXT"
+    #: the encoded meta: the result, traceback, children, and with ``result_extended``
+    #: the task's arguments
+    result_meta_type: ClassVar[str] = "BLOB"
+    #: what :attr:`result_meta_type` holds at most (bytes)
+    result_meta_bytes: ClassVar[int] = 1_000_000_000
+    #: epoch seconds
+    result_time_type: ClassVar[str] = "DOUBLE PRECISION"
+
+    def __init__(self, engine: Engine | None = None) -> None:
+        super().__init__(engine)
+        self._results: dict[str, ResultStatements] = {}
+
+    def result_statements(self, prefix: str) -> ResultStatements:
+        cached = self._results.get(prefix)
+        if cached is None:
+            cached = self._results[prefix] = self.build_results(prefix)
+        return cached
+
+    def result_limit(self) -> tuple[int, str]:
+        """The largest encoded meta one write can carry (bytes), and what sets it: the
+        column's type, or the server's limit on one statement (less room for the rest
+        of it), whichever is lower."""
+        limit = (self.result_meta_bytes, f"the {self.result_meta_type} column's limit")
+        if self.max_statement_bytes is not None:
+            statement = (self.max_statement_bytes - 4096,
+                         f"the server's max_allowed_packet of {self.max_statement_bytes}")
+            limit = min(limit, statement)
+        return limit
+
+    def result_channel(self, prefix: str, task_id: str) -> str:
+        """The NOTIFY channel a task's result is announced on (a valid identifier of at
+        most 63 bytes whatever the id and prefix)."""
+        digest = hashlib.md5(f"{prefix}\0{task_id}".encode()).hexdigest()
+        return f"sqlinbox_r_{digest}"
+
+    def result_notify(self, conn: Connection, channel: str) -> None:
+        """Announce a stored result on ``channel`` when ``conn`` commits, where the
+        database has NOTIFY (nothing elsewhere: waiters there are woken otherwise)."""
+
+    def result_upsert(self, table: str, key: str, values: Sequence[tuple[str, str]],
+                      guarded: bool) -> str:
+        """INSERT of (column, SQL value) pairs; on a conflict on ``key`` the other columns
+        are updated, unless ``guarded`` and the row is already in :data:`FINAL`."""
+        columns = ", ".join(column for column, _ in values)
+        given = ", ".join(value for _, value in values)
+        updates = ", ".join(f"{column} = excluded.{column}"
+                            for column, _ in values if column != key)
+        guard = f" WHERE {table}.status <> '{FINAL}'" if guarded else ""
+        return (f"INSERT INTO {table} ({columns}) VALUES ({given}) "
+                f"ON CONFLICT ({key}) DO UPDATE SET {updates}{guard}")
+
+    def result_expire_sql(self, table: str, key: str) -> str:
+        """DELETE of at most ``:limit`` rows of ``table`` done ``:expires`` seconds ago."""
+        return (f"DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {table} "
+                f"WHERE date_done < {self.epoch(self.now)} - :expires LIMIT :limit)")
+
+    def result_ddl(self, tasks: str, groups: str, names: tuple[str, str]) -> list[str]:
+        """The result tables, each with its index on ``date_done`` (expiry's scan)."""
+        key, label = self.result_id_type, self.result_text_type
+        meta, seconds = self.result_meta_type, self.result_time_type
+        return [
+            f"CREATE TABLE IF NOT EXISTS {tasks} (task_id {key} NOT NULL PRIMARY KEY, "
+            f"task_name {label}, worker {label}, date_done {seconds}, "
+            f"meta {meta} NOT NULL, status {label} NOT NULL)",
+            f"CREATE INDEX IF NOT EXISTS {self.quote(names[0] + '_done')} "
+            f"ON {tasks} (date_done)",
+            f"CREATE TABLE IF NOT EXISTS {groups} (group_id {key} NOT NULL PRIMARY KEY, "
+            f"date_done {seconds} NOT NULL, meta {meta} NOT NULL)",
+            f"CREATE INDEX IF NOT EXISTS {self.quote(names[1] + '_done')} "
+            f"ON {groups} (date_done)",
+        ]
+
+    def build_results(self, prefix: str) -> ResultStatements:
+        names = ResultStatements.tables(prefix)
+        tasks, groups = (self.quote(name) for name in names)
+        now = self.epoch(self.now)
+        # status last: MySQL's guard reads it as each assignment leaves it
+        stored = [("task_id", ":task_id"), ("task_name", ":task_name"), ("worker", ":worker"),
+                  ("date_done", f"CASE WHEN :ready = 1 THEN {now} END"), ("meta", ":meta"),
+                  ("status", ":status")]
+        saved = [("group_id", ":group_id"), ("date_done", now), ("meta", ":meta")]
+
+        def sql(statement: str) -> TextClause:
+            return self.clocked(text(statement))
+
+        return ResultStatements(
+            names=names,
+            ddl=self.result_ddl(tasks, groups, names),
+            drop=[f"DROP TABLE IF EXISTS {table}" for table in (tasks, groups)],
+            store=sql(self.result_upsert(tasks, "task_id", stored, guarded=True)),
+            read=sql(f"SELECT status, meta, date_done FROM {tasks} WHERE task_id = :task_id"),
+            forget=sql(f"DELETE FROM {tasks} WHERE task_id = :task_id"),
+            save_group=sql(self.result_upsert(groups, "group_id", saved, guarded=False)),
+            restore_group=sql(
+                f"SELECT meta, date_done FROM {groups} WHERE group_id = :group_id"),
+            delete_group=sql(f"DELETE FROM {groups} WHERE group_id = :group_id"),
+            expire=(sql(self.result_expire_sql(tasks, "task_id")),
+                    sql(self.result_expire_sql(groups, "group_id"))),
+        )

@@ -1,0 +1,348 @@
+"""Task results in the service's database: the result tables (one row per task, one per
+saved group), and waiting for a result without sleeping a fixed interval.
+
+A stored result announces itself where the database can: PostgreSQL NOTIFYs the
+result's own channel in the writing transaction; elsewhere the writer sends the
+same-host signal after its commit (to result waiters, not to queue consumers: their
+directory is another), and a waiter also polls, soon at first and less often the longer
+it waits, for writers on other hosts. Whatever wakes it, a waiter reads the row again,
+so a lost wake-up costs time, never a result.
+
+Celery's side (:mod:`celery_ext.results`) encodes and decodes; this module stores bytes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+from sqlalchemy import Connection, TextClause, inspect
+from sqlalchemy.exc import DBAPIError
+
+from .database import Database
+from .dialects import ResultStatements
+from .errors import ConfigurationError, ResultTooLarge
+from .own_session import OwnSession
+from .retries import Cadence
+from .wakeups import LocalSignal
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+#: a polling waiter's first wait, and how much longer each next one is
+POLL_FIRST = 0.005
+POLL_BACKOFF = 1.25
+
+
+@dataclass(frozen=True)
+class StoredResult:
+    """A task's row: its state, its encoded meta and when it finished (epoch seconds,
+    None while not ready)."""
+
+    status: str
+    meta: bytes
+    date_done: float | None
+
+
+class ResultStore:
+    """The result tables of one database and table prefix, and their waiters (one per
+    thread: a waiting thread holds its LISTEN connection or signal socket alone)."""
+
+    def __init__(self, database: Database, prefix: str, create_tables: bool = True,
+                 max_bytes: int | None = None) -> None:
+        self.database = database
+        self.dialect = database.dialect
+        self.prefix = prefix
+        self.create_tables = create_tables
+        self.max_bytes = max_bytes
+        self.sql: ResultStatements = self.dialect.result_statements(prefix)
+        directory = self.dialect.signal_directory()
+        #: where writers signal the waiters of this host (SQLite)
+        self.signal_directory = None if directory is None else directory + "-results"
+        self._sender = None if directory is None else LocalSignal(directory + "-results")
+        self._ready = False
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._waiters: list[Waiter] = []
+        self.pid = os.getpid()
+
+    # -- tables --------------------------------------------------------------------------
+    def ensure(self) -> None:
+        """Create the tables on first use (``create_tables``), else check they exist:
+        without them no result can be stored, and the error gives the DDL."""
+        if self._ready:
+            return
+        with self._lock:
+            if self._ready:
+                return
+            missing = self.database.run(lambda conn: [
+                name for name in self.sql.names if not inspect(conn).has_table(name)],
+                read_only=True)
+            if missing and not self.create_tables:
+                raise ConfigurationError(
+                    f"the result tables {', '.join(missing)} do not exist (create_tables "
+                    "is off); create them with:\n" + ";\n".join(self.sql.ddl) + ";")
+            if missing:
+                try:
+                    self.database.run(self._create)
+                except DBAPIError:  # another process created them at the same moment
+                    self.database.run(self._create)
+            self._ready = True
+
+    def _create(self, conn: Connection) -> None:
+        for statement in self.sql.ddl:
+            conn.exec_driver_sql(statement)
+
+    def _run(self, work: Callable[[Connection], T], read_only: bool = False) -> T:
+        self.ensure()
+        return self.database.run(work, read_only=read_only, repeatable=True)
+
+    # -- tasks ---------------------------------------------------------------------------
+    def check_size(self, task_id: str, size: int) -> None:
+        """Refuse an encoded meta larger than the table or server takes, saying which (the
+        server's limit is read as the first connection opens)."""
+        self.ensure()
+        limit, why = self.dialect.result_limit()
+        if self.max_bytes is not None and self.max_bytes < limit:
+            limit, why = self.max_bytes, "the result backend's max_result_bytes option"
+        if size > limit:
+            raise ResultTooLarge(
+                f"task {task_id}: its result takes {size} bytes encoded, more than the "
+                f"result table {self.sql.names[0]} stores ({limit} bytes: {why}); return "
+                "a smaller result (a reference to where the data is kept)")
+
+    def store(self, task_id: str, status: str, meta: bytes, ready: bool,
+              task_name: str | None = None, worker: str | None = None) -> None:
+        """Write a task's state (a row already in SUCCESS stays), and announce it."""
+        self.check_size(task_id, len(meta))
+        params = {"task_id": task_id, "status": status, "meta": meta, "ready": int(ready),
+                  "task_name": task_name, "worker": worker}
+
+        def work(conn: Connection) -> None:
+            conn.execute(self.sql.store, params)
+            self.dialect.result_notify(conn, self.dialect.result_channel(self.prefix, task_id))
+
+        self._run(work)
+        if self._sender is not None:
+            self._sender.send()
+
+    def read(self, task_id: str) -> StoredResult | None:
+        row = self._run(lambda conn: conn.execute(self.sql.read, {"task_id": task_id}).first(),
+                        read_only=True)
+        if row is None:
+            return None
+        return StoredResult(str(row[0]), bytes(row[1]),
+                            None if row[2] is None else float(row[2]))
+
+    def forget(self, task_id: str) -> None:
+        self._run(lambda conn: conn.execute(self.sql.forget, {"task_id": task_id}))
+
+    # -- groups --------------------------------------------------------------------------
+    def save_group(self, group_id: str, meta: bytes) -> None:
+        self.check_size(group_id, len(meta))
+        self._run(lambda conn: conn.execute(self.sql.save_group,
+                                            {"group_id": group_id, "meta": meta}))
+
+    def restore_group(self, group_id: str) -> tuple[bytes, float] | None:
+        row = self._run(lambda conn: conn.execute(self.sql.restore_group,
+                                                  {"group_id": group_id}).first(),
+                        read_only=True)
+        return None if row is None else (bytes(row[0]), float(row[1]))
+
+    def delete_group(self, group_id: str) -> None:
+        self._run(lambda conn: conn.execute(self.sql.delete_group, {"group_id": group_id}))
+
+    # -- expiry --------------------------------------------------------------------------
+    def expire(self, older_than: float, batch: int = 1000) -> int:
+        """Delete the results and groups done more than ``older_than`` seconds ago, at
+        most ``batch`` rows per transaction (a long delete would hold its locks, and on
+        SQLite the whole database, for as long as it runs). Returns how many went."""
+        total = 0
+        for statement in self.sql.expire:
+            while True:
+                deleted = self._run(partial(_delete, statement, {
+                    "expires": float(older_than), "limit": batch}))
+                total += deleted
+                if deleted < batch:
+                    break
+        return total
+
+    # -- waiting -------------------------------------------------------------------------
+    def wait(self, task_id: str, ready: Callable[[], T | None], timeout: float | None,
+             ceiling: float, on_round: Callable[[], object] | None = None) -> T | None:
+        """``ready()``'s first value that is not None, read once at first and again after
+        each wake-up for ``task_id`` (or each wait of at most ``ceiling`` seconds); None
+        once ``timeout`` seconds passed without one."""
+        self.ensure()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiter = self._waiter()
+        with waiter.watching(task_id):
+            while True:
+                found = ready()
+                if found is not None:
+                    return found
+                if on_round is not None:
+                    on_round()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                waiter.wait(ceiling if left is None else min(ceiling, left))
+
+    def _waiter(self) -> Waiter:
+        waiter: Waiter | None = getattr(self._local, "waiter", None)
+        if waiter is None:
+            waiter = self._local.waiter = Waiter(self)
+            with self._lock:
+                self._waiters.append(waiter)
+        return waiter
+
+    def close(self) -> None:
+        """Close every waiter's connection and socket, and the engine's pool (the
+        process's own only: a forked child leaves its parent's alone)."""
+        with self._lock:
+            waiters, self._waiters = self._waiters, []
+        mine = self.pid == os.getpid()
+        for waiter in waiters:
+            waiter.close(mine)
+        if self._sender is not None and mine:
+            self._sender.close()
+        self.database.dispose(close=mine)
+
+
+def _delete(statement: TextClause, params: dict[str, Any], conn: Connection) -> int:
+    return int(conn.execute(statement, params).rowcount)
+
+
+class Waiter:
+    """One thread's wait for results: LISTEN on a connection of its own (PostgreSQL),
+    else the same-host signal's socket (SQLite, MariaDB/MySQL) and polling at a
+    :class:`Cadence`."""
+
+    def __init__(self, store: ResultStore) -> None:
+        self.store = store
+        dialect = store.dialect
+        listens = dialect.capabilities.wakeups and dialect.notify
+        self._own = OwnSession(store.database) if listens else None
+        self.signal = (LocalSignal(store.signal_directory)
+                       if store.signal_directory is not None else None)
+        self.cadence = Cadence(POLL_FIRST, POLL_BACKOFF)
+        self._channel: str | None = None
+
+    @contextlib.contextmanager
+    def watching(self, task_id: str) -> Iterator[None]:
+        """LISTEN on the task's channel (or bind the same-host signal's socket) for the
+        wait, before its first read, so that no announcement falls between the two;
+        UNLISTEN after."""
+        self.cadence.active()
+        if self.signal is not None:
+            self.signal.bind()
+        channel = self.store.dialect.result_channel(self.store.prefix, task_id)
+        self._channel = channel if self._listen(f"LISTEN {self._quoted(channel)}") else None
+        try:
+            yield
+        finally:
+            if self._channel is not None:
+                self._listen(f"UNLISTEN {self._quoted(channel)}")
+                self._channel = None
+
+    def _quoted(self, channel: str) -> str:
+        return self.store.dialect.quote(channel)
+
+    def _listen(self, statement: str) -> bool:
+        """Run (UN)LISTEN on the connection of this waiter, connected on first need;
+        False where there is none (no NOTIFY here, or the database is away: it polls)."""
+        if self._own is None:
+            return False
+        try:
+            session = self._own.session or self._own.connect()
+            session.exec_driver_sql(statement)
+            session.commit()
+            return True
+        except Exception as exc:  # polled until the next wait connects again
+            logger.warning("sqlinbox: the result waiter's LISTEN failed (%s); polling", exc)
+            self._own.drop()
+            return False
+
+    def wait(self, seconds: float) -> None:
+        """Return after a wake-up or ``seconds`` (LISTEN: every writer announces); a
+        waiter that may miss writers (the same-host signal reaches this host's only, and
+        polling none) reads again at a :class:`Cadence`, soon at first."""
+        listening = self._channel is not None and self._own is not None and self._own.driver
+        sources: list[Any] = [self._own.driver] if listening and self._own else []
+        if self.signal is not None and self.signal.socket is not None:
+            sources.append(self.signal.socket)
+        wait = seconds if listening else self.cadence.idle(seconds)
+        if not sources:
+            time.sleep(wait)
+            return
+        try:
+            ready, _, _ = select.select(sources, [], [], wait)
+        except (OSError, ValueError):  # the listener's socket died: connect again next time
+            self._drop()
+            return
+        if self.signal is not None and self.signal.socket in ready:
+            self.signal.take()
+        if self._own is not None and self._own.driver in ready:
+            try:
+                self.store.dialect.take_notifications(self._own.driver)
+            except Exception:
+                self._drop()
+
+    def _drop(self) -> None:
+        if self._own is not None:
+            self._own.drop()
+        self._channel = None
+
+    def close(self, mine: bool) -> None:
+        if self._own is not None and mine:
+            self._own.drop()
+        if self.signal is not None and mine:
+            self.signal.close()
+
+
+_STORES: dict[tuple[str, str, bool, int | None, str], ResultStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def store_for(url: str, prefix: str, create_tables: bool = True, max_bytes: int | None = None,
+              engine_options: dict[str, Any] | None = None) -> ResultStore:
+    """The process's result store for this database, prefix and options (Celery makes a
+    backend per thread; they share one engine and one creation of the tables)."""
+    options = dict(engine_options or {})
+    key = (url, prefix, create_tables, max_bytes, repr(sorted(options.items())))
+    with _STORES_LOCK:
+        found = _STORES.get(key)
+        if found is None or found.pid != os.getpid():
+            found = _STORES[key] = ResultStore(Database.open(url, **options), prefix,
+                                               create_tables, max_bytes)
+        return found
+
+
+def close_all() -> None:
+    """Close every result store of this process (at its exit; tests between tests)."""
+    with _STORES_LOCK:
+        stores = list(_STORES.values())
+        _STORES.clear()
+    for store in stores:
+        store.close()
+
+
+def _forget_after_fork() -> None:
+    """A forked child opens its own connections: the parent's stay the parent's."""
+    with _STORES_LOCK:
+        stores = list(_STORES.values())
+        _STORES.clear()
+    for store in stores:
+        store.database.dispose(close=False)
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+atexit.register(close_all)

@@ -1,0 +1,113 @@
+"""Real workers storing results in the service's database (``result_backend =
+"sqlinbox+<database URL>"``), read by a caller's ``get()``: values, failures, retries,
+extended meta, a result too large, groups, and Celery's ``backend_cleanup``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery, chord, group
+from celery.result import GroupResult
+from sqlalchemy import text
+from sqlalchemy.engine import Engine, make_url
+
+from tests.acceptance.apps import tasks
+from tests.acceptance.conftest import Acceptance
+
+#: how long the caller waits for a result: a worker takes a second or two to start
+RESULT_LIMIT = 60.0
+#: the size limit the workers' backend is given, to drive the refusal without 1 GB
+MAX_RESULT_BYTES = 10_000
+
+
+def results_conf(db_url: str, **more: Any) -> dict[str, Any]:
+    return {"result_backend": "sqlinbox+" + db_url, "task_ignore_result": False,
+            "result_extended": True,
+            "result_backend_transport_options": {"max_result_bytes": MAX_RESULT_BYTES},
+            **more}
+
+
+@pytest.fixture
+def caller(acceptance: Acceptance, db_url: str) -> Iterator[Celery]:
+    app = tasks.make_app(acceptance.broker_url, dict(acceptance.options),
+                         **results_conf(db_url, result_expires=60))
+    yield app
+    app.close()
+
+
+def test_a_worker_stores_values_failures_retries_and_extended_meta(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    acceptance.worker("prefork", 2, **results_conf(db_url))
+    added = caller.send_task("acc.add", args=(2, 3))
+    assert added.get(timeout=RESULT_LIMIT) == 5
+    assert (added.name, added.args, added.kwargs) == ("acc.add", [2, 3], {})
+    assert added.worker.startswith("w1@") and added.queue == "celery"
+
+    failed = caller.send_task("acc.fail", args=("card declined",))
+    with pytest.raises(ValueError, match="card declined"):
+        failed.get(timeout=RESULT_LIMIT)
+    assert "ValueError: card declined" in failed.traceback
+
+    retried = caller.send_task("acc.retried")
+    assert retried.get(timeout=RESULT_LIMIT) == 1
+    assert retried.retries == 1
+
+
+def test_a_result_too_large_fails_the_task_with_an_error_saying_so(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    acceptance.worker("prefork", 1, **results_conf(db_url))
+    too_large = caller.send_task("acc.sized", args=(2 * MAX_RESULT_BYTES,))
+    with pytest.raises(Exception, match=(
+            r"its result takes \d+ bytes encoded, more than the result table \S+task_results "
+            rf"stores \({MAX_RESULT_BYTES} bytes")) as refused:
+        too_large.get(timeout=RESULT_LIMIT)
+    assert type(refused.value).__name__ == "ResultTooLarge"
+    assert too_large.state == "FAILURE"
+    assert caller.send_task("acc.sized", args=(100,)).get(timeout=RESULT_LIMIT) == "x" * 100
+
+
+def test_a_saved_group_is_restored_and_a_chord_runs_its_body(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """A group saved by its id is restored and joined; a chord's body runs once its
+    header is done (through Celery's ``chord_unlock``, for now)."""
+    acceptance.worker("prefork", 2, **results_conf(db_url))
+    sent = group(caller.signature("acc.add", args=(n, n)) for n in range(4)).apply_async()
+    sent.save()
+    restored = GroupResult.restore(sent.id, app=caller)
+    assert restored is not None
+    assert restored.get(timeout=RESULT_LIMIT) == [0, 2, 4, 6]
+    header = [caller.signature("acc.add", args=(n, 1)) for n in range(3)]
+    body = chord(header)(caller.signature("acc.total"))
+    assert body.get(timeout=RESULT_LIMIT) == 6
+
+
+def test_backend_cleanup_on_a_worker_deletes_the_expired_results(
+        acceptance: Acceptance, caller: Celery, db_url: str, engine: Engine) -> None:
+    acceptance.worker("prefork", 1, **results_conf(db_url, result_expires=60))
+    old = caller.send_task("acc.add", args=(1, 1))
+    new = caller.send_task("acc.add", args=(2, 2))
+    assert (old.get(timeout=RESULT_LIMIT), new.get(timeout=RESULT_LIMIT)) == (2, 4)
+    table = engine.dialect.identifier_preparer.quote(acceptance.table_prefix + "task_results")
+    with engine.begin() as conn:  # done an hour ago
+        conn.execute(text(f"UPDATE {table} SET date_done = date_done - 3600 "
+                          "WHERE task_id = :id"), {"id": old.id})
+    caller.send_task("celery.backend_cleanup").get(timeout=RESULT_LIMIT)
+    with engine.connect() as conn:
+        kept = {row[0] if isinstance(row[0], str) else row[0].decode()
+                for row in conn.execute(text(f"SELECT task_id FROM {table}"))}
+    assert old.id not in kept and new.id in kept
+
+
+@pytest.mark.databases("postgresql")
+def test_the_workers_banner_shows_the_backend_url_without_its_password(
+        acceptance: Acceptance, db_url: str) -> None:
+    """PostgreSQL here trusts local connections, so a password in the URL is shown (or
+    not) without being checked."""
+    url = make_url(db_url).set(password="s3cret-pw").render_as_string(hide_password=False)
+    worker = acceptance.worker("solo", 1, **results_conf(url))
+    banner = next(line for line in worker.output().splitlines() if "results:" in line)
+    assert "s3cret-pw" not in worker.output()
+    assert banner.split("results:", 1)[1].strip() == "sqlinbox+" + make_url(url).render_as_string(
+        hide_password=True).replace(":***@", ":**@")

@@ -1,0 +1,272 @@
+"""The result backend (``result_backend = "sqlinbox+<database URL>"``) in this process:
+states, results, extended meta, forget, groups, expiry, size limits, waiting."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from celery import Celery, states
+from celery.app.task import Context
+from celery.exceptions import TimeoutError as CeleryTimeout
+from celery.result import AsyncResult, GroupResult
+from kombu.utils.encoding import ensure_bytes
+from sqlalchemy import text
+from sqlalchemy.engine import Engine, make_url
+
+from celery_ext.results import SqlInboxBackend
+from kombu_sqlinbox import clock as clocks
+from kombu_sqlinbox.errors import ConfigurationError, ResultTooLarge
+
+from .support import quoted
+
+MakeApp = Callable[..., Celery]
+
+
+@pytest.fixture
+def make_app(db_url: str, table_prefix: str) -> Iterator[MakeApp]:
+    """Celery apps whose result backend is the database under test (``conf``: more
+    settings; ``options``: the backend's)."""
+    made: list[Celery] = []
+
+    def make(url: str | None = None, options: dict[str, Any] | None = None,
+             **conf: Any) -> Celery:
+        app = Celery("results", broker="memory://", backend=url or "sqlinbox+" + db_url,
+                     set_as_current=False)
+        app.conf.update(result_backend_transport_options={
+            "table_prefix": table_prefix, **(options or {})}, **conf)
+        made.append(app)
+        return app
+
+    yield make
+    for app in made:
+        app.close()
+
+
+@pytest.fixture
+def app(make_app: MakeApp) -> Celery:
+    return make_app()
+
+
+def tasks_table(engine: Engine, prefix: str) -> str:
+    return quoted(engine, prefix + "task_results")
+
+
+@pytest.mark.drivers
+def test_states_results_and_date_done_round_trip(app: Celery) -> None:
+    backend = app.backend
+    assert isinstance(backend, SqlInboxBackend)
+    backend.mark_as_started("t-1", pid=7)
+    started = app.AsyncResult("t-1")
+    assert started.state == states.STARTED and started.date_done is None
+    assert started.info == {"pid": 7}
+    backend.mark_as_done("t-1", {"total": 3, "items": [1, "two"]})
+    done = app.AsyncResult("t-1")
+    assert done.get(timeout=5) == {"total": 3, "items": [1, "two"]}
+    assert done.state == states.SUCCESS
+    assert abs(done.date_done - datetime.now(timezone.utc)) < timedelta(seconds=60)
+    assert app.AsyncResult("never-sent").state == states.PENDING
+
+
+def test_a_failure_keeps_its_exception_and_traceback(app: Celery) -> None:
+    try:
+        raise KeyError("order 12")
+    except KeyError as exc:
+        app.backend.mark_as_failure("t-2", exc, traceback="Traceback: here")
+    failed = app.AsyncResult("t-2")
+    with pytest.raises(KeyError, match="order 12"):
+        failed.get(timeout=5)
+    assert failed.state == states.FAILURE
+    assert failed.traceback == "Traceback: here"
+
+
+def test_a_success_is_not_replaced_by_a_later_state(app: Celery) -> None:
+    app.backend.mark_as_done("t-3", "first")
+    app.backend.mark_as_failure("t-3", ValueError("a second run"))
+    app.backend.mark_as_done("t-3", "second")
+    result = app.AsyncResult("t-3")
+    assert (result.state, result.get(timeout=5)) == (states.SUCCESS, "first")
+
+
+def test_extended_results_keep_the_task_its_arguments_and_worker(
+        make_app: MakeApp, engine: Engine, table_prefix: str) -> None:
+    app = make_app(result_extended=True)
+    request = Context(task="shop.refund", args=[12], kwargs={"amount": 5}, hostname="w1@h",
+                      retries=2, delivery_info={"routing_key": "refunds"})
+    app.backend.mark_as_done("t-4", "refunded", request=request)
+    result = app.AsyncResult("t-4")
+    assert (result.name, result.args, result.kwargs) == ("shop.refund", [12], {"amount": 5})
+    assert (result.worker, result.retries, result.queue) == ("w1@h", 2, "refunds")
+    with engine.connect() as conn:
+        row = conn.execute(text(f"SELECT task_name, worker, status FROM "
+                                f"{tasks_table(engine, table_prefix)}")).one()
+    assert tuple(row) == ("shop.refund", "w1@h", "SUCCESS")
+
+
+def test_forget_deletes_the_result(app: Celery, engine: Engine, table_prefix: str) -> None:
+    app.backend.mark_as_done("t-5", 5)
+    app.AsyncResult("t-5").forget()
+    assert app.AsyncResult("t-5").state == states.PENDING
+    with engine.connect() as conn:
+        count = conn.execute(text(
+            f"SELECT COUNT(*) FROM {tasks_table(engine, table_prefix)}")).scalar_one()
+    assert count == 0
+
+
+def test_a_saved_group_is_restored_and_deleted(app: Celery) -> None:
+    for task_id, value in (("g-a", 1), ("g-b", 2)):
+        app.backend.mark_as_done(task_id, value)
+    saved = GroupResult("group-1", [AsyncResult("g-a", app=app), AsyncResult("g-b", app=app)],
+                        app=app)
+    saved.save()
+    restored = GroupResult.restore("group-1", app=app)
+    assert restored is not None
+    assert [child.id for child in restored.results] == ["g-a", "g-b"]
+    assert restored.join(timeout=5) == [1, 2]
+    restored.delete()
+    assert GroupResult.restore("group-1", app=app) is None
+
+
+def test_cleanup_deletes_what_expired_in_batches(
+        make_app: MakeApp, engine: Engine, table_prefix: str) -> None:
+    """Results and groups done longer than ``result_expires`` ago go, a few rows per
+    transaction; a fresh one stays."""
+    clock = clocks.install(make_url(str(engine.url)))
+    try:
+        app = make_app(options={"cleanup_batch": 2}, result_expires=3600)
+        clock.pin(time.time() - 7200)
+        for n in range(5):
+            app.backend.mark_as_done(f"old-{n}", n)
+        GroupResult("old-group", [AsyncResult("old-0", app=app)], app=app).save()
+        clock.release()
+        app.backend.mark_as_done("fresh", "kept")
+        assert app.backend.store.expire(3600, batch=2) == 6
+        assert app.AsyncResult("fresh").get(timeout=5) == "kept"
+        assert [app.AsyncResult(f"old-{n}").state for n in range(5)] == [states.PENDING] * 5
+        assert GroupResult.restore("old-group", app=app) is None
+    finally:
+        clocks.uninstall(make_url(str(engine.url)))
+
+
+def test_backend_cleanup_runs_the_backends_cleanup(
+        make_app: MakeApp, engine: Engine, table_prefix: str) -> None:
+    """Celery's ``celery.backend_cleanup`` task (which beat runs daily) deletes what
+    ``result_expires`` let expire."""
+    app = make_app(result_expires=60)
+    app.backend.mark_as_done("expired", 1)
+    app.backend.mark_as_done("recent", 2)
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {tasks_table(engine, table_prefix)} "
+                          "SET date_done = date_done - 3600 WHERE task_id = :id"),
+                     {"id": "expired"})
+    app.tasks["celery.backend_cleanup"]()
+    assert app.AsyncResult("expired").state == states.PENDING
+    assert app.AsyncResult("recent").state == states.SUCCESS
+
+
+def test_a_result_over_the_size_limit_is_refused_saying_so(make_app: MakeApp) -> None:
+    app = make_app(options={"max_result_bytes": 1000})
+    with pytest.raises(ResultTooLarge, match=r"task big: its result takes \d+ bytes encoded, "
+                       r"more than the result table \S+task_results stores \(1000 bytes: "
+                       r"the result backend's max_result_bytes option\)"):
+        app.backend.mark_as_done("big", "x" * 2000)
+    app.backend.mark_as_done("small", "x" * 500)
+    assert app.AsyncResult("small").get(timeout=5) == "x" * 500
+
+
+@pytest.mark.databases("mysql")
+def test_a_result_over_the_servers_packet_limit_is_refused_before_it_is_sent(
+        app: Celery, engine: Engine) -> None:
+    with engine.connect() as conn:
+        packet = int(conn.exec_driver_sql("SELECT @@max_allowed_packet").scalar_one())
+    with pytest.raises(ResultTooLarge, match="max_allowed_packet"):
+        app.backend.mark_as_done("huge", "x" * packet)
+
+
+def test_without_create_tables_a_missing_table_is_an_error_giving_the_ddl(
+        make_app: MakeApp, table_prefix: str) -> None:
+    app = make_app(options={"create_tables": False})
+    with pytest.raises(ConfigurationError, match=(
+            rf"the result tables {table_prefix}task_results, {table_prefix}group_results do "
+            r"not exist \(create_tables is off\); create them with:\nCREATE TABLE")):
+        app.backend.mark_as_done("t-6", 1)
+
+
+@pytest.mark.databases("postgresql")
+def test_the_postgres_spelling_of_a_url_reaches_postgresql(
+        make_app: MakeApp, db_url: str) -> None:
+    url = make_url(db_url).set(drivername="postgres").render_as_string(hide_password=False)
+    app = make_app(url="sqlinbox+" + url)
+    app.backend.mark_as_done("t-7", "spelt")
+    assert app.AsyncResult("t-7").get(timeout=5) == "spelt"
+
+
+def test_get_returns_soon_after_the_result_is_stored_not_at_its_interval(app: Celery) -> None:
+    """The result is stored once ``get()`` waits (its first round): it returns at the
+    NOTIFY (PostgreSQL), the same-host signal (SQLite) or an early poll (MariaDB), well
+    before the 30 s interval it would otherwise sleep."""
+    stored: list[float] = []
+
+    def store_once() -> None:
+        if not stored:
+            app.backend.mark_as_done("t-8", "woken")
+            stored.append(time.monotonic())
+
+    assert app.AsyncResult("t-8").get(timeout=20, interval=30, on_interval=store_once) == "woken"
+    assert time.monotonic() - stored[0] < 2.0
+
+
+def test_get_gives_up_at_its_timeout(app: Celery) -> None:
+    started = time.monotonic()
+    with pytest.raises(CeleryTimeout):
+        app.AsyncResult("t-9").get(timeout=0.5, interval=30)
+    assert 0.5 <= time.monotonic() - started < 3.0
+
+
+@pytest.mark.databases("mysql", "sqlite")
+def test_a_result_no_signal_announces_is_found_by_polling(app: Celery, engine: Engine) -> None:
+    """A worker on another host reaches no same-host signal: its result, written here
+    straight into the table, is found by the waiter's polls, soon, not at the interval."""
+    stored: list[float] = []
+    meta = ensure_bytes(app.backend.encode({"status": states.SUCCESS, "result": "polled",
+                                            "traceback": None, "children": [],
+                                            "task_id": "t-10"}))
+
+    def write_unannounced() -> None:
+        if not stored:
+            with engine.begin() as conn:
+                conn.execute(app.backend.store.sql.store, {
+                    "task_id": "t-10", "status": states.SUCCESS, "meta": meta, "ready": 1,
+                    "task_name": None, "worker": None})
+            stored.append(time.monotonic())
+
+    result = app.AsyncResult("t-10")
+    assert result.get(timeout=20, interval=30, on_interval=write_unannounced) == "polled"
+    assert time.monotonic() - stored[0] < 2.0
+
+
+@pytest.mark.databases("postgresql")
+def test_a_waiter_whose_listen_connection_dies_still_gets_the_result(
+        app: Celery, engine: Engine) -> None:
+    """The server ends the waiter's LISTEN session while it waits: the wait notices the
+    dead socket, reads the row again, and connects again for the next wait."""
+    ended: list[float] = []
+
+    def end_the_listener_then_store() -> None:
+        if not ended:
+            waiter = app.backend.store._local.waiter
+            pid = waiter._own.driver.info.backend_pid
+            with engine.begin() as conn:
+                conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+            app.backend.mark_as_done("t-11", "after the loss")
+            ended.append(time.monotonic())
+
+    result = app.AsyncResult("t-11")
+    assert result.get(timeout=20, interval=30,
+                      on_interval=end_the_listener_then_store) == "after the loss"
+    assert time.monotonic() - ended[0] < 2.0
+    app.backend.mark_as_done("t-12", "listening again")
+    assert app.AsyncResult("t-12").get(timeout=5, interval=30) == "listening again"
