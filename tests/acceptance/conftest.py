@@ -22,7 +22,7 @@ from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox.tables import table_name_for_queue
 from tests.acceptance.apps import tasks
-from tests.processes import Proc, Processes
+from tests.processes import Proc, Processes, wait_until
 
 APP = "tests.acceptance.apps.tasks"
 
@@ -141,6 +141,18 @@ class Acceptance:
         """Every row of the queue's table: waiting, leased or running."""
         with self.engine.connect() as conn:
             return int(conn.execute(text(f"SELECT COUNT(*) FROM {self.table(queue)}")).scalar_one())
+
+    def wait_acked(self, worker: Proc, queue: str = "celery") -> None:
+        """Wait until ``worker`` has acknowledged every task of ``queue`` (its table is empty),
+        before a warm shutdown of a prefork worker in Celery's event loop. Celery acks a task
+        once the pool process's "accepted" reached the main process; a SIGTERM before that
+        makes Celery drop the task from its pool's books although the pool process runs it
+        (``AsynPool.flush``), then stop reading the pool's results once the books are empty
+        (``ResultHandler.on_stop_not_started``), and billiard's pool process waits 30 s for
+        its result to be read before it exits (``Worker._ensure_messages_consumed``): the
+        worker's exit then takes more than the tests allow, by Celery's doing alone."""
+        wait_until(lambda: self.rows(queue) == 0, 30, f"{worker.name} to ack every task",
+                   alive=[worker])
 
 
 @pytest.fixture

@@ -40,4 +40,5 @@ def test_a_failed_polling_round_does_not_stop_polling(acceptance: Acceptance) ->
     wait_until(lambda: acceptance.runs.done()["after"], 30,
                "a countdown task to run after the table came back", alive=[worker])
     assert "Error in timer" not in worker.output(), worker.tail()
+    acceptance.wait_acked(worker)
     assert worker.stop() == 0, worker.tail()
