@@ -13,19 +13,28 @@ adaptive poll rather than a fixed half second.
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timezone
 from typing import Any
 
 from celery import states
+from celery.app.task import get_actual_ignore_result
 from celery.backends.base import BaseBackend
+from celery.exceptions import Reject, WorkerLostError
 from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import result_from_tuple
 from kombu.utils.encoding import ensure_bytes
+from sqlalchemy import Connection
 
+from kombu_sqlinbox.broker import same_database
 from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.options import TransportOptions
 from kombu_sqlinbox.results import ResultStore, store_for
 from kombu_sqlinbox.urls import URL_PREFIX, masked
+
+from .delivery import broker_of, delivered_row
+
+logger = logging.getLogger(__name__)
 
 #: the options ``result_backend_transport_options`` takes, and their defaults
 #: (``table_prefix``: the broker's ``table_prefix`` when the broker sets one)
@@ -52,6 +61,16 @@ def backend_options(app: Any) -> dict[str, Any]:
         broker = dict(app.conf.get("broker_transport_options") or {})
         options["table_prefix"] = broker.get("table_prefix", TransportOptions.table_prefix)
     return options
+
+
+#: a request attribute: its task's result was written in its own transaction
+STORED = "sqlinbox_result_stored"
+#: a stored row's arguments after its task id: state, meta, ready, task name, worker
+Row = tuple[str, bytes, bool, Any, Any]
+
+
+class NotThisDelivery(Exception):
+    """The delivered row is no longer this delivery's: nothing of the write commits."""
 
 
 def _date_done(seconds: float | None) -> datetime | None:
@@ -92,15 +111,91 @@ class SqlInboxBackend(BaseBackend):
         return URL_PREFIX + (url if include_password else masked(url, "**"))
 
     # -- tasks ---------------------------------------------------------------------------
-    def _store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,
-                      request: Any = None, **kwargs: Any) -> Any:
+    def store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,
+                     request: Any = None, **kwargs: Any) -> Any:
+        """Celery's, deciding first, from the outcome as raised, whether this write
+        completes the task's row; nothing for a result its transactional task stored."""
+        if request is not None and getattr(request, STORED, False):
+            return result
+        kwargs.setdefault("completes", self._completes(task_id, result, state, request))
+        return super().store_result(task_id, result, state, traceback, request, **kwargs)
+
+    def _completes(self, task_id: str, result: Any, state: str,
+                   request: Any) -> dict[str, Any] | None:
+        """The delivered row a final state is written with: the task's own late-acked
+        delivery from a sqlinbox queue, which the worker acknowledges right after this
+        write. Not a failure the worker rejects instead (a ``Reject``, a task not acking
+        failures) nor a lost worker's (acknowledged before Celery writes it)."""
+        if state not in states.READY_STATES or getattr(request, "id", None) != task_id:
+            return None
+        row = delivered_row(request)
+        task = self.app.tasks.get(getattr(request, "task", None) or "")
+        if row is None or task is None or not task.acks_late:
+            return None
+        if state == states.FAILURE and (not task.acks_on_failure_or_timeout or isinstance(
+                result, (Reject, WorkerLostError))):
+            return None
+        return row
+
+    def _row(self, task_id: str, result: Any, state: str, traceback: Any,
+             request: Any) -> Row:
         meta = self._get_result_meta(result=result, state=state, traceback=traceback,
                                      request=request, format_date=False)
         meta.pop("date_done", None)  # the database's clock sets it, in its own column
         meta["task_id"] = task_id
-        self.store.store(task_id, state, ensure_bytes(self.encode(meta)),
-                         state in states.READY_STATES, meta.get("name"), meta.get("worker"))
+        encoded = ensure_bytes(self.encode(meta))
+        self.store.check_size(task_id, len(encoded))
+        return state, encoded, state in states.READY_STATES, meta.get("name"), meta.get("worker")
+
+    def _store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,
+                      request: Any = None, completes: dict[str, Any] | None = None,
+                      **kwargs: Any) -> Any:
+        row = self._row(task_id, result, state, traceback, request)
+        if completes is None or not self._with_ack(task_id, row, completes):
+            self.store.store(task_id, *row)
         return result
+
+    def _with_ack(self, task_id: str, row: Row, delivered: dict[str, Any]) -> bool:
+        """Write ``row`` and complete the delivered row in one transaction, fenced by the
+        delivery's attempt: a row claimed again meanwhile (its lease lapsed) rolls both
+        back, and the delivery that holds it now writes the result. False where the
+        queue is in another database, or its claim holds a lock this connection would
+        wait for (``row_lock``): the result is then written on its own."""
+        broker = broker_of(self.app)
+        table = broker.table(delivered["queue"])
+        if table.options.claim == "row_lock" or not same_database(
+                broker.engine, self.store.database.engine):
+            return False
+
+        def work(conn: Connection) -> None:
+            self.store.write(task_id, *row, conn)
+            if not broker.complete_in(conn, table, delivered["id"], delivered["attempt"]):
+                raise NotThisDelivery
+
+        try:
+            broker.run(work, repeatable=True)
+        except NotThisDelivery:
+            logger.warning("sqlinbox: task %s: message %s of queue %r is no longer this "
+                           "delivery's; its %s is not stored", task_id, delivered["id"],
+                           delivered["queue"], row[0])
+            return True
+        self.store.announce()
+        return True
+
+    def writes_in(self, task: Any, conn: Connection) -> bool:
+        """Whether a transactional task's success is written in its own transaction on
+        ``conn`` (which completes its row): not where Celery would store nothing, nor
+        where the result tables are in another database."""
+        return not get_actual_ignore_result(task, task.request) and same_database(
+            conn.engine, self.store.database.engine)
+
+    def store_in(self, conn: Connection, task: Any, result: Any) -> None:
+        """Write a transactional task's success in its transaction (see :meth:`writes_in`);
+        once that commits, the caller marks the request :data:`STORED`."""
+        task_id = task.request.id
+        encoded = self.encode_result(result, states.SUCCESS)
+        self.store.write(task_id, *self._row(task_id, encoded, states.SUCCESS, None,
+                                             task.request), conn)
 
     def _get_task_meta_for(self, task_id: str) -> dict[str, Any]:
         found = self.store.read(task_id)

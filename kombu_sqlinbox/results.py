@@ -123,14 +123,21 @@ class ResultStore:
               task_name: str | None = None, worker: str | None = None) -> None:
         """Write a task's state (a row already in SUCCESS stays), and announce it."""
         self.check_size(task_id, len(meta))
-        params = {"task_id": task_id, "status": status, "meta": meta, "ready": int(ready),
-                  "task_name": task_name, "worker": worker}
+        self._run(partial(self.write, task_id, status, meta, ready, task_name, worker))
+        self.announce()
 
-        def work(conn: Connection) -> None:
-            conn.execute(self.sql.store, params)
-            self.dialect.result_notify(conn, self.dialect.result_channel(self.prefix, task_id))
+    def write(self, task_id: str, status: str, meta: bytes, ready: bool,
+              task_name: str | None, worker: str | None, conn: Connection) -> None:
+        """:meth:`store`'s write in the caller's transaction on this database (its NOTIFY
+        sent as that commits); the caller checks the size first and calls
+        :meth:`announce` after its commit."""
+        conn.execute(self.sql.store, {"task_id": task_id, "status": status, "meta": meta,
+                                      "ready": int(ready), "task_name": task_name,
+                                      "worker": worker})
+        self.dialect.result_notify(conn, self.dialect.result_channel(self.prefix, task_id))
 
-        self._run(work)
+    def announce(self) -> None:
+        """Wake this host's waiters after a commit (where the database has no NOTIFY)."""
         if self._sender is not None:
             self._sender.send()
 

@@ -143,6 +143,27 @@ class Acceptance:
             return int(conn.execute(text(f"SELECT COUNT(*) FROM {self.table(queue)}")).scalar_one())
 
 
+#: how long the caller waits for a result: a worker takes a second or two to start
+RESULT_LIMIT = 60.0
+#: the size limit the workers' backend is given, to drive the refusal without 1 GB
+MAX_RESULT_BYTES = 10_000
+
+
+def results_conf(db_url: str, **more: Any) -> dict[str, Any]:
+    return {"result_backend": "sqlinbox+" + db_url, "task_ignore_result": False,
+            "result_extended": True,
+            "result_backend_transport_options": {"max_result_bytes": MAX_RESULT_BYTES},
+            **more}
+
+
+@pytest.fixture
+def caller(acceptance: Acceptance, db_url: str) -> Iterator[Celery]:
+    app = tasks.make_app(acceptance.broker_url, dict(acceptance.options),
+                         **results_conf(db_url, result_expires=60))
+    yield app
+    app.close()
+
+
 @pytest.fixture
 def acceptance(broker_url: str, table_prefix: str, engine: Engine, processes: Processes
                ) -> Iterator[Acceptance]:
