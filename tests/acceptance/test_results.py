@@ -46,8 +46,9 @@ def test_a_result_too_large_fails_the_task_with_an_error_saying_so(
 
 def test_a_saved_group_is_restored_and_a_chord_runs_its_body(
         acceptance: Acceptance, caller: Celery, db_url: str) -> None:
-    """A group saved by its id is restored and joined; a chord's body runs once its
-    header is done (through Celery's ``chord_unlock``, for now)."""
+    """A group saved by its id is restored and joined (``join_native``: one select per
+    wake-up); a chord of early-acked tasks, each counted in a transaction after its
+    result's, runs its body once its header is done."""
     acceptance.worker("prefork", 2, **results_conf(db_url))
     sent = group(caller.signature("acc.add", args=(n, n)) for n in range(4)).apply_async()
     sent.save()

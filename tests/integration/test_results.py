@@ -132,8 +132,8 @@ def test_a_saved_group_is_restored_and_deleted(app: Celery) -> None:
 
 def test_cleanup_deletes_what_expired_in_batches(
         make_app: MakeApp, engine: Engine, table_prefix: str) -> None:
-    """Results and groups done longer than ``result_expires`` ago go, a few rows per
-    transaction; a fresh one stays."""
+    """Results and groups done, and chords' counter rows saved, longer than
+    ``result_expires`` ago go, a few rows per transaction; fresh ones stay."""
     clock = clocks.install(make_url(str(engine.url)))
     try:
         app = make_app(options={"cleanup_batch": 2}, result_expires=3600)
@@ -141,9 +141,16 @@ def test_cleanup_deletes_what_expired_in_batches(
         for n in range(5):
             app.backend.mark_as_done(f"old-{n}", n)
         GroupResult("old-group", [AsyncResult("old-0", app=app)], app=app).save()
+        app.backend.store.save_chord("old-chord", b"{}")
         clock.release()
         app.backend.mark_as_done("fresh", "kept")
-        assert app.backend.store.expire(3600, batch=2) == 6
+        app.backend.store.save_chord("fresh-chord", b"{}")
+        assert app.backend.store.expire(3600, batch=2) == 7
+        chords = engine.dialect.identifier_preparer.quote(table_prefix + "chords")
+        with engine.connect() as conn:
+            kept = [row[0] for row in conn.execute(text(f"SELECT group_id FROM {chords}"))]
+        assert [key if isinstance(key, str) else key.decode() for key in kept] == [
+            "fresh-chord"]
         assert app.AsyncResult("fresh").get(timeout=5) == "kept"
         assert [app.AsyncResult(f"old-{n}").state for n in range(5)] == [states.PENDING] * 5
         assert GroupResult.restore("old-group", app=app) is None
@@ -190,8 +197,9 @@ def test_without_create_tables_a_missing_table_is_an_error_giving_the_ddl(
         make_app: MakeApp, table_prefix: str) -> None:
     app = make_app(options={"create_tables": False})
     with pytest.raises(ConfigurationError, match=(
-            rf"the result tables {table_prefix}task_results, {table_prefix}group_results do "
-            r"not exist \(create_tables is off\); create them with:\nCREATE TABLE")):
+            rf"the result tables {table_prefix}task_results, {table_prefix}group_results, "
+            rf"{table_prefix}chords do not exist \(create_tables is off\); create them "
+            r"with:\nCREATE TABLE")):
         app.backend.mark_as_done("t-6", 1)
 
 

@@ -100,6 +100,23 @@ def add(x: int, y: int) -> int:
     return x + y
 
 
+#: a chord's header task acknowledged late: counted in the transaction of its result
+app.task(name="acc.add_late", acks_late=True)(add.run)
+
+
+@app.task(bind=True, name="acc.collect")
+def collect(self: Task, values: list[Any]) -> list[Any]:
+    """A chord's body: leaves a run of key ``body``, returns the values it was given."""
+    run(self, "body")
+    return values
+
+
+@app.task(bind=True, name="acc.errback")
+def errback(self: Task, task_id: str) -> str:
+    """An error callback: leaves a run of key ``errback``."""
+    return run(self, "errback")
+
+
 @app.task(name="acc.total")
 def total(values: list[int]) -> int:
     return sum(values)
@@ -114,6 +131,9 @@ def fail(reason: str) -> None:
 def sized(size: int) -> str:
     """A result of ``size`` characters."""
     return "x" * size
+
+
+app.task(name="acc.fail_late", acks_late=True)(fail.run)
 
 
 @app.task(bind=True, name="acc.retried", max_retries=1)
