@@ -109,3 +109,21 @@ def test_a_transactional_tasks_result_commits_with_its_writes(
     with engine.connect() as conn:
         assert [row[0] for row in conn.execute(text(f"SELECT mark FROM {marks}"))] == ["small"]
     assert acceptance.rows() == 0
+
+
+def test_a_failure_the_worker_rejects_is_stored_and_its_row_dead_lettered(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """A ``Reject`` and a failure of a task that does not acknowledge failures: the
+    worker rejects their rows, so their results do not complete them; both are stored
+    as failures and both rows reach the dead-letter queue."""
+    acceptance.configure(dead_letter_queue="dead")
+    acceptance.declare("dead")
+    acceptance.worker("prefork", 1, **results_conf(db_url))
+    failed = [caller.send_task("acc.rejected", args=("no",)),
+              caller.send_task("acc.fail_rejected", args=("card declined",))]
+    for result in failed:
+        with pytest.raises(Exception, match=r"no|card declined"):
+            result.get(timeout=RESULT_LIMIT)
+        assert result.state == "FAILURE"
+    wait_until(lambda: acceptance.rows("dead") == 2, 30, "both rows to be dead-lettered")
+    assert acceptance.rows() == 0

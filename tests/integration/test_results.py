@@ -278,3 +278,47 @@ def test_a_waiter_whose_listen_connection_dies_still_gets_the_result(
     assert time.monotonic() - ended[0] < 2.0
     app.backend.mark_as_done("t-12", "listening again")
     assert app.AsyncResult("t-12").get(timeout=5, interval=30) == "listening again"
+
+
+def test_join_native_reads_a_groups_results_in_order_and_gives_up_at_its_timeout(
+        app: Celery) -> None:
+    """``join_native()`` returns the results in the group's order whatever order they
+    were stored in; with one never stored it raises Celery's TimeoutError at its
+    timeout, not at its interval's multiple."""
+    for task_id, value in (("j-2", 2), ("j-0", 0), ("j-1", 1)):
+        app.backend.mark_as_done(task_id, value)
+    results = [AsyncResult(f"j-{n}", app=app) for n in range(3)]
+    assert GroupResult("joined", results, app=app).join_native(timeout=5) == [0, 1, 2]
+    pending = GroupResult("pending", [*results, AsyncResult("j-never", app=app)], app=app)
+    started = time.monotonic()
+    with pytest.raises(CeleryTimeout):
+        pending.join_native(timeout=0.3, interval=5)
+    assert time.monotonic() - started < 2
+
+
+def test_with_another_broker_a_chord_runs_through_chord_unlock(
+        app: Celery, engine: Engine, table_prefix: str) -> None:
+    """Counting in SQL needs the broker on the results' database (its body is published
+    in the counting transaction): with another broker Celery's chord_unlock runs it."""
+    from celery import chord
+    from celery.signals import before_task_publish
+
+    names: list[str] = []
+
+    def seen(headers: Any = None, **_: Any) -> None:
+        names.append(str((headers or {}).get("task")))
+
+    @app.task(name="results.add")
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    before_task_publish.connect(seen, weak=False)
+    try:
+        chord([add.s(1, 1), add.s(2, 2)])(add.s(0))
+    finally:
+        before_task_publish.disconnect(seen)
+    assert "celery.chord_unlock" in names
+    app.backend.store.ensure()
+    with engine.connect() as conn:
+        assert conn.execute(text(
+            f"SELECT COUNT(*) FROM {quoted(engine, table_prefix + 'chords')}")).scalar_one() == 0

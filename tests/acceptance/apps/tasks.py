@@ -136,6 +136,17 @@ def sized(size: int) -> str:
 app.task(name="acc.fail_late", acks_late=True)(fail.run)
 
 
+#: a failure the worker rejects (to the dead-letter queue) instead of acknowledging
+app.task(name="acc.fail_rejected", acks_late=True, acks_on_failure_or_timeout=False)(fail.run)
+
+
+@app.task(name="acc.rejected", acks_late=True)
+def rejected(reason: str) -> None:
+    from celery.exceptions import Reject
+
+    raise Reject(reason, requeue=False)
+
+
 @app.task(bind=True, name="acc.retried", max_retries=1)
 def retried(self: Task) -> int:
     """Retried once at once, then returns how many retries it took."""
