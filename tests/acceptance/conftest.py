@@ -45,10 +45,15 @@ class Runs:
     def done(self) -> Counter[str]:
         return self._count(".done")
 
-    def records(self, key: str) -> list[dict[str, Any]]:
-        """The start records of ``key``, oldest first."""
+    def records(self, key: str = "*") -> list[dict[str, Any]]:
+        """The start records of ``key`` (of every key by default), oldest first."""
         found = [json.loads(p.read_text()) for p in self.path.glob(f"{key}.*.start")]
         return sorted(found, key=lambda record: record["at"])
+
+    def started_on(self, worker: str) -> int:
+        """How many runs started on the worker named ``worker``."""
+        return sum(1 for record in self.records()
+                   if str(record.get("worker", "")).startswith(worker + "@"))
 
     def release(self, key: str) -> None:
         (self.path / "release" / key).touch()

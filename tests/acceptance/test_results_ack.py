@@ -19,9 +19,9 @@ from tests.acceptance.conftest import MAX_RESULT_BYTES, RESULT_LIMIT, Acceptance
 from tests.processes import wait_until
 
 LEASE = 2
-#: tasks of the kill test, and the runs started before each of its kills
-TASKS = 40
-KILLS = (6, 20)
+#: tasks of the kill test; its workers, the last of them never killed
+TASKS = 30
+WORKERS = ("a", "b", "last")
 
 
 def result_rows(acceptance: Acceptance, engine: Engine) -> dict[str, tuple[str, int]]:
@@ -37,18 +37,18 @@ def result_rows(acceptance: Acceptance, engine: Engine) -> dict[str, tuple[str, 
 @pytest.mark.slow
 def test_a_worker_killed_mid_run_leaves_each_task_one_result_from_its_last_run(
         acceptance: Acceptance, caller: Celery, db_url: str, engine: Engine) -> None:
-    """Each kill lands with tasks running (0.2 s each on four processes); their rows come
-    back after the lease. A result stored apart from its ack could survive a kill whose
-    row then runs again: here the run that stored a task's result is its last run."""
+    """Three workers share the tasks (0.2 s each); two are killed, one after the other,
+    each once it has started runs (so with tasks running: their rows come back after
+    the lease). A result stored apart from its ack could survive a kill whose row then
+    runs again: here the run that stored a task's result is its last run."""
     acceptance.configure(visibility_timeout=LEASE)
     keys = [f"k{n:03d}" for n in range(TASKS)]
     sent = {key: caller.send_task("acc.run_late", args=(key, 0.2)) for key in keys}
-    for round_, started in enumerate(KILLS):
-        worker = acceptance.worker("prefork", 4, name=f"w{round_}", **results_conf(db_url))
-        wait_until(lambda n=started: sum(acceptance.runs.starts().values()) >= n, 30,
-                   f"{started} runs to start", alive=[worker])
-        worker.kill()
-    last = acceptance.worker("prefork", 4, name="last", **results_conf(db_url))
+    *victims, last = acceptance.workers(WORKERS, "prefork", 2, **results_conf(db_url))
+    for victim in victims:
+        wait_until(lambda name=victim.name: acceptance.runs.started_on(name) >= 2, 30,
+                   f"runs to start on {victim.name}", alive=[victim])
+        victim.kill()
     tokens = {key: result.get(timeout=RESULT_LIMIT) for key, result in sent.items()}
     assert last.stop() == 0, last.tail()
     assert "settled rows had already left this process" in last.output()

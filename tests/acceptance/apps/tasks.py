@@ -73,7 +73,7 @@ def run(self: Task, key: str, seconds: float = 0.0, hold: bool = False) -> str:
     info = self.request.delivery_info or {}
     _write(runs / f"{key}.{token}.start", {
         "key": key, "task_id": self.request.id, "pid": os.getpid(), "at": time.time(),
-        "token": token,
+        "token": token, "worker": self.request.hostname,
         "redelivered": bool(info.get("redelivered")),
     })
     if hold:
