@@ -203,12 +203,13 @@ class SqlInboxBackend(BaseBackend):
             logger.warning("sqlinbox: task %s: message %s of queue %r is no longer this "
                            "delivery's; its %s is not stored", task_id, delivered["id"],
                            delivered["queue"], row[0])
-            return True
-        self.store.announce()
-        if counts:
+            after = None
+        else:
+            self.store.announce()
+        if counts:  # here, or by the delivery holding the row now: not again after
             setattr(request, COUNTED, True)
-            if after is not None:
-                after()
+        if after is not None:
+            after()
         return True
 
     def writes_in(self, task: Any, conn: Connection) -> bool:

@@ -10,7 +10,7 @@ import signal
 from collections import Counter
 
 import pytest
-from celery import Celery
+from celery import Celery, chord
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
@@ -67,13 +67,16 @@ def test_a_worker_killed_mid_run_leaves_each_task_one_result_from_its_last_run(
 
 
 @pytest.mark.slow
-def test_a_delivery_whose_row_was_claimed_again_stores_no_result(
+def test_a_delivery_whose_row_was_claimed_again_stores_no_result_and_counts_nothing(
         acceptance: Acceptance, caller: Celery, db_url: str) -> None:
-    """The first worker's main process is stopped while its pool process runs the task:
-    nothing extends the lease, and a second worker claims the row again. Both runs end;
-    only the second delivery's result is stored."""
+    """The first worker's main process is stopped while its pool process runs the task
+    (the header of a chord): nothing extends the lease, and a second worker claims the
+    row again. Both runs end; only the second delivery's result is stored and counted:
+    the body runs once with it, its error callback never."""
     acceptance.configure(visibility_timeout=LEASE)
-    result = caller.send_task("acc.run_late", args=("held",), kwargs={"hold": True})
+    body = chord([caller.signature("acc.run_late", args=("held",), kwargs={"hold": True})])(
+        caller.signature("acc.collect").on_error(caller.signature("acc.errback")))
+    result = body.parent.results[0]
     first = acceptance.worker("prefork", 1, name="first", **results_conf(db_url))
     wait_until(lambda: acceptance.runs.starts()["held"] >= 1, 30, "the first run",
                alive=[first])
@@ -85,11 +88,16 @@ def test_a_delivery_whose_row_was_claimed_again_stores_no_result(
     token = result.get(timeout=RESULT_LIMIT)
     wait_until(lambda: "is no longer this delivery's; its SUCCESS is not stored"
                in first.output(), 30, "the first delivery's write to be refused")
+    wait_until(lambda: f"Task acc.run_late[{result.id}] succeeded" in first.output(), 30,
+               "the first delivery's end (its chord part returned)")
     first_run, second_run = acceptance.runs.records("held")
     assert result.worker.startswith("second@")
     assert acceptance.runs.done()["held"] == 2
     assert token == second_run["token"] != first_run["token"]
-    assert acceptance.rows() == 0
+    assert body.get(timeout=RESULT_LIMIT) == [token]
+    wait_until(lambda: acceptance.rows() == 0, 30, "the body's row to be done")
+    assert acceptance.runs.starts()["body"] == 1
+    assert acceptance.runs.starts()["errback"] == 0
 
 
 def test_a_transactional_tasks_result_commits_with_its_writes(
