@@ -5,27 +5,41 @@ them).
 Celery finds it under the ``celery.result_backends`` entry point ``sqlinbox``: Celery
 reads a result backend URL's scheme up to its ``+`` as the backend's name, and hands
 the rest (the SQLAlchemy URL) to it. One row per task (:mod:`kombu_sqlinbox.results`),
-written by :meth:`SqlInboxBackend._store_result` as Celery's own database backend
-writes its rows, so that the transport can write it in the transaction of a task's
-acknowledgement later on; ``get()`` waits for a NOTIFY, the same-host signal or an
+a late-acked task's final state written in the transaction that completes its queue
+row; chords counted in the same transaction, the last header task publishing the body
+in it; ``get()`` and ``join_native()`` wait for a NOTIFY, the same-host signal or an
 adaptive poll rather than a fixed half second.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any
 
 from celery import states
-from celery.backends.base import BaseBackend
+from celery.app.task import get_actual_ignore_result
+from celery.backends.base import BaseBackend, _create_chord_error_with_cause
+from celery.canvas import maybe_signature
+from celery.exceptions import ChordError, Reject, WorkerLostError
 from celery.exceptions import TimeoutError as CeleryTimeout
-from celery.result import result_from_tuple
+from celery.result import AsyncResult, ResultSet, result_from_tuple
 from kombu.utils.encoding import ensure_bytes
+from sqlalchemy import Connection
 
+from kombu_sqlinbox import binding
+from kombu_sqlinbox.broker import Broker, same_database
 from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.options import TransportOptions
-from kombu_sqlinbox.results import ResultStore, store_for
+from kombu_sqlinbox.results import ResultStore, StoredResult, store_for
 from kombu_sqlinbox.urls import URL_PREFIX, masked
+
+from .delivery import TransactionalTaskError, broker_of, delivered_row
+
+logger = logging.getLogger(__name__)
 
 #: the options ``result_backend_transport_options`` takes, and their defaults
 #: (``table_prefix``: the broker's ``table_prefix`` when the broker sets one)
@@ -54,16 +68,40 @@ def backend_options(app: Any) -> dict[str, Any]:
     return options
 
 
+#: a request attribute: its task's result was written in its own transaction
+STORED = "sqlinbox_result_stored"
+#: a request attribute: its chord part was counted with its result
+COUNTED = "sqlinbox_chord_counted"
+#: what runs once a chord's counting transaction committed (its error callbacks)
+After = Callable[[], Any] | None
+#: a stored row's arguments after its task id: state, meta, ready, task name, worker
+Row = tuple[str, bytes, bool, Any, Any]
+
+
+class NotThisDelivery(Exception):
+    """The delivered row is no longer this delivery's: nothing of the write commits."""
+
+
+def _leaves(result: Any) -> list[str]:
+    """The task ids of a header's results, nested groups' included."""
+    if isinstance(result, ResultSet):
+        return [leaf for part in result.results for leaf in _leaves(part)]
+    return [result.id] if isinstance(result, AsyncResult) else []
+
+
 def _date_done(seconds: float | None) -> datetime | None:
     return None if seconds is None else datetime.fromtimestamp(seconds, tz=timezone.utc)
 
 
 class SqlInboxBackend(BaseBackend):
-    """Task states and results, and saved groups, in two tables of the service's
-    database under the table prefix (``<prefix>task_results``, ``<prefix>group_results``)."""
+    """Task states and results, saved groups and chords' counters in three tables of the
+    service's database under the table prefix (``<prefix>task_results``,
+    ``<prefix>group_results``, ``<prefix>chords``)."""
 
     #: ``ResultSet.iterate``'s wait between results: each ``get()`` waits woken
     subpolling_interval = 0.05
+    #: ``join_native()``: the pending results read in one select per wake-up
+    supports_native_join = True
 
     def __init__(self, app: Any, url: str | None = None, **kwargs: Any) -> None:
         super().__init__(app, url=url, expires_type=float, **kwargs)
@@ -74,6 +112,7 @@ class SqlInboxBackend(BaseBackend):
                 "(or sqlinbox+mysql://..., sqlinbox+sqlite:///jobs.db)")
         self.options = backend_options(app)
         self._store: ResultStore | None = None
+        self._chords: tuple[Broker | None] | None = None
 
     @property
     def store(self) -> ResultStore:
@@ -92,23 +131,141 @@ class SqlInboxBackend(BaseBackend):
         return URL_PREFIX + (url if include_password else masked(url, "**"))
 
     # -- tasks ---------------------------------------------------------------------------
-    def _store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,
-                      request: Any = None, **kwargs: Any) -> Any:
+    def store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,
+                     request: Any = None, **kwargs: Any) -> Any:
+        """Celery's, deciding first, from the outcome as raised, whether this write
+        completes the task's row; nothing for a result its transactional task stored."""
+        if request is not None and getattr(request, STORED, False):
+            return result
+        kwargs.setdefault("completes", self._completes(task_id, result, state, request))
+        return super().store_result(task_id, result, state, traceback, request, **kwargs)
+
+    def _completes(self, task_id: str, result: Any, state: str,
+                   request: Any) -> dict[str, Any] | None:
+        """The delivered row a final state is written with: the task's own late-acked
+        delivery from a sqlinbox queue, which the worker acknowledges right after this
+        write. Not a failure the worker rejects instead (a ``Reject``, a task not acking
+        failures) nor a lost worker's (acknowledged before Celery writes it)."""
+        if state not in states.READY_STATES or getattr(request, "id", None) != task_id:
+            return None
+        row = delivered_row(request)
+        task = self.app.tasks.get(getattr(request, "task", None) or "")
+        if row is None or task is None or not task.acks_late:
+            return None
+        if state == states.FAILURE and (not task.acks_on_failure_or_timeout or isinstance(
+                result, (Reject, WorkerLostError))):
+            return None
+        return row
+
+    def _row(self, task_id: str, result: Any, state: str, traceback: Any,
+             request: Any) -> Row:
         meta = self._get_result_meta(result=result, state=state, traceback=traceback,
                                      request=request, format_date=False)
         meta.pop("date_done", None)  # the database's clock sets it, in its own column
         meta["task_id"] = task_id
-        self.store.store(task_id, state, ensure_bytes(self.encode(meta)),
-                         state in states.READY_STATES, meta.get("name"), meta.get("worker"))
+        encoded = ensure_bytes(self.encode(meta))
+        self.store.check_size(task_id, len(encoded))
+        return state, encoded, state in states.READY_STATES, meta.get("name"), meta.get("worker")
+
+    def _store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,
+                      request: Any = None, completes: dict[str, Any] | None = None,
+                      **kwargs: Any) -> Any:
+        row = self._row(task_id, result, state, traceback, request)
+        if completes is None or not self._with_ack(task_id, row, completes, request):
+            self.store.store(task_id, *row)
         return result
+
+    def _with_ack(self, task_id: str, row: Row, delivered: dict[str, Any],
+                  request: Any) -> bool:
+        """Write ``row`` and complete the delivered row in one transaction, fenced by the
+        delivery's attempt: a row claimed again meanwhile (its lease lapsed) rolls both
+        back, and the delivery that holds it now writes the result. False where the
+        queue is in another database, or its claim holds a lock this connection would
+        wait for (``row_lock``): the result is then written on its own. A chord's header
+        task is counted in the same transaction."""
+        broker = broker_of(self.app)
+        table = broker.table(delivered["queue"])
+        if table.options.claim == "row_lock" or not same_database(
+                broker.engine, self.store.database.engine):
+            return False
+
+        counts = bool(request.chord and request.group)
+
+        def work(conn: Connection) -> After:
+            self.store.write(task_id, *row, conn)
+            if not broker.complete_in(conn, table, delivered["id"], delivered["attempt"]):
+                raise NotThisDelivery
+            return self._count_part(request, conn) if counts else None
+
+        try:
+            after = broker.run(work, repeatable=True)
+        except NotThisDelivery:
+            logger.warning("sqlinbox: task %s: message %s of queue %r is no longer this "
+                           "delivery's; its %s is not stored", task_id, delivered["id"],
+                           delivered["queue"], row[0])
+            after = None
+        else:
+            self.store.announce()
+        if counts:  # here, or by the delivery holding the row now: not again after
+            setattr(request, COUNTED, True)
+        if after is not None:
+            after()
+        return True
+
+    def writes_in(self, task: Any, conn: Connection) -> bool:
+        """Whether a transactional task's success is written in its own transaction on
+        ``conn`` (which completes its row): not where Celery would store nothing, nor
+        where the result tables are in another database."""
+        return not get_actual_ignore_result(task, task.request) and same_database(
+            conn.engine, self.store.database.engine)
+
+    def store_in(self, conn: Connection, task: Any, result: Any) -> None:
+        """Write a transactional task's success in its transaction (see :meth:`writes_in`);
+        once that commits, the caller marks the request :data:`STORED`."""
+        task_id = task.request.id
+        encoded = self.encode_result(result, states.SUCCESS)
+        self.store.write(task_id, *self._row(task_id, encoded, states.SUCCESS, None,
+                                             task.request), conn)
 
     def _get_task_meta_for(self, task_id: str) -> dict[str, Any]:
         found = self.store.read(task_id)
         if found is None:
             return {"status": states.PENDING, "result": None}
+        return self._meta(found)
+
+    def _meta(self, found: StoredResult) -> dict[str, Any]:
         meta: dict[str, Any] = self.decode_result(found.meta)
         meta["date_done"] = _date_done(found.date_done)
         return meta
+
+    def get_many(self, task_ids: Any, timeout: float | None = None, interval: float = 0.5,
+                 no_ack: bool = True, on_message: Any = None, on_interval: Any = None,
+                 max_iterations: Any = None, READY_STATES: Any = states.READY_STATES
+                 ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """``join_native()``'s reads: each ready result once, as it becomes ready; the
+        pending ones read in one select after each wake-up for the first of them (or
+        ``interval`` seconds); Celery's ``TimeoutError`` after ``timeout`` seconds."""
+        self._ensure_not_eager()
+        pending = list(dict.fromkeys(str(task_id) for task_id in task_ids))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready = self.store.wait(pending[0], partial(self._ready_of, pending, READY_STATES),
+                                    left, interval, on_interval)
+            if ready is None:
+                raise CeleryTimeout(f"Operation timed out ({timeout})")
+            for task_id in [task_id for task_id in pending if task_id in ready]:
+                if on_message is not None:
+                    on_message(ready[task_id])
+                yield task_id, ready[task_id]
+            pending = [task_id for task_id in pending if task_id not in ready]
+
+    def _ready_of(self, task_ids: Sequence[str], ready_states: Any
+                  ) -> dict[str, dict[str, Any]] | None:
+        found = {task_id: self._meta(stored)
+                 for task_id, stored in self.store.read_many(task_ids).items()
+                 if stored.status in ready_states}
+        return found or None
 
     def _forget(self, task_id: str) -> None:
         self.store.forget(task_id)
@@ -133,6 +290,107 @@ class SqlInboxBackend(BaseBackend):
 
     def _delete_group(self, group_id: str) -> None:
         self.store.delete_group(group_id)
+
+    # -- chords --------------------------------------------------------------------------
+    def _chord_broker(self) -> Broker | None:
+        """The sqlinbox broker on this database, which publishes a chord's body in the
+        transaction counting its last header task; None (another broker or database):
+        Celery's ``chord_unlock`` runs the chord instead."""
+        if self._chords is None:
+            try:
+                broker: Broker | None = broker_of(self.app)
+            except TransactionalTaskError:
+                broker = None
+            if broker is not None and not same_database(broker.engine,
+                                                        self.store.database.engine):
+                broker = None
+            self._chords = (broker,)
+        return self._chords[0]
+
+    def apply_chord(self, header_result_args: Any, body: Any, **kwargs: Any) -> Any:
+        """Save the chord's counter row with its header's results in order (what the
+        body receives); its size follows in :meth:`set_chord_size`."""
+        if self._chord_broker() is None:
+            return super().apply_chord(header_result_args, body, **kwargs)
+        header = self.app.GroupResult(*header_result_args)
+        self.store.save_chord(header.id, ensure_bytes(self.encode(
+            {"header": header.as_tuple()})))
+        return None
+
+    def set_chord_size(self, group_id: str, chord_size: int) -> None:
+        """Celery calls it before it publishes the header's last task: no part can
+        complete the count before the size is there."""
+        if self._chord_broker() is not None:
+            self.store.size_chord(group_id, chord_size)
+
+    def on_chord_part_return(self, request: Any, state: str, result: Any,
+                             **kwargs: Any) -> None:
+        """Count a header task not counted with its result (see :meth:`_with_ack`) in a
+        transaction of its own."""
+        broker = self._chord_broker()
+        if broker is None or getattr(request, COUNTED, False) or not (
+                request.group and request.id):
+            return
+        self.store.ensure()
+        after = broker.run(partial(self._count_part, request))
+        setattr(request, COUNTED, True)
+        if after is not None:
+            after()
+
+    def _count_part(self, request: Any, conn: Connection) -> After:
+        """Count one header task in ``conn``'s transaction; the part reaching the size
+        reads the header's results in order, deletes the counter row and publishes the
+        body bound to the transaction: it is sent once, as this commits. A failed header
+        task, or a missing counter row, gives the body's error callbacks a ChordError
+        once the transaction is over (what they publish is not part of it)."""
+        callback = maybe_signature(request.chord, app=self.app)
+        counted = self.store.count_chord(conn, request.group)
+        if counted is None:
+            if callback.id and self.store.read(callback.id) is not None:
+                return None  # an earlier part found it missing: the body has failed
+            return partial(self._chord_error, callback, ChordError(
+                f"chord {request.group}: its counter row is missing from "
+                f"{self.store.sql.names[2]} (expired by result_expires, or deleted); "
+                "its body is not run"))
+        done, size, meta = counted
+        if size is None or done < size:
+            return None
+        self.store.delete_chord(conn, request.group)
+        header = result_from_tuple(self.decode(meta)["header"], self.app)
+        try:
+            values = self._values(header, self.store.read_many(_leaves(header), conn))
+        except ChordError as exc:
+            logger.error("sqlinbox: chord %s: %s", request.group, exc)
+            return partial(self._chord_error, callback, exc)
+        token = binding.BOUND.set(conn)
+        try:
+            callback.delay(values)
+        finally:
+            binding.BOUND.reset(token)
+        return None
+
+    def _chord_error(self, callback: Any, exc: ChordError) -> Any:
+        """Celery's ``chord_error_from_stack``, which stores the body's failure with the
+        traceback of the exception being handled: this one."""
+        try:
+            raise exc
+        except ChordError:
+            return self.chord_error_from_stack(callback, exc)
+
+    def _values(self, result: Any, stored: dict[str, StoredResult]) -> Any:
+        """A header's values in its order (a nested group's as a list), or the ChordError
+        of the first that failed or has no result."""
+        if isinstance(result, ResultSet):
+            return [self._values(part, stored) for part in result.results]
+        found = stored.get(result.id)
+        if found is None or found.status not in states.READY_STATES:
+            raise ChordError(f"Dependency {result.id} has no result stored")
+        meta = self._meta(found)
+        if found.status in states.PROPAGATE_STATES:
+            raise _create_chord_error_with_cause(
+                message=f"Dependency {result.id} raised {meta['result']!r}",
+                original_exc=meta["result"])
+        return meta["result"]
 
     # -- expiry --------------------------------------------------------------------------
     def cleanup(self) -> None:

@@ -36,7 +36,6 @@ back in place to run again.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,17 +50,14 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from kombu_sqlinbox import binding
-from kombu_sqlinbox.broker import Broker, QueueTable, same_database
-from kombu_sqlinbox.codec import ROW_KEY
-from kombu_sqlinbox.errors import ConfigurationError
+from kombu_sqlinbox.broker import QueueTable, same_database
+
+from .delivery import TransactionalTaskError, broker_of, delivered_row
+from .results import STORED, SqlInboxBackend
 
 __all__ = ["InboxRequest", "InboxTask", "RetryAfter", "TransactionalTaskError", "delivered_row"]
 
 logger = logging.getLogger(__name__)
-
-
-class TransactionalTaskError(ConfigurationError):
-    """A transactional task cannot run where it was delivered (wrong broker or claim form)."""
 
 
 class RetryAfter(Reject):  # type: ignore[misc]
@@ -94,36 +90,8 @@ class InboxRequest(Request):  # type: ignore[misc]
         return super().on_failure(exc_info, send_failed_event, return_ok)
 
 
-def delivered_row(request: Any) -> dict[str, Any] | None:
-    """Which row a task's delivery is (queue, id, attempt), or None off an inbox queue.
-
-    The transport puts it in the message's delivery_info; Celery hands the message's
-    properties, delivery_info included, to the task's request in every pool (a prefork
-    child receives a copy), while it keeps only a few fields in ``request.delivery_info``.
-    """
-    properties = getattr(request, "properties", None) or {}
-    row: dict[str, Any] | None = (properties.get("delivery_info") or {}).get(ROW_KEY)
-    return row
-
-
-_BROKERS: dict[tuple[int, int], Broker] = {}
 #: the running transactional task's transaction (a task object serves every thread)
 _DELIVERY: ContextVar[Connection | None] = ContextVar("sqlinbox_delivery", default=None)
-
-
-def broker_of(app: Any) -> Broker:
-    """This process's sqlinbox broker for the app's broker URL (one per app and process)."""
-    key = (id(app), os.getpid())
-    found = _BROKERS.get(key)
-    if found is None:
-        transport = app.connection_for_write().transport
-        found = getattr(transport, "broker", None)
-        if not isinstance(found, Broker):
-            raise TransactionalTaskError(
-                f"transactional tasks need the sqlinbox broker; this app uses "
-                f"{type(transport).__module__}")
-        _BROKERS[key] = found
-    return found
 
 
 @contextmanager
@@ -215,6 +183,9 @@ class InboxTask(Task):  # type: ignore[misc]
         row = delivered_row(self.request) if self.request.id else None
         if row is not None:  # retries in place are earlier deliveries of this very row
             self.request.retries = max(int(row["attempt"]) - 1, self.request.retries or 0)
+        backend = self.backend if isinstance(self.backend, SqlInboxBackend) else None
+        if backend is not None:
+            backend.store.ensure()  # not inside the transaction: SQLite has one writer
         try:
             with delivery_transaction(self.app, row) as (conn, table):
                 delivery_token = _DELIVERY.set(conn)
@@ -225,9 +196,9 @@ class InboxTask(Task):  # type: ignore[misc]
                     binding.BOUND.reset(bound_token)
                     _DELIVERY.reset(delivery_token)
                 mark_outbox_record(self, conn)
-                if table is not None and row is not None:
-                    complete_row(self.app, conn, table, row)
-                return result
+                stored = self._complete(conn, table, row, backend, result)
+            self._stored(stored)
+            return result
         except DBAPIError as exc:
             broker = broker_of(self.app)
             if exc.connection_invalidated or broker.is_transient(exc):
@@ -243,9 +214,28 @@ class InboxTask(Task):  # type: ignore[misc]
                            self.name, self.request.id, exc.orig)
             if row is not None:
                 with delivery_transaction(self.app, row) as (again, again_table):
-                    if again_table is not None:
-                        complete_row(self.app, again, again_table, row)
+                    stored = self._complete(again, again_table, row, backend, None)
+                self._stored(stored)
             return None
+
+    def _complete(self, conn: Connection, table: QueueTable | None,
+                  row: dict[str, Any] | None, backend: SqlInboxBackend | None,
+                  result: Any) -> SqlInboxBackend | None:
+        """Complete the delivered row in the task's transaction, with the task's result
+        where the backend writes it there; that backend, if it did."""
+        if table is None or row is None:
+            return None
+        writer = backend if backend is not None and backend.writes_in(self, conn) else None
+        if writer is not None:
+            writer.store_in(conn, self, result)
+        complete_row(self.app, conn, table, row)
+        return writer
+
+    def _stored(self, writer: SqlInboxBackend | None) -> None:
+        """After the commit: Celery's own write of the result is skipped, waiters woken."""
+        if writer is not None:
+            setattr(self.request, STORED, True)
+            writer.store.announce()
 
     @property
     def connection(self) -> Connection:

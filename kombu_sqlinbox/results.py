@@ -20,7 +20,7 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -123,14 +123,21 @@ class ResultStore:
               task_name: str | None = None, worker: str | None = None) -> None:
         """Write a task's state (a row already in SUCCESS stays), and announce it."""
         self.check_size(task_id, len(meta))
-        params = {"task_id": task_id, "status": status, "meta": meta, "ready": int(ready),
-                  "task_name": task_name, "worker": worker}
+        self._run(partial(self.write, task_id, status, meta, ready, task_name, worker))
+        self.announce()
 
-        def work(conn: Connection) -> None:
-            conn.execute(self.sql.store, params)
-            self.dialect.result_notify(conn, self.dialect.result_channel(self.prefix, task_id))
+    def write(self, task_id: str, status: str, meta: bytes, ready: bool,
+              task_name: str | None, worker: str | None, conn: Connection) -> None:
+        """:meth:`store`'s write in the caller's transaction on this database (its NOTIFY
+        sent as that commits); the caller checks the size first and calls
+        :meth:`announce` after its commit."""
+        conn.execute(self.sql.store, {"task_id": task_id, "status": status, "meta": meta,
+                                      "ready": int(ready), "task_name": task_name,
+                                      "worker": worker})
+        self.dialect.result_notify(conn, self.dialect.result_channel(self.prefix, task_id))
 
-        self._run(work)
+    def announce(self) -> None:
+        """Wake this host's waiters after a commit (where the database has no NOTIFY)."""
         if self._sender is not None:
             self._sender.send()
 
@@ -141,6 +148,18 @@ class ResultStore:
             return None
         return StoredResult(str(row[0]), bytes(row[1]),
                             None if row[2] is None else float(row[2]))
+
+    def read_many(self, task_ids: Sequence[str], conn: Connection | None = None
+                  ) -> dict[str, StoredResult]:
+        """The stored rows of ``task_ids`` in one select, by id; in ``conn``'s transaction
+        when given (a chord's last part reads its own result, not yet committed)."""
+        def work(c: Connection) -> list[Any]:
+            return list(c.execute(self.sql.read_many, {"task_ids": list(task_ids)}))
+
+        rows = work(conn) if conn is not None else self._run(work, read_only=True)
+        return {_text(row[0]): StoredResult(str(row[1]), bytes(row[2]),
+                                            None if row[3] is None else float(row[3]))
+                for row in rows}
 
     def forget(self, task_id: str) -> None:
         self._run(lambda conn: conn.execute(self.sql.forget, {"task_id": task_id}))
@@ -159,6 +178,32 @@ class ResultStore:
 
     def delete_group(self, group_id: str) -> None:
         self._run(lambda conn: conn.execute(self.sql.delete_group, {"group_id": group_id}))
+
+    # -- chords --------------------------------------------------------------------------
+    def save_chord(self, group_id: str, meta: bytes) -> None:
+        """A chord's counter row, nothing counted and no size yet (a chord applied again
+        under the same id starts over)."""
+        self.check_size(group_id, len(meta))
+        self._run(lambda conn: conn.execute(self.sql.chord_save,
+                                            {"group_id": group_id, "meta": meta}))
+
+    def size_chord(self, group_id: str, size: int) -> None:
+        self._run(lambda conn: conn.execute(self.sql.chord_size,
+                                            {"group_id": group_id, "size": size}))
+
+    def count_chord(self, conn: Connection, group_id: str
+                    ) -> tuple[int, int | None, bytes] | None:
+        """One more header task done, in the caller's transaction: ``(done, size, meta)``
+        after it, or None without a counter row. The UPDATE comes first: it locks the
+        row (SQLite: the database) until the caller's transaction ends, so the parts
+        count one at a time and the one reaching the size sees every other's result."""
+        if conn.execute(self.sql.chord_count, {"group_id": group_id}).rowcount == 0:
+            return None
+        done, size, meta = conn.execute(self.sql.chord_read, {"group_id": group_id}).one()
+        return int(done), None if size is None else int(size), bytes(meta)
+
+    def delete_chord(self, conn: Connection, group_id: str) -> None:
+        conn.execute(self.sql.chord_delete, {"group_id": group_id})
 
     # -- expiry --------------------------------------------------------------------------
     def expire(self, older_than: float, batch: int = 1000) -> int:
@@ -215,6 +260,11 @@ class ResultStore:
         if self._sender is not None and mine:
             self._sender.close()
         self.database.dispose(close=mine)
+
+
+def _text(value: str | bytes) -> str:
+    """An id as stored (MySQL's binary column returns bytes)."""
+    return value if isinstance(value, str) else bytes(value).decode()
 
 
 def _delete(statement: TextClause, params: dict[str, Any], conn: Connection) -> int:

@@ -24,7 +24,7 @@ from ..tables import ColumnSpec, Role, TableSpec
 from .base import Dialect
 from .core import Capabilities
 from .driver import _expanding
-from .results import FINAL
+from .results import FINAL, Names
 from .routing import TRANSIENT_ORDER, RoutingStatements
 from .wakeups import no_wakeups
 
@@ -332,9 +332,9 @@ class MySQLDialect(Dialect):
         return (f"DELETE FROM {table} WHERE date_done < {self.epoch(self.now)} - :expires "
                 f"ORDER BY date_done LIMIT :limit")
 
-    def result_ddl(self, tasks: str, groups: str, names: tuple[str, str]) -> list[str]:
+    def result_ddl(self, quoted: Names, names: Names) -> list[str]:
         """No CREATE INDEX IF NOT EXISTS here: the indexes go inside CREATE TABLE."""
-        made = super().result_ddl(tasks, groups, names)
+        made = super().result_ddl(quoted, names)
         return [f"{table[:-1]}, INDEX {index.split()[5]} (date_done)) "
                 "ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
                 for table, index in zip(made[::2], made[1::2], strict=True)]

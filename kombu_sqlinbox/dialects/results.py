@@ -13,27 +13,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from sqlalchemy import Connection, TextClause, text
+from sqlalchemy import Connection, TextClause, bindparam, text
 from sqlalchemy.engine import Engine
 
 from ..roles import check_identifier
 from .driver import DriverFamily
 
-#: the result tables under a table prefix: tasks' results, saved groups
-RESULT_TABLES = ("task_results", "group_results")
+#: the result tables under a table prefix: tasks' results, saved groups, chords' counters
+RESULT_TABLES = ("task_results", "group_results", "chords")
 #: the state a stored result never leaves (Celery's rule: a task run again after its
 #: success does not replace the result)
 FINAL = "SUCCESS"
 #: values the schema check binds to every statement it plans
 PLAN_PARAMS = {"task_id": "-", "group_id": "-", "status": "PENDING", "task_name": None,
-               "worker": None, "meta": b"", "ready": 0, "expires": 0.0, "limit": 1}
+               "worker": None, "meta": b"", "ready": 0, "expires": 0.0, "limit": 1,
+               "size": 1, "task_ids": ["-"]}
+Names = tuple[str, str, str]
 
 
 @dataclass(frozen=True)
 class ResultStatements:
     """The statements on the result tables of one table prefix."""
 
-    names: tuple[str, str]
+    names: Names
     ddl: list[str]
     drop: list[str]
     #: write a task's state and encoded meta (``:task_id, :status, :task_name, :worker,
@@ -41,18 +43,31 @@ class ResultStatements:
     store: TextClause
     #: ``status, meta, date_done`` of ``:task_id``
     read: TextClause
+    #: ``task_id, status, meta, date_done`` of each of ``:task_ids`` stored
+    read_many: TextClause
     forget: TextClause
     save_group: TextClause
     #: ``meta, date_done`` of ``:group_id``
     restore_group: TextClause
     delete_group: TextClause
-    #: at most ``:limit`` rows of each table done more than ``:expires`` seconds ago
-    expire: tuple[TextClause, TextClause]
+    #: a chord's counter row (``:group_id, :meta``): no size yet, nothing done
+    chord_save: TextClause
+    #: ``:size`` of chord ``:group_id``, set once its header is published
+    chord_size: TextClause
+    #: one more header task of ``:group_id`` done (the row locked until the commit)
+    chord_count: TextClause
+    #: ``done, size, meta`` of ``:group_id``
+    chord_read: TextClause
+    chord_delete: TextClause
+    #: at most ``:limit`` rows of each table done (a chord: saved) more than ``:expires``
+    #: seconds ago
+    expire: tuple[TextClause, ...]
 
     @staticmethod
-    def tables(prefix: str) -> tuple[str, str]:
-        tasks, groups = (check_identifier(prefix + name, "table") for name in RESULT_TABLES)
-        return tasks, groups
+    def tables(prefix: str) -> Names:
+        tasks, groups, chords = (check_identifier(prefix + name, "table")
+                                 for name in RESULT_TABLES)
+        return tasks, groups, chords
 
 
 class ResultFamily(DriverFamily):
@@ -118,10 +133,11 @@ class ResultFamily(DriverFamily):
         return (f"DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {table} "
                 f"WHERE date_done < {self.epoch(self.now)} - :expires LIMIT :limit)")
 
-    def result_ddl(self, tasks: str, groups: str, names: tuple[str, str]) -> list[str]:
+    def result_ddl(self, quoted: Names, names: Names) -> list[str]:
         """The result tables, each with its index on ``date_done`` (expiry's scan)."""
         key, label = self.result_id_type, self.result_text_type
         meta, seconds = self.result_meta_type, self.result_time_type
+        tasks, groups, chords = quoted
         return [
             f"CREATE TABLE IF NOT EXISTS {tasks} (task_id {key} NOT NULL PRIMARY KEY, "
             f"task_name {label}, worker {label}, date_done {seconds}, "
@@ -132,32 +148,48 @@ class ResultFamily(DriverFamily):
             f"date_done {seconds} NOT NULL, meta {meta} NOT NULL)",
             f"CREATE INDEX IF NOT EXISTS {self.quote(names[1] + '_done')} "
             f"ON {groups} (date_done)",
+            f"CREATE TABLE IF NOT EXISTS {chords} (group_id {key} NOT NULL PRIMARY KEY, "
+            f"date_done {seconds} NOT NULL, size INTEGER, done INTEGER NOT NULL, "
+            f"meta {meta} NOT NULL)",
+            f"CREATE INDEX IF NOT EXISTS {self.quote(names[2] + '_done')} "
+            f"ON {chords} (date_done)",
         ]
 
     def build_results(self, prefix: str) -> ResultStatements:
         names = ResultStatements.tables(prefix)
-        tasks, groups = (self.quote(name) for name in names)
+        quoted: Names = (self.quote(names[0]), self.quote(names[1]), self.quote(names[2]))
+        tasks, groups, chords = quoted
         now = self.epoch(self.now)
         # status last: MySQL's guard reads it as each assignment leaves it
         stored = [("task_id", ":task_id"), ("task_name", ":task_name"), ("worker", ":worker"),
                   ("date_done", f"CASE WHEN :ready = 1 THEN {now} END"), ("meta", ":meta"),
                   ("status", ":status")]
         saved = [("group_id", ":group_id"), ("date_done", now), ("meta", ":meta")]
+        counted = [*saved, ("size", "NULL"), ("done", "0")]
 
         def sql(statement: str) -> TextClause:
             return self.clocked(text(statement))
 
         return ResultStatements(
             names=names,
-            ddl=self.result_ddl(tasks, groups, names),
-            drop=[f"DROP TABLE IF EXISTS {table}" for table in (tasks, groups)],
+            ddl=self.result_ddl(quoted, names),
+            drop=[f"DROP TABLE IF EXISTS {table}" for table in quoted],
             store=sql(self.result_upsert(tasks, "task_id", stored, guarded=True)),
             read=sql(f"SELECT status, meta, date_done FROM {tasks} WHERE task_id = :task_id"),
+            read_many=sql(f"SELECT task_id, status, meta, date_done FROM {tasks} "
+                          "WHERE task_id IN :task_ids").bindparams(
+                              bindparam("task_ids", expanding=True)),
             forget=sql(f"DELETE FROM {tasks} WHERE task_id = :task_id"),
             save_group=sql(self.result_upsert(groups, "group_id", saved, guarded=False)),
             restore_group=sql(
                 f"SELECT meta, date_done FROM {groups} WHERE group_id = :group_id"),
             delete_group=sql(f"DELETE FROM {groups} WHERE group_id = :group_id"),
+            chord_save=sql(self.result_upsert(chords, "group_id", counted, guarded=False)),
+            chord_size=sql(f"UPDATE {chords} SET size = :size WHERE group_id = :group_id"),
+            chord_count=sql(f"UPDATE {chords} SET done = done + 1 WHERE group_id = :group_id"),
+            chord_read=sql(f"SELECT done, size, meta FROM {chords} WHERE group_id = :group_id"),
+            chord_delete=sql(f"DELETE FROM {chords} WHERE group_id = :group_id"),
             expire=(sql(self.result_expire_sql(tasks, "task_id")),
-                    sql(self.result_expire_sql(groups, "group_id"))),
+                    sql(self.result_expire_sql(groups, "group_id")),
+                    sql(self.result_expire_sql(chords, "group_id"))),
         )

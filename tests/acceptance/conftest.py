@@ -45,10 +45,15 @@ class Runs:
     def done(self) -> Counter[str]:
         return self._count(".done")
 
-    def records(self, key: str) -> list[dict[str, Any]]:
-        """The start records of ``key``, oldest first."""
+    def records(self, key: str = "*") -> list[dict[str, Any]]:
+        """The start records of ``key`` (of every key by default), oldest first."""
         found = [json.loads(p.read_text()) for p in self.path.glob(f"{key}.*.start")]
         return sorted(found, key=lambda record: record["at"])
+
+    def started_on(self, worker: str) -> int:
+        """How many runs started on the worker named ``worker``."""
+        return sum(1 for record in self.records()
+                   if str(record.get("worker", "")).startswith(worker + "@"))
 
     def release(self, key: str) -> None:
         (self.path / "release" / key).touch()
@@ -153,6 +158,27 @@ class Acceptance:
         worker's exit then takes more than the tests allow, by Celery's doing alone."""
         wait_until(lambda: self.rows(queue) == 0, 30, f"{worker.name} to ack every task",
                    alive=[worker])
+
+
+#: how long the caller waits for a result: a worker takes a second or two to start
+RESULT_LIMIT = 60.0
+#: the size limit the workers' backend is given, to drive the refusal without 1 GB
+MAX_RESULT_BYTES = 10_000
+
+
+def results_conf(db_url: str, **more: Any) -> dict[str, Any]:
+    return {"result_backend": "sqlinbox+" + db_url, "task_ignore_result": False,
+            "result_extended": True,
+            "result_backend_transport_options": {"max_result_bytes": MAX_RESULT_BYTES},
+            **more}
+
+
+@pytest.fixture
+def caller(acceptance: Acceptance, db_url: str) -> Iterator[Celery]:
+    app = tasks.make_app(acceptance.broker_url, dict(acceptance.options),
+                         **results_conf(db_url, result_expires=60))
+    yield app
+    app.close()
 
 
 @pytest.fixture

@@ -4,37 +4,13 @@ extended meta, a result too large, groups, and Celery's ``backend_cleanup``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 import pytest
 from celery import Celery, chord, group
 from celery.result import GroupResult
 from sqlalchemy import text
 from sqlalchemy.engine import Engine, make_url
 
-from tests.acceptance.apps import tasks
-from tests.acceptance.conftest import Acceptance
-
-#: how long the caller waits for a result: a worker takes a second or two to start
-RESULT_LIMIT = 60.0
-#: the size limit the workers' backend is given, to drive the refusal without 1 GB
-MAX_RESULT_BYTES = 10_000
-
-
-def results_conf(db_url: str, **more: Any) -> dict[str, Any]:
-    return {"result_backend": "sqlinbox+" + db_url, "task_ignore_result": False,
-            "result_extended": True,
-            "result_backend_transport_options": {"max_result_bytes": MAX_RESULT_BYTES},
-            **more}
-
-
-@pytest.fixture
-def caller(acceptance: Acceptance, db_url: str) -> Iterator[Celery]:
-    app = tasks.make_app(acceptance.broker_url, dict(acceptance.options),
-                         **results_conf(db_url, result_expires=60))
-    yield app
-    app.close()
+from tests.acceptance.conftest import MAX_RESULT_BYTES, RESULT_LIMIT, Acceptance, results_conf
 
 
 def test_a_worker_stores_values_failures_retries_and_extended_meta(
@@ -70,8 +46,9 @@ def test_a_result_too_large_fails_the_task_with_an_error_saying_so(
 
 def test_a_saved_group_is_restored_and_a_chord_runs_its_body(
         acceptance: Acceptance, caller: Celery, db_url: str) -> None:
-    """A group saved by its id is restored and joined; a chord's body runs once its
-    header is done (through Celery's ``chord_unlock``, for now)."""
+    """A group saved by its id is restored and joined (``join_native``: one select per
+    wake-up); a chord of early-acked tasks, each counted in a transaction after its
+    result's, runs its body once its header is done."""
     acceptance.worker("prefork", 2, **results_conf(db_url))
     sent = group(caller.signature("acc.add", args=(n, n)) for n in range(4)).apply_async()
     sent.save()

@@ -132,8 +132,8 @@ def test_a_saved_group_is_restored_and_deleted(app: Celery) -> None:
 
 def test_cleanup_deletes_what_expired_in_batches(
         make_app: MakeApp, engine: Engine, table_prefix: str) -> None:
-    """Results and groups done longer than ``result_expires`` ago go, a few rows per
-    transaction; a fresh one stays."""
+    """Results and groups done, and chords' counter rows saved, longer than
+    ``result_expires`` ago go, a few rows per transaction; fresh ones stay."""
     clock = clocks.install(make_url(str(engine.url)))
     try:
         app = make_app(options={"cleanup_batch": 2}, result_expires=3600)
@@ -141,9 +141,16 @@ def test_cleanup_deletes_what_expired_in_batches(
         for n in range(5):
             app.backend.mark_as_done(f"old-{n}", n)
         GroupResult("old-group", [AsyncResult("old-0", app=app)], app=app).save()
+        app.backend.store.save_chord("old-chord", b"{}")
         clock.release()
         app.backend.mark_as_done("fresh", "kept")
-        assert app.backend.store.expire(3600, batch=2) == 6
+        app.backend.store.save_chord("fresh-chord", b"{}")
+        assert app.backend.store.expire(3600, batch=2) == 7
+        chords = engine.dialect.identifier_preparer.quote(table_prefix + "chords")
+        with engine.connect() as conn:
+            kept = [row[0] for row in conn.execute(text(f"SELECT group_id FROM {chords}"))]
+        assert [key if isinstance(key, str) else key.decode() for key in kept] == [
+            "fresh-chord"]
         assert app.AsyncResult("fresh").get(timeout=5) == "kept"
         assert [app.AsyncResult(f"old-{n}").state for n in range(5)] == [states.PENDING] * 5
         assert GroupResult.restore("old-group", app=app) is None
@@ -190,8 +197,9 @@ def test_without_create_tables_a_missing_table_is_an_error_giving_the_ddl(
         make_app: MakeApp, table_prefix: str) -> None:
     app = make_app(options={"create_tables": False})
     with pytest.raises(ConfigurationError, match=(
-            rf"the result tables {table_prefix}task_results, {table_prefix}group_results do "
-            r"not exist \(create_tables is off\); create them with:\nCREATE TABLE")):
+            rf"the result tables {table_prefix}task_results, {table_prefix}group_results, "
+            rf"{table_prefix}chords do not exist \(create_tables is off\); create them "
+            r"with:\nCREATE TABLE")):
         app.backend.mark_as_done("t-6", 1)
 
 
@@ -270,3 +278,47 @@ def test_a_waiter_whose_listen_connection_dies_still_gets_the_result(
     assert time.monotonic() - ended[0] < 2.0
     app.backend.mark_as_done("t-12", "listening again")
     assert app.AsyncResult("t-12").get(timeout=5, interval=30) == "listening again"
+
+
+def test_join_native_reads_a_groups_results_in_order_and_gives_up_at_its_timeout(
+        app: Celery) -> None:
+    """``join_native()`` returns the results in the group's order whatever order they
+    were stored in; with one never stored it raises Celery's TimeoutError at its
+    timeout, not at its interval's multiple."""
+    for task_id, value in (("j-2", 2), ("j-0", 0), ("j-1", 1)):
+        app.backend.mark_as_done(task_id, value)
+    results = [AsyncResult(f"j-{n}", app=app) for n in range(3)]
+    assert GroupResult("joined", results, app=app).join_native(timeout=5) == [0, 1, 2]
+    pending = GroupResult("pending", [*results, AsyncResult("j-never", app=app)], app=app)
+    started = time.monotonic()
+    with pytest.raises(CeleryTimeout):
+        pending.join_native(timeout=0.3, interval=5)
+    assert time.monotonic() - started < 2
+
+
+def test_with_another_broker_a_chord_runs_through_chord_unlock(
+        app: Celery, engine: Engine, table_prefix: str) -> None:
+    """Counting in SQL needs the broker on the results' database (its body is published
+    in the counting transaction): with another broker Celery's chord_unlock runs it."""
+    from celery import chord
+    from celery.signals import before_task_publish
+
+    names: list[str] = []
+
+    def seen(headers: Any = None, **_: Any) -> None:
+        names.append(str((headers or {}).get("task")))
+
+    @app.task(name="results.add")
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    before_task_publish.connect(seen, weak=False)
+    try:
+        chord([add.s(1, 1), add.s(2, 2)])(add.s(0))
+    finally:
+        before_task_publish.disconnect(seen)
+    assert "celery.chord_unlock" in names
+    app.backend.store.ensure()
+    with engine.connect() as conn:
+        assert conn.execute(text(
+            f"SELECT COUNT(*) FROM {quoted(engine, table_prefix + 'chords')}")).scalar_one() == 0

@@ -18,6 +18,9 @@ from typing import Any
 
 from celery import Celery, Task
 from kombu import Queue
+from sqlalchemy import text
+
+from celery_ext.tasks import InboxTask
 
 BROKER_ENV = "SQLINBOX_ACC_BROKER"
 OPTIONS_ENV = "SQLINBOX_ACC_OPTIONS"
@@ -61,14 +64,16 @@ def _write(path: Path, record: dict[str, Any]) -> None:
     partial.rename(path)
 
 
-def run(self: Task, key: str, seconds: float = 0.0, hold: bool = False) -> None:
+def run(self: Task, key: str, seconds: float = 0.0, hold: bool = False) -> str:
     """Leave ``<key>.<run>.start``, optionally wait for ``release/<key>``, sleep, leave
-    ``<key>.<run>.done``. One start file per run is what "ran exactly once" counts."""
+    ``<key>.<run>.done``. One start file per run is what "ran exactly once" counts; the
+    run's token is the result, naming the run whose result was stored."""
     runs = Path(os.environ[RUNS_ENV])
     token = uuid.uuid4().hex
     info = self.request.delivery_info or {}
     _write(runs / f"{key}.{token}.start", {
         "key": key, "task_id": self.request.id, "pid": os.getpid(), "at": time.time(),
+        "token": token, "worker": self.request.hostname,
         "redelivered": bool(info.get("redelivered")),
     })
     if hold:
@@ -80,6 +85,7 @@ def run(self: Task, key: str, seconds: float = 0.0, hold: bool = False) -> None:
     if seconds:
         time.sleep(seconds)
     _write(runs / f"{key}.{token}.done", {"key": key, "at": time.time()})
+    return token
 
 
 app.task(bind=True, name="acc.run")(run)
@@ -92,6 +98,23 @@ app.task(bind=True, name="acc.run_limited", rate_limit="6/m")(run)
 @app.task(name="acc.add")
 def add(x: int, y: int) -> int:
     return x + y
+
+
+#: a chord's header task acknowledged late: counted in the transaction of its result
+app.task(name="acc.add_late", acks_late=True)(add.run)
+
+
+@app.task(bind=True, name="acc.collect")
+def collect(self: Task, values: list[Any]) -> list[Any]:
+    """A chord's body: leaves a run of key ``body``, returns the values it was given."""
+    run(self, "body")
+    return values
+
+
+@app.task(bind=True, name="acc.errback")
+def errback(self: Task, task_id: str) -> str:
+    """An error callback: leaves a run of key ``errback``."""
+    return run(self, "errback")
 
 
 @app.task(name="acc.total")
@@ -110,9 +133,37 @@ def sized(size: int) -> str:
     return "x" * size
 
 
+app.task(name="acc.fail_late", acks_late=True)(fail.run)
+
+
+#: a failure the worker rejects (to the dead-letter queue) instead of acknowledging
+app.task(name="acc.fail_rejected", acks_late=True, acks_on_failure_or_timeout=False)(fail.run)
+
+
+@app.task(name="acc.rejected", acks_late=True)
+def rejected(reason: str) -> None:
+    from celery.exceptions import Reject
+
+    raise Reject(reason, requeue=False)
+
+
 @app.task(bind=True, name="acc.retried", max_retries=1)
 def retried(self: Task) -> int:
     """Retried once at once, then returns how many retries it took."""
     if self.request.retries == 0:
         raise self.retry(countdown=0)
     return int(self.request.retries)
+
+
+#: the table :func:`marked` writes to, under the test's table prefix
+MARKS = "acc_marks"
+
+
+@app.task(bind=True, base=InboxTask, transactional=True, name="acc.marked")
+def marked(self: InboxTask, key: str, size: int) -> str:
+    """Insert ``key`` into the marks table in the task's transaction; return ``size``
+    characters (too many for the result table: nothing of the task commits)."""
+    prefix = json.loads(os.environ[OPTIONS_ENV])["table_prefix"]
+    table = self.connection.dialect.identifier_preparer.quote(prefix + MARKS)
+    self.connection.execute(text(f"INSERT INTO {table} (mark) VALUES (:key)"), {"key": key})
+    return "x" * size

@@ -1,0 +1,137 @@
+"""A late-acked task's result written in the transaction that completes its row, by real
+workers: a worker killed mid-run leaves each task one result, stored by its last run; a
+delivery whose row was claimed again writes none; a transactional task's result commits
+with its writes (a result too large rolls them back)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+
+import pytest
+from celery import Celery, chord
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from tests.acceptance.apps import tasks
+from tests.acceptance.conftest import MAX_RESULT_BYTES, RESULT_LIMIT, Acceptance, results_conf
+from tests.processes import wait_until
+
+LEASE = 2
+#: tasks of the kill test; its workers, the last of them never killed
+TASKS = 30
+WORKERS = ("a", "b", "last")
+
+
+def result_rows(acceptance: Acceptance, engine: Engine) -> dict[str, tuple[str, int]]:
+    """Every stored task's state and how many rows it has."""
+    table = engine.dialect.identifier_preparer.quote(acceptance.table_prefix + "task_results")
+    with engine.connect() as conn:
+        rows = conn.execute(text(f"SELECT task_id, status FROM {table}")).all()
+    ids = [row[0] if isinstance(row[0], str) else row[0].decode() for row in rows]
+    counts = Counter(ids)
+    return {task_id: (str(row[1]), counts[task_id]) for task_id, row in zip(ids, rows, strict=True)}
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_run_leaves_each_task_one_result_from_its_last_run(
+        acceptance: Acceptance, caller: Celery, db_url: str, engine: Engine) -> None:
+    """Three workers share the tasks (0.2 s each); two are killed, one after the other,
+    each once it has started runs (so with tasks running: their rows come back after
+    the lease). A result stored apart from its ack could survive a kill whose row then
+    runs again: here the run that stored a task's result is its last run."""
+    acceptance.configure(visibility_timeout=LEASE)
+    keys = [f"k{n:03d}" for n in range(TASKS)]
+    sent = {key: caller.send_task("acc.run_late", args=(key, 0.2)) for key in keys}
+    *victims, last = acceptance.workers(WORKERS, "prefork", 2, **results_conf(db_url))
+    for victim in victims:
+        wait_until(lambda name=victim.name: acceptance.runs.started_on(name) >= 2, 30,
+                   f"runs to start on {victim.name}", alive=[victim])
+        victim.kill()
+    tokens = {key: result.get(timeout=RESULT_LIMIT) for key, result in sent.items()}
+    assert last.stop() == 0, last.tail()
+    assert "settled rows had already left this process" in last.output()
+
+    stored = result_rows(acceptance, engine)
+    assert {stored[sent[key].id] for key in keys} == {("SUCCESS", 1)}
+    ran_again = {}
+    for key in keys:
+        order = [record["token"] for record in acceptance.runs.records(key)]
+        assert tokens[key] in order, f"{key}: its result names no run of it"
+        if order[-1] != tokens[key]:
+            ran_again[key] = order
+    assert not ran_again, f"tasks that ran again after their result was stored: {ran_again}"
+    assert sum(acceptance.runs.starts().values()) > TASKS, "no kill landed mid-run"
+    assert acceptance.rows() == 0
+
+
+@pytest.mark.slow
+def test_a_delivery_whose_row_was_claimed_again_stores_no_result_and_counts_nothing(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """The first worker's main process is stopped while its pool process runs the task
+    (the header of a chord): nothing extends the lease, and a second worker claims the
+    row again. Both runs end; only the second delivery's result is stored and counted:
+    the body runs once with it, its error callback never."""
+    acceptance.configure(visibility_timeout=LEASE)
+    body = chord([caller.signature("acc.run_late", args=("held",), kwargs={"hold": True})])(
+        caller.signature("acc.collect").on_error(caller.signature("acc.errback")))
+    result = body.parent.results[0]
+    first = acceptance.worker("prefork", 1, name="first", **results_conf(db_url))
+    wait_until(lambda: acceptance.runs.starts()["held"] >= 1, 30, "the first run",
+               alive=[first])
+    os.kill(first.popen.pid, signal.SIGSTOP)
+    second = acceptance.worker("prefork", 1, name="second", **results_conf(db_url))
+    wait_until(lambda: acceptance.runs.starts()["held"] >= 2, 30,
+               "the row to be claimed again", alive=[second])
+    acceptance.runs.release("held")
+    token = result.get(timeout=RESULT_LIMIT)
+    wait_until(lambda: "is no longer this delivery's; its SUCCESS is not stored"
+               in first.output(), 30, "the first delivery's write to be refused")
+    wait_until(lambda: f"Task acc.run_late[{result.id}] succeeded" in first.output(), 30,
+               "the first delivery's end (its chord part returned)")
+    first_run, second_run = acceptance.runs.records("held")
+    assert result.worker.startswith("second@")
+    assert acceptance.runs.done()["held"] == 2
+    assert token == second_run["token"] != first_run["token"]
+    assert body.get(timeout=RESULT_LIMIT) == [token]
+    wait_until(lambda: acceptance.rows() == 0, 30, "the body's row to be done")
+    assert acceptance.runs.starts()["body"] == 1
+    assert acceptance.runs.starts()["errback"] == 0
+
+
+def test_a_transactional_tasks_result_commits_with_its_writes(
+        acceptance: Acceptance, caller: Celery, db_url: str, engine: Engine) -> None:
+    """A result too large fails inside the task's transaction: its insert rolls back, and
+    the failure is stored instead."""
+    marks = engine.dialect.identifier_preparer.quote(acceptance.table_prefix + tasks.MARKS)
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {marks} (mark VARCHAR(64) NOT NULL)"))
+    acceptance.worker("prefork", 1, **results_conf(db_url))
+    assert caller.send_task("acc.marked", args=("small", 10)).get(
+        timeout=RESULT_LIMIT) == "x" * 10
+    too_large = caller.send_task("acc.marked", args=("large", 2 * MAX_RESULT_BYTES))
+    with pytest.raises(Exception, match="more than the result table") as refused:
+        too_large.get(timeout=RESULT_LIMIT)
+    assert type(refused.value).__name__ == "ResultTooLarge"
+    with engine.connect() as conn:
+        assert [row[0] for row in conn.execute(text(f"SELECT mark FROM {marks}"))] == ["small"]
+    assert acceptance.rows() == 0
+
+
+def test_a_failure_the_worker_rejects_is_stored_and_its_row_dead_lettered(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """A ``Reject`` and a failure of a task that does not acknowledge failures: the
+    worker rejects their rows, so their results do not complete them; both are stored
+    as failures and both rows reach the dead-letter queue."""
+    acceptance.configure(dead_letter_queue="dead")
+    acceptance.declare("dead")
+    acceptance.worker("prefork", 1, **results_conf(db_url))
+    failed = [caller.send_task("acc.rejected", args=("no",)),
+              caller.send_task("acc.fail_rejected", args=("card declined",))]
+    for result in failed:
+        with pytest.raises(Exception, match=r"no|card declined"):
+            result.get(timeout=RESULT_LIMIT)
+        assert result.state == "FAILURE"
+    wait_until(lambda: acceptance.rows("dead") == 2, 30, "both rows to be dead-lettered")
+    assert acceptance.rows() == 0
