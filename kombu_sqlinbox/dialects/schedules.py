@@ -138,7 +138,7 @@ class ScheduleFamily(DriverFamily):
             set_enabled=sql(f"UPDATE {schedules} SET enabled = :enabled WHERE name = :name"),
             remove=(sql(f"DELETE FROM {schedules} WHERE name = :name"),
                     sql(f"DELETE FROM {ticks} WHERE name = :name")),
-            due=sql(f"SELECT {columns}, {now} AS now FROM {schedules} WHERE enabled = 1 "
+            due=sql(f"SELECT {columns}, {now} AS now FROM {schedules} AS r WHERE enabled = 1 "
                     f"AND next_run_at <= {now} ORDER BY next_run_at {self.lock_clause}"),
             claim=sql(self.insert_new(ticks, "name, due, sent_at, task_id",
                                       f":name, :due, {now}, :task_id", "name, due")),
