@@ -14,6 +14,7 @@ share.
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from .schedule_times import (
 
 __all__ = ["DatabaseScheduler", "Schedule", "Schedules", "Tick"]
 
+logger = logging.getLogger(__name__)
 #: how long sent ticks are kept (seconds): far longer than any race for one lasts
 TICK_RETENTION = 86_400.0
 #: how often a scheduler deletes ticks older than that (seconds)
@@ -288,14 +290,23 @@ class DatabaseScheduler(Scheduler):
         self.store.load(self.app.conf.beat_schedule or {})
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
-        """Send what is due; returns how long to sleep until the next due schedule."""
+        """Send what is due; returns how long to sleep until the next due schedule. A
+        database that fails is logged and tried again after the longest sleep: beat keeps
+        running through a restart, and a tick whose commit went unanswered is never sent
+        twice (its tick row is there, or neither it nor its task)."""
         assert self.store is not None
-        self.store.run_due()
-        now = self.store.now()
-        if now - self._pruned_at > PRUNE_EVERY:
-            self.store.prune()
-            self._pruned_at = now
-        wait = self.store.wait()
+        try:
+            for name in self.store.run_due():
+                logger.info("Scheduler: sent due task %s", name)
+            now = self.store.now()
+            if now - self._pruned_at > PRUNE_EVERY:
+                self.store.prune()
+                self._pruned_at = now
+            wait = self.store.wait()
+        except DBAPIError as exc:
+            logger.error("Scheduler: the database failed (%s); trying again in %ss",
+                         exc.orig, self.max_interval)
+            return self.max_interval
         return self.max_interval if wait is None else min(wait, self.max_interval)
 
     @property
