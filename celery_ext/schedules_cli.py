@@ -14,7 +14,6 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from kombu_sqlinbox.database import open_database
 from kombu_sqlinbox.errors import ConfigurationError
-from kombu_sqlinbox.operations import _plain_url
 from kombu_sqlinbox.options import parse_options
 
 from .beat import Schedules
@@ -27,14 +26,13 @@ from .schedule_times import DEFAULT_GRACE, MISFIRE, ScheduleError, parse
 def _schedules(ctx: click.Context) -> Iterator[Schedules]:
     """The schedules of ``--url`` (and ``--transport-options``), else of the app."""
     obj = ctx.obj
-    url = obj.url
+    url, raw = obj.url, obj.transport_options
+    if raw is None and obj.app is not None:
+        raw = obj.app.conf.broker_transport_options
     try:
         if url is not None:
-            options = parse_options(obj.transport_options if obj.transport_options is not None
-                                    else getattr(obj.app, "conf", {}).get(
-                                        "broker_transport_options"))
-            made = Schedules(open_database(_plain_url(url), options), options.table_prefix,
-                             obj.app)
+            options = parse_options(raw)
+            made = Schedules(open_database(url, options), options.table_prefix, obj.app)
         elif obj.app is not None:
             made = Schedules.for_app(obj.app)
         else:
@@ -48,7 +46,7 @@ def _schedules(ctx: click.Context) -> Iterator[Schedules]:
     except (OperationalError, InterfaceError) as exc:
         if obj.traceback:
             raise
-        raise database_failed(str(made.database.engine.url.render_as_string(False)),
+        raise database_failed(url or made.database.engine.url.render_as_string(False),
                               exc) from None
     finally:
         made.close()

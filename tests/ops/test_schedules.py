@@ -5,13 +5,14 @@ tables printed by ``ddl`` and planned by ``check`` on every database."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from tests.integration.support import quoted
-from tests.ops.conftest import Cli
+from tests.ops.conftest import CLI_LIMIT, SQLINBOX, Cli
 
 from .test_schema import statements
 
@@ -45,12 +46,18 @@ def test_schedules_are_added_listed_paused_resumed_and_removed(cli: Cli) -> None
 
 @ONE_DATABASE
 def test_a_bad_schedule_or_argument_is_a_usage_error(cli: Cli) -> None:
-    for args, said in (
-            (["every:x"], "'every:x'"), (["hourly"], "give every:SECONDS"),
-            (["every:5", "--args", "{"], "not JSON"),
-            (["every:5", "--kwargs", "[1]"], "a JSON dict is needed")):
+    for args, said in ((["hourly"], "give every:SECONDS"),
+                       (["every:5", "--kwargs", "[1]"], "a JSON dict is needed")):
         done = cli("schedules", "add", "bad", "ops.add", *args, check=False)
         assert done.returncode == 2 and said in done.stderr, (args, done.stderr)
+    nowhere = subprocess.run([SQLINBOX, "schedules", "list"], capture_output=True, text=True,
+                             timeout=CLI_LIMIT)
+    assert nowhere.returncode == 2 and "pass --url URL, or -A proj" in nowhere.stderr
+    down = cli("schedules", "list", url="postgresql://app:secret@127.0.0.1:1/app",
+               standalone=True, check=False)
+    assert down.returncode == 1, down.stderr
+    (line,) = down.stderr.strip().splitlines()
+    assert line.startswith("Error: the database postgresql://app:***@127.0.0.1:1/app failed:")
 
 
 def test_ddl_prints_the_schedule_tables_and_check_plans_their_statements(
