@@ -35,7 +35,6 @@ from kombu_sqlinbox.urls import client_url, masked
 from .binding import bind
 from .schedule_times import (
     DEFAULT_GRACE,
-    Decision,
     check_misfire,
     decide,
     decode,
@@ -229,17 +228,19 @@ class Schedules:
     def run_due(self) -> list[str]:
         """One tick: in one transaction, each enabled schedule due is claimed (its tick
         row), its task sent into the same transaction, and moved to its next run. Returns
-        the names sent; a schedule another scheduler holds or claimed is left to it."""
+        the names sent; a schedule another scheduler holds is left to it, a tick it
+        claimed is not sent again."""
         def work(conn: Connection) -> list[str]:
             sent = []
             for row in conn.execute(self.sql.due).all():
                 found = self._schedule(row)
                 decision = decide(found.schedule, found.next_run_at, float(row.now),
                                   found.misfire, found.grace)
-                if decision.send and not self._send(conn, found):
-                    continue  # claimed by another scheduler, which moves it on
-                self._advance(conn, found, decision)
-                if decision.send:
+                sends = decision.send and self._send(conn, found)
+                # a tick another scheduler claimed is its to count; moving the schedule
+                # on is ours too (a no-op once the claimer has)
+                self._advance(conn, found, decision.next_run_at, sends)
+                if sends:
                     sent.append(found.name)
             return sent
 
@@ -256,10 +257,10 @@ class Schedules:
                                **found.options)
         return True
 
-    def _advance(self, conn: Connection, found: Schedule, decision: Decision) -> None:
+    def _advance(self, conn: Connection, found: Schedule, next_run_at: float,
+                 sent: bool) -> None:
         conn.execute(self.sql.advance, {"name": found.name, "due": found.next_run_at,
-                                        "next_run_at": decision.next_run_at,
-                                        "sent": int(decision.send)})
+                                        "next_run_at": next_run_at, "sent": int(sent)})
 
     def wait(self) -> float | None:
         """Seconds until the next enabled schedule is due (None: none is enabled)."""

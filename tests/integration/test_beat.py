@@ -97,6 +97,20 @@ def test_a_scheduler_killed_mid_tick_sent_nothing_and_the_tick_runs_once(
     assert [t.due for t in store.ticks("nightly")] == [due]
 
 
+def test_a_tick_already_claimed_is_not_sent_again_and_the_schedule_moves_on(
+        store: Schedules, broker_url: str, table_prefix: str) -> None:
+    due = store.add("ping", "beat.ping", 0.2).next_run_at
+    # another scheduler's claim of the tick, committed
+    store.database.run(lambda conn: conn.execute(
+        store.sql.claim, {"name": "ping", "due": due, "task_id": "theirs"}))
+    wait_until(lambda: store.now() > due, 10, "the schedule to fall due")
+    assert store.run_due() == []
+    assert sent_ids(broker_url, table_prefix) == []
+    found = store.get("ping")
+    assert found is not None and found.next_run_at > due and found.total_run_count == 0
+    assert [(t.due, t.task_id) for t in store.ticks("ping")] == [(due, "theirs")]
+
+
 @pytest.mark.parametrize("misfire, sent", [("skip", []), ("catch_up", ["late"])])
 def test_a_missed_tick_follows_its_misfire_policy(
         pinned: tuple[Schedules, clock.Clock], broker_url: str, table_prefix: str,
