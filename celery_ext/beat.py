@@ -247,14 +247,24 @@ class Schedules:
         return list(self._run(work))
 
     def _send(self, conn: Connection, found: Schedule) -> bool:
-        """Claim the tick and send its task in ``conn``'s transaction (False: taken)."""
+        """Claim the tick and send its task in ``conn``'s transaction (False: taken, or
+        the task could not be sent: logged, and the tick skipped rather than tried at
+        every tick, the other schedules' sends kept)."""
         task_id = str(uuid.uuid4())
         claim = {"name": found.name, "due": found.next_run_at, "task_id": task_id}
-        if not conn.execute(self.sql.claim, claim).rowcount:
+        try:
+            with conn.begin_nested():
+                if not conn.execute(self.sql.claim, claim).rowcount:
+                    return False
+                with bind(conn):
+                    self.app.send_task(found.task, found.args, found.kwargs,
+                                       task_id=task_id, **found.options)
+        except DBAPIError:
+            raise  # the database's failure: the whole tick's
+        except Exception:
+            logger.exception("Scheduler: schedule %s: its task %s could not be sent; this "
+                             "tick is skipped", found.name, found.task)
             return False
-        with bind(conn):
-            self.app.send_task(found.task, found.args, found.kwargs, task_id=task_id,
-                               **found.options)
         return True
 
     def _advance(self, conn: Connection, found: Schedule, next_run_at: float,

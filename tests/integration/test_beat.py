@@ -111,6 +111,20 @@ def test_a_tick_already_claimed_is_not_sent_again_and_the_schedule_moves_on(
     assert [(t.due, t.task_id) for t in store.ticks("ping")] == [(due, "theirs")]
 
 
+def test_a_task_that_cannot_be_sent_is_logged_and_its_tick_skipped(
+        store: Schedules, broker_url: str, table_prefix: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    broken = store.add("broken", "beat.broken", 0.2, options={"serializer": "nope"})
+    store.add("good", "beat.good", 0.2)
+    wait_until(lambda: store.now() > broken.next_run_at + 0.2, 10, "both to fall due")
+    assert store.run_due() == ["good"]
+    assert "schedule broken: its task beat.broken could not be sent" in caplog.text
+    assert len(sent_ids(broker_url, table_prefix)) == 1
+    after = store.get("broken")
+    assert after is not None and after.next_run_at > broken.next_run_at
+    assert after.total_run_count == 0 and store.ticks("broken") == []
+
+
 @pytest.mark.parametrize("misfire, sent", [("skip", []), ("catch_up", ["late"])])
 def test_a_missed_tick_follows_its_misfire_policy(
         pinned: tuple[Schedules, clock.Clock], broker_url: str, table_prefix: str,
