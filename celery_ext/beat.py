@@ -1,7 +1,7 @@
 """Celery beat's schedule in the service's database, safe with a scheduler on every worker.
 
 ``celery -A proj beat -S celery_ext.beat:DatabaseScheduler`` (or ``celery -A proj worker
--B -S celery_ext.beat:DatabaseScheduler`` on each worker) reads its schedules from the
+-B --scheduler celery_ext.beat:DatabaseScheduler`` on each worker) reads its schedules from the
 ``<prefix>schedules`` table on the broker's database. Each due tick is claimed by a row
 keyed by (schedule, due time) in ``<prefix>schedule_ticks``, written in the same
 transaction as the task's queue row: schedulers racing for a tick cannot both send it, and

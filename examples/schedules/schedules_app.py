@@ -1,5 +1,6 @@
 """The schedules guide's example (docs/schedules.rst): periodic tasks kept in the database,
-a scheduler in every worker (``celery -A schedules_app worker -B``), each tick sent once.
+a scheduler in every worker (``celery -A schedules_app worker -B --scheduler
+celery_ext.beat:DatabaseScheduler``), each tick sent once.
 
 ``SCHEDULES_DATABASE_URL`` names the database; ``heartbeat`` appends its task id to the
 file ``SCHEDULES_LOG`` names, so that each tick can be counted.
@@ -18,8 +19,6 @@ LOG = os.environ.get("SCHEDULES_LOG", "heartbeats.log")
 
 app = Celery("schedules_app", broker="sqlinbox+" + DATABASE_URL)
 app.conf.broker_transport_options = {"table_prefix": "schedules_", "polling_interval": 0.1}
-# every worker started with -B runs this scheduler; they share the schedule table
-app.conf.beat_scheduler = "celery_ext.beat:DatabaseScheduler"
 app.conf.beat_schedule = {
     "heartbeat": {"task": "schedules_app.heartbeat", "schedule": 1.0},
     "nightly-report": {"task": "schedules_app.report", "schedule": crontab(minute=0, hour=3),

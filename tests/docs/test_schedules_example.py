@@ -60,7 +60,7 @@ def test_two_workers_with_beat_send_each_tick_once(db_url: str, processes: Proce
            "PYTHONPATH": str(EXAMPLES / "schedules")}
     engine = create_engine(db_url)
     workers = processes.workers("schedules_app", ["w1", "w2"], env, pool="solo",
-                                args=["-B", "-S", SCHEDULER])
+                                args=["-B", "--scheduler", SCHEDULER])
     wait_until(lambda: len(sent_ticks(engine)) >= 6, 30, "six heartbeat ticks",
                alive=workers)
     listed = sqlinbox(env, "list")
