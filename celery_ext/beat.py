@@ -339,5 +339,6 @@ class DatabaseScheduler(Scheduler):
 
     @property
     def info(self) -> str:
-        assert self.store is not None
-        return f"    . db -> {self.store.sql.names[0]}"
+        """What ``celery beat`` prints at start (before the scheduler set up its store)."""
+        prefix = parse_options(self.app.conf.broker_transport_options).table_prefix
+        return f"    . schedules -> table {prefix}schedules of the broker's database"

@@ -12,7 +12,7 @@ from itertools import pairwise
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.engine import Engine
 
 from tests.databases import drop_tables
@@ -32,7 +32,10 @@ def example_tables(engine: Engine) -> Iterator[None]:
 
 
 def sent_ticks(engine: Engine) -> list[tuple[float, str]]:
+    """The heartbeat's ticks sent (none before a scheduler made the tables)."""
     with engine.connect() as conn:
+        if not inspect(conn).has_table(f"{PREFIX}schedule_ticks"):
+            return []
         return [(float(due), task_id) for due, task_id in conn.execute(text(
             f"SELECT due, task_id FROM {PREFIX}schedule_ticks WHERE name = 'heartbeat' "
             "ORDER BY due"))]
@@ -81,3 +84,18 @@ def test_two_workers_with_beat_send_each_tick_once(db_url: str, processes: Proce
     dues = [due for due, _ in sent_ticks(engine)]
     assert all(b - a >= 1.0 - 1e-6 for a, b in pairwise(dues)), dues
     engine.dispose()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("database", ["sqlite"], indirect=True)
+@pytest.mark.usefixtures("example_tables")
+def test_celery_beat_runs_the_scheduler_alone(db_url: str, engine: Engine,
+                                               processes: Processes, tmp_path: Path) -> None:
+    env = {"SCHEDULES_DATABASE_URL": db_url, "SCHEDULES_LOG": str(tmp_path / "log"),
+           "PYTHONPATH": str(EXAMPLES / "schedules")}
+    beat = processes.spawn("beat", [sys.executable, "-m", "celery", "-A", "schedules_app",
+                                    "beat", "-S", SCHEDULER, "-l", "info"], env)
+    wait_until(lambda: len(sent_ticks(engine)) >= 2, 30, "two heartbeat ticks",
+               alive=[beat])
+    assert f". schedules -> table {PREFIX}schedules of the broker's database" in beat.output()
+    assert "Scheduler: sent due task heartbeat" in beat.output()
