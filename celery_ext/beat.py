@@ -35,6 +35,7 @@ from kombu_sqlinbox.urls import client_url, masked
 from .binding import bind
 from .schedule_times import (
     DEFAULT_GRACE,
+    ScheduleError,
     check_misfire,
     decide,
     decode,
@@ -148,10 +149,14 @@ class Schedules:
         recomputed when its timing changed)."""
         check_misfire(misfire, grace)
         kind, spec = encode(schedule)
-        values = {"name": name, "task": task, "kind": kind, "spec": spec,
-                  "args": json.dumps(list(args)), "kwargs": json.dumps(dict(kwargs or {})),
-                  "options": json.dumps(dict(options or {})), "misfire": misfire,
-                  "grace": float(grace), "enabled": int(enabled)}
+        try:
+            stored = {"args": json.dumps(list(args)), "kwargs": json.dumps(dict(kwargs or {})),
+                      "options": json.dumps(dict(options or {}))}
+        except TypeError as exc:
+            raise ScheduleError(f"schedule {name!r}: its arguments and options are stored as "
+                                f"JSON: {exc}") from None
+        values = {"name": name, "task": task, "kind": kind, "spec": spec, **stored,
+                  "misfire": misfire, "grace": float(grace), "enabled": int(enabled)}
         timing = decode(kind, spec, self.app)
 
         def work(conn: Connection) -> None:

@@ -15,7 +15,8 @@ import pytest
 from celery import Celery
 from celery.schedules import crontab
 
-from celery_ext.beat import DatabaseScheduler, Schedules
+from celery_ext.beat import TICK_RETENTION, DatabaseScheduler, Schedules
+from celery_ext.schedule_times import ScheduleError
 from kombu_sqlinbox import clock
 from kombu_sqlinbox.database import sqlalchemy_url
 from kombu_sqlinbox.errors import ConfigurationError
@@ -123,6 +124,21 @@ def test_a_task_that_cannot_be_sent_is_logged_and_its_tick_skipped(
     after = store.get("broken")
     assert after is not None and after.next_run_at > broken.next_run_at
     assert after.total_run_count == 0 and store.ticks("broken") == []
+
+
+def test_old_ticks_are_pruned_and_arguments_json_cannot_hold_are_refused(
+        pinned: tuple[Schedules, clock.Clock]) -> None:
+    store, moment = pinned
+    store.add("ping", "beat.ping", 10.0)
+    moment.advance(10.0)
+    assert store.run_due() == ["ping"]
+    moment.advance(TICK_RETENTION - 1)
+    assert store.prune() == 0 and len(store.ticks("ping")) == 1
+    moment.advance(2.0)
+    assert store.prune() == 1 and store.ticks("ping") == []
+    with pytest.raises(ScheduleError, match="'odd': its arguments and options are stored"):
+        store.add("odd", "beat.odd", 10.0, kwargs={"when": object()})
+    assert store.get("odd") is None
 
 
 @pytest.mark.parametrize("misfire, sent", [("skip", []), ("catch_up", ["late"])])
