@@ -29,6 +29,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from kombu_sqlinbox.codec import DEATH_HEADER, DELIVERY_PROPERTIES
 from kombu_sqlinbox.dead_letters import EVERY
 from kombu_sqlinbox.dialects.results import PLAN_PARAMS as RESULT_PLAN_PARAMS
+from kombu_sqlinbox.dialects.schedules import PLAN_PARAMS as SCHEDULE_PLAN_PARAMS
 from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.operations import DeadFilter, DeadLetter, Operations
 from kombu_sqlinbox.options import parse_options
@@ -37,11 +38,13 @@ from kombu_sqlinbox.urls import client_url, masked
 from .ops_render import age_text, render_prometheus, render_text, text_table
 from .outbox_cli import database_failed, outbox, progress
 from .results import backend_options
+from .schedules_cli import schedules
 
 __all__ = ["main", "sqlinbox"]
 
 #: how ``check`` names the result tables' problems
 RESULTS = "(results)"
+SCHEDULES = "(schedules)"
 
 @contextmanager
 def operations(ctx: click.Context) -> Iterator[Operations]:
@@ -392,7 +395,7 @@ def _refuse_left(ctx: click.Context, left: dict[tuple[str, str], list[int]],
 def ddl(ctx: click.Context, names: tuple[str, ...]) -> None:
     """CREATE TABLE and CREATE INDEX for the queues named (default: every queue of the app
     and the options, with their dead-letter queues, the routing tables and the result
-    backend's tables), for the database of the URL."""
+    backend's and the scheduler's tables), for the database of the URL."""
     with operations(ctx) as ops:
         chosen = names or ops.names
         for name in chosen:
@@ -407,6 +410,9 @@ def ddl(ctx: click.Context, names: tuple[str, ...]) -> None:
                 result_settings(ctx.obj.app, ops.broker.options.table_prefix)[0])
             click.echo("-- result tables (result_backend = 'sqlinbox+...')")
             click.echo(";\n".join(results.ddl) + ";")
+            timed = ops.dialect.schedule_statements(ops.broker.options.table_prefix)
+            click.echo("-- schedule tables (celery beat -S celery_ext.beat:DatabaseScheduler)")
+            click.echo(";\n".join(timed.ddl) + ";")
 
 
 def result_settings(app: Any, table_prefix: str) -> tuple[str, bool]:
@@ -421,9 +427,10 @@ def result_settings(app: Any, table_prefix: str) -> tuple[str, bool]:
 @sqlinbox.command(cls=CeleryCommand)
 @click.pass_context
 def check(ctx: click.Context) -> None:
-    """Plan every statement the transport runs on each queue (and the result backend on
-    its tables) against the live schema (nothing is run): missing tables or columns,
-    wrong types, a claim that does not use its index. Exits 1 on any problem."""
+    """Plan every statement the transport runs on each queue (and the result backend and
+    the scheduler on their tables) against the live schema (nothing is run): missing
+    tables or columns, wrong types, a claim that does not use its index. Exits 1 on any
+    problem."""
     with operations(ctx) as ops:
         planned, problems = ops.check()
         count = len(ops.queues())
@@ -431,6 +438,10 @@ def check(ctx: click.Context) -> None:
         results = ops.dialect.result_statements(prefix)
         more, found = ops.tables_check(RESULTS, "result", results, RESULT_PLAN_PARAMS, create,
                                        "no task's result can be stored")
+        planned, problems = planned + more, problems + found
+        timed = ops.dialect.schedule_statements(ops.broker.options.table_prefix)
+        more, found = ops.tables_check(SCHEDULES, "schedule", timed, SCHEDULE_PLAN_PARAMS,
+                                       True, "no schedule can run")
         planned, problems = planned + more, problems + found
     for problem in problems:
         click.echo(f"PROBLEM {problem.queue} ({problem.table}): {problem.what}")
@@ -440,6 +451,7 @@ def check(ctx: click.Context) -> None:
 
 
 sqlinbox.add_command(outbox)
+sqlinbox.add_command(schedules)
 
 
 @click.group(name="sqlinbox", help=sqlinbox.help)

@@ -1,12 +1,16 @@
-"""How the ``sqlinbox`` commands print queue figures: a plain text table, or Prometheus's
-text exposition (``queues --format prometheus``)."""
+"""How the ``sqlinbox`` commands print queue figures (a plain text table, or Prometheus's
+text exposition: ``queues --format prometheus``) and the scheduler's schedules."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kombu_sqlinbox.operations import QueueFigures
+
+if TYPE_CHECKING:
+    from .beat import Schedule
 
 #: Prometheus metric names and help, by figure
 METRICS = {
@@ -75,3 +79,33 @@ def render_prometheus(figures: Sequence[QueueFigures]) -> str:
                 labels += f',dead_letter_queue="{_label(str(found.dead_letter_queue))}"'
             lines.append(f"{name}{{{labels}}} {value}")
     return "\n".join(lines) + "\n"
+
+
+def timing_text(kind: str, spec: str) -> str:
+    """A stored schedule's timing as ``schedules add`` takes it."""
+    fields = json.loads(spec)
+    if kind == "interval":
+        return f"every:{fields['every']:g}"
+    if kind == "crontab":
+        return "crontab:" + " ".join(str(value) for value in fields.values())
+    return f"{kind}:" + ":".join(str(value) for value in fields.values())
+
+
+def schedule_record(found: Schedule) -> dict[str, Any]:
+    """A schedule as ``schedules list --json`` prints it (times epoch seconds)."""
+    return {"name": found.name, "task": found.task,
+            "schedule": timing_text(found.kind, found.spec), "args": found.args,
+            "kwargs": found.kwargs, "options": found.options, "misfire": found.misfire,
+            "grace": found.grace, "enabled": found.enabled, "last_run_at": found.last_run_at,
+            "next_run_at": found.next_run_at, "total_run_count": found.total_run_count}
+
+
+def render_schedules(found: Sequence[Schedule], now: float) -> str:
+    """The schedules as a text table: last run ago, next run in, by the database's clock."""
+    return text_table(
+        ("name", "task", "schedule", "state", "misfire", "last run", "next run", "runs"),
+        [(each.name, each.task, timing_text(each.kind, each.spec),
+          "enabled" if each.enabled else "paused", each.misfire,
+          "-" if each.last_run_at is None else f"{now - each.last_run_at:.1f}s ago",
+          f"in {max(each.next_run_at - now, 0):.1f}s", each.total_run_count)
+         for each in found], align="<<<<<>>>")

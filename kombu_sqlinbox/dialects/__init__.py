@@ -17,6 +17,7 @@ from .base import (
     ResultStatements,
     RoutingStatements,
     RowsInsert,
+    ScheduleStatements,
     Statements,
     Tokens,
     plain_payload,
@@ -27,7 +28,8 @@ from .sqlite import SQLiteDialect
 
 __all__ = [
     "SPELLINGS", "Capabilities", "ClaimedRow", "Dialect", "MySQLDialect", "PostgreSQLDialect",
-    "ResultStatements", "RoutingStatements", "RowsInsert", "SQLiteDialect", "Statements",
+    "ResultStatements", "RoutingStatements", "RowsInsert", "SQLiteDialect",
+    "ScheduleStatements", "Statements",
     "Tokens", "dialect_class", "dialect_for", "plain_payload", "register", "url_schemes",
 ]
 

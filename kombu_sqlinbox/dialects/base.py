@@ -16,6 +16,7 @@ family, only what differs there:
 * :mod:`.routing`: bindings, the queue registry, transient queues;
 * :mod:`.outbox`: the transactional outbox's statements;
 * :mod:`.results`: the result tables' statements (Celery's result backend);
+* :mod:`.schedules`: the schedule tables' statements (the beat scheduler);
 * :mod:`.wakeups`: wake-ups and advisory key locks.
 
 A service adds a database by subclassing :class:`Dialect` and registering it
@@ -34,17 +35,18 @@ from .publish import RowsInsert
 from .queue import CANDIDATES, FLOOR_MARGIN, QueueFamily, Statements, Tokens
 from .results import ResultFamily, ResultStatements
 from .routing import RoutingFamily, RoutingStatements
+from .schedules import ScheduleFamily, ScheduleStatements
 from .selection import FLOOR_REFRESH, FLOOR_STEP
 from .wakeups import WakeupFamily, no_wakeups
 
 __all__ = [
     "CANDIDATES", "FLOOR_MARGIN", "FLOOR_REFRESH", "FLOOR_STEP", "Capabilities", "ClaimedRow",
-    "Dialect", "DriverSql", "ResultStatements", "RoutingStatements", "RowsInsert", "Statements",
-    "Tokens",
+    "Dialect", "DriverSql", "ResultStatements", "RoutingStatements", "RowsInsert",
+    "ScheduleStatements", "Statements", "Tokens",
     "json_text", "no_wakeups", "plain_payload",
 ]
 
 
 class Dialect(QueueFamily, OperationsFamily, RoutingFamily, OutboxFamily, ResultFamily,
-              WakeupFamily):
+              ScheduleFamily, WakeupFamily):
     """Base of the per-database dialects. Subclasses supply the SQL text."""

@@ -339,6 +339,15 @@ class MySQLDialect(Dialect):
                 "ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
                 for table, index in zip(made[::2], made[1::2], strict=True)]
 
+    # -- schedules: the schedule tables (celery_ext.beat) ---------------------------------
+    schedule_time_type = "DOUBLE"
+    schedule_table_suffix = " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
+
+    def insert_new(self, table: str, columns: str, values: str, key: str) -> str:
+        """INSERT IGNORE: a taken key writes nothing and counts no row (ON DUPLICATE KEY
+        UPDATE would count one, the driver reporting rows found)."""
+        return f"INSERT IGNORE INTO {table} ({columns}) VALUES ({values})"
+
     # -- outbox: the outbox's statements (celery_ext.outbox) -------------------------------
     outbox_column_types = {
         "id": "VARCHAR(64) NOT NULL",

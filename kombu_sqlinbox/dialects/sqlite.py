@@ -277,6 +277,9 @@ class SQLiteDialect(Dialect):
     # -- results: the result tables (celery_ext.results) ----------------------------------
     result_time_type = "REAL"
 
+    # -- schedules: the schedule tables (celery_ext.beat) ---------------------------------
+    schedule_time_type = "REAL"
+
     # -- outbox: the outbox's statements (celery_ext.outbox) -------------------------------
     outbox_column_types = {
         "id": "TEXT NOT NULL",

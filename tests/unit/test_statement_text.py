@@ -152,6 +152,12 @@ def result_statements(dialect: Dialect) -> Iterator[tuple[str, Any]]:
     yield "result_limit", dialect.result_limit()
 
 
+def schedule_statements(dialect: Dialect) -> Iterator[tuple[str, Any]]:
+    schedules = dialect.schedule_statements("sqlinbox_")
+    for field in dataclasses.fields(schedules):
+        yield f"schedules.{field.name}", getattr(schedules, field.name)
+
+
 def settings(dialect: Dialect) -> Iterator[tuple[str, Any]]:
     """The class-level values a dialect's statements and sessions are built from."""
     for name in ("now", "pinned_now", "eta_value", "capabilities", "lock_clause",
@@ -202,7 +208,7 @@ def render(database: str) -> str:
             found += [(f"{name}: {what}", item)
                       for what, item in table_statements(dialect, drivers, spec)]
         found += [*outbox_statements(dialect), *routing_statements(dialect),
-                  *result_statements(dialect)]
+                  *result_statements(dialect), *schedule_statements(dialect)]
         sections += [f"## {variant} | {what}\n{value(item)}\n" for what, item in found]
     return "\n".join(sections)
 
