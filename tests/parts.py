@@ -33,8 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 #: set for a part that runs beside others: a test must not take a server away
 SHARED_ENV = "SQLINBOX_TEST_SHARED_MACHINE"
 #: the parts that run side by side, the longest first so the short ones fill in behind
-SHARED = ("acceptance", "ordering", "transactional", "ops", "remote", "postgresql", "mysql",
-          "outbox", "sqlite", "drivers", "frameworks", "docs", "package", "type", "unit")
+SHARED = ("acceptance", "ops", "remote", "ordering", "results", "startup", "postgresql",
+          "mysql", "drivers", "transactional", "frameworks", "outbox", "docs", "sqlite",
+          "package", "type", "unit")
 #: the parts that must have the machine to themselves (they restart a database server)
 EXCLUSIVE = ("restart",)
 #: parts at once: the waits overlap, while a fourth part mostly slows the others down
