@@ -8,9 +8,10 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
@@ -18,10 +19,9 @@ from sqlalchemy.exc import DBAPIError
 from .database import Database
 from .own_session import OwnSession
 from .retries import Failing, isolated, next_backoff
-from .rows import ClaimedRow, Held, QueueTable, Settlement
+from .rows import ClaimedRow, Group, Held, Queued, QueueTable, Settlement, grouped
 
-#: the keeper's records keep the logger they had beside the claim forms: the docs name it,
-#: and operators' logging settings select it
+#: the logger of the claim forms: the docs name it, operators' settings select it
 logger = logging.getLogger("kombu_sqlinbox.claims")
 T = TypeVar("T")
 
@@ -47,21 +47,6 @@ SETTLE_GATHER = 0.005
 SETTLE_ACTIVE = 0.1
 
 
-class Queued(NamedTuple):
-    """A settlement waiting to be written; ``seq`` orders it for :meth:`LeaseKeeper.flush`.
-    A tuple: one is made per ack, and a frozen dataclass costs several times as much."""
-
-    seq: int
-    how: Settlement
-    held: Held
-    delay: float
-    at: float  # when it was queued (monotonic)
-
-
-#: settlements written together: one queue's acks, or its requeues, ...
-Group = tuple[QueueTable, Settlement]
-
-
 #: a claim that also completes the rows ``ids`` held at ``attempt``: how many it
 #: completed, and the rows it claimed (:meth:`.Dialect.complete_and_claim`)
 Completing = Callable[[Connection, int, list[int]], tuple[int, list[ClaimedRow]]]
@@ -75,14 +60,6 @@ def _acks_of(batch: Sequence[Queued], table: QueueTable) -> tuple[int, list[int]
                                  or queued.how is not Settlement.COMPLETE for queued in batch):
         return None
     return attempts.pop(), [queued.held.id for queued in batch]
-
-
-def grouped(batch: Iterable[Queued]) -> dict[Group, list[Queued]]:
-    """Settlements by group, each group in queue order."""
-    groups: dict[Group, list[Queued]] = defaultdict(list)
-    for queued in batch:
-        groups[(queued.held.table, queued.how)].append(queued)
-    return groups
 
 
 class LeaseKeeper:
@@ -104,6 +81,13 @@ class LeaseKeeper:
         self.dialect = database.dialect
         self.wake = wake
         self._own = OwnSession(database) if database.dialect.relaxed_session else None
+        self._begin()
+        _KEEPERS.add(self)
+
+    def _begin(self) -> None:
+        """This process's state, begun again in a forked child: it has none of the parent's
+        threads, its copy of their lock may be held for ever, and the parent settles and
+        extends what it holds."""
         self._lock = threading.Lock()
         self._written = threading.Condition(self._lock)  # settlements left the queue
         self._held: dict[QueueTable, dict[int, int]] = defaultdict(dict)
@@ -116,9 +100,8 @@ class LeaseKeeper:
         self._hurry = threading.Event()
         self._extend_wake = threading.Event()
         self._stopped = False
-        #: the running threads by name (each takes itself out as it ends), of process _pid
+        #: the running threads by name (each takes itself out as it ends)
         self._threads: dict[str, threading.Thread] = {}
-        self._pid = os.getpid()
         #: the settling thread waits for ``_settle_wake`` (or may be about to) with no
         #: timeout: a settlement queued meanwhile sets it; one queued while it gathers,
         #: writes or looks every SETTLE_GATHER (settlements came in the last
@@ -201,12 +184,9 @@ class LeaseKeeper:
     # -- the threads --------------------------------------------------------
     def _ensure_threads(self) -> None:
         """Start the settling and the extending thread where not running (call locked; once
-        per ack, so the usual case is one comparison). A forked child has none of its
-        parent's threads."""
-        if len(self._threads) == 2 and self._pid == os.getpid():
+        per ack, so the usual case is one comparison)."""
+        if len(self._threads) == 2:
             return
-        if self._pid != os.getpid():
-            self._pid, self._threads = os.getpid(), {}
         for name, target in (("settler", self._settle_loop), ("extender", self._extend_loop)):
             if name not in self._threads:
                 self._stopped = False
@@ -494,3 +474,15 @@ class LeaseKeeper:
             return
         logger.warning("sqlinbox lease keeper: extending %d leases of queue %r failed (%s); "
                        "retrying soon", len(rows), table.queue, exc)
+
+
+#: every keeper of this process, begun again in a forked child
+_KEEPERS: weakref.WeakSet[LeaseKeeper] = weakref.WeakSet()
+
+
+def _begin_after_fork() -> None:
+    for keeper in list(_KEEPERS):
+        keeper._begin()
+
+
+os.register_at_fork(after_in_child=_begin_after_fork)

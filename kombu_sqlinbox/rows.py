@@ -6,6 +6,7 @@ broker, so each of those can be built and tested on its own.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -98,3 +99,26 @@ class Held:
     id: int
     attempt: int
     key: str | None = None
+
+
+class Queued(NamedTuple):
+    """A settlement waiting to be written; ``seq`` orders it for :meth:`.LeaseKeeper.flush`.
+    A tuple: one is made per ack, and a frozen dataclass costs several times as much."""
+
+    seq: int
+    how: Settlement
+    held: Held
+    delay: float
+    at: float  # when it was queued (monotonic)
+
+
+#: settlements written together: one queue's acks, or its requeues, ...
+Group = tuple[QueueTable, Settlement]
+
+
+def grouped(batch: Iterable[Queued]) -> dict[Group, list[Queued]]:
+    """Settlements by group, each group in queue order."""
+    groups: dict[Group, list[Queued]] = defaultdict(list)
+    for queued in batch:
+        groups[(queued.held.table, queued.how)].append(queued)
+    return groups

@@ -183,6 +183,44 @@ def test_a_keeper_used_in_a_forked_child_starts_threads_of_its_own(
     assert rows(engine, spec.table) == []
 
 
+def test_a_child_forked_while_a_keeper_thread_holds_its_lock_settles_all_the_same(
+    table_prefix: str, db: Database, keeper: LeaseKeeper, engine: Engine,
+) -> None:
+    """A pool process forked while one of the parent's threads is inside the keeper (here
+    a thread holding its lock across the fork, as the settling thread does for an
+    instant every few milliseconds): the child's copy of that lock would be held for
+    ever and its first settlement hang. The child begins the keeper afresh."""
+    spec = default_table(f"{table_prefix}forklock")
+    form = LeaseClaims(db, keeper)
+    table = queue_table(db, spec, form)
+    publish(db, table, "a")
+    (row,) = form.claim(table, 1)
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with keeper._lock:
+            inside.set()
+            leave.wait(10)
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    assert inside.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            db.engine.dispose(close=False)
+            form.settle(Settlement.COMPLETE, form.held_for(table, row))
+            code = 0 if keeper.flush(timeout=10) else 2
+        finally:
+            os._exit(code)
+    leave.set()
+    holder.join(10)
+    assert exit_code_within(pid, 30) == 0, "the child's settlement hung or was not written"
+    assert rows(engine, spec.table) == []
+    assert keeper.held_count() == 1, "the parent still holds (and extends) its row"
+
+
 def test_settling_a_fifo_head_calls_the_wake_up(
     table_prefix: str, db: Database, keeper: LeaseKeeper, woken: threading.Event,
 ) -> None:
