@@ -65,7 +65,10 @@ def close_all() -> None:
 
 def _forget_after_fork() -> None:
     """A forked child must not use the parent's pooled connections or held rows, and is
-    not the worker that shuts down."""
+    not the worker that shuts down; its copy of the lock may be held for ever by a thread
+    of the parent's (the child has none of them)."""
+    global _BROKERS_LOCK
+    _BROKERS_LOCK = threading.Lock()
     _Shutdown.begun = False
     for broker in _BROKERS.values():
         broker.database.dispose(close=False)

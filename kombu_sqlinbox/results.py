@@ -386,10 +386,12 @@ def close_all() -> None:
 
 
 def _forget_after_fork() -> None:
-    """A forked child opens its own connections: the parent's stay the parent's."""
-    with _STORES_LOCK:
-        stores = list(_STORES.values())
-        _STORES.clear()
+    """A forked child opens its own connections: the parent's stay the parent's. It takes
+    a new lock: its copy may be held for ever by a thread of the parent's."""
+    global _STORES_LOCK
+    _STORES_LOCK = threading.Lock()
+    stores = list(_STORES.values())
+    _STORES.clear()
     for store in stores:
         store.database.dispose(close=False)
 

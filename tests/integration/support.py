@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -144,3 +146,16 @@ def statements_run(engine: Engine,
         yield seen
     finally:
         event.remove(engine, "before_cursor_execute", record)
+
+
+def exit_code_within(pid: int, seconds: float) -> int | None:
+    """A child's exit code, or None (and the child killed) when it has not ended in time."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)  # polling a child's exit: there is no event to wait on
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None

@@ -7,7 +7,6 @@ keeper stopped."""
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ from kombu_sqlinbox.options import QueueOptions
 from kombu_sqlinbox.rows import ClaimedRow, QueueTable, Settlement
 from tests.tcp_proxy import Proxy
 
-from .support import count_rows, rows, wait_for
+from .support import count_rows, exit_code_within, rows, wait_for
 
 
 @pytest.fixture
@@ -143,19 +142,6 @@ def test_the_keeper_extends_a_held_lease_until_the_row_settles(
     assert rows(engine, name) == []
     assert keeper.held_count() == 0
     assert not woken.is_set(), "no row waited behind this one"
-
-
-def exit_code_within(pid: int, seconds: float) -> int | None:
-    """A child's exit code, or None (and the child killed) when it has not ended in time."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)  # polling a child's exit: there is no event to wait on
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return None
 
 
 def test_a_keeper_used_in_a_forked_child_starts_threads_of_its_own(
