@@ -14,6 +14,7 @@ adaptive poll rather than a fixed half second.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
@@ -116,8 +117,10 @@ class SqlInboxBackend(BaseBackend):
 
     @property
     def store(self) -> ResultStore:
-        """The process's store for this URL and options (connected on first use)."""
-        if self._store is None:
+        """The process's store for this URL and options (connected on first use). A forked
+        child (a prefork pool process) inherits the forking thread's backend: it looks up
+        a store of its own, as the parent's lock may be held for ever by a parent's thread."""
+        if self._store is None or self._store.pid != os.getpid():
             options = self.options
             self._store = store_for(str(self.url), options["table_prefix"],
                                     options["create_tables"], options["max_result_bytes"],

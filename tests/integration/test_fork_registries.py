@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
+from celery import Celery, states
 
 from kombu_sqlinbox import brokers, results
 from kombu_sqlinbox.options import TransportOptions
@@ -74,3 +75,26 @@ def test_a_child_forked_while_a_thread_looks_up_a_result_store_opens_its_own(
     assert code == 0, "the child hung in the fork or looking up its result store"
     assert results.store_for(db_url, table_prefix) is parents
     results.close_all()
+
+
+def test_a_child_forked_while_a_thread_creates_the_result_tables_stores_results(
+        db_url: str, table_prefix: str) -> None:
+    """The backend of the forking thread passes to the child (a prefork pool process)
+    with the store it found: the parent's, whose lock a thread of the parent holds while
+    it creates the tables. The child's backend uses a store of its own."""
+    app = Celery("fork", broker="memory://", backend="sqlinbox+" + db_url,
+                 set_as_current=False)
+    app.conf.result_backend_transport_options = {"table_prefix": table_prefix}
+    backend = app.backend
+
+    def store_and_read() -> bool:
+        backend.store_result("forked", 42, states.SUCCESS)
+        return bool(backend.get_task_meta("forked")["result"] == 42)
+
+    try:
+        assert forked_exit_code(backend.store._lock, store_and_read) == 0, (
+            "the child hung storing its result")
+        assert backend.get_task_meta("forked")["result"] == 42
+    finally:
+        app.close()
+        results.close_all()
