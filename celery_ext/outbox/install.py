@@ -91,7 +91,7 @@ def beat_schedule(prune_every: float = 3600.0,
 
 
 def _forget_connections_after_fork() -> None:
-    """A forked pool process must not share the parent's pooled connections."""
+    """A forked pool process must not share the parent's pooled connections or locks."""
     for outbox in list(_INSTALLED.values()):
         outbox.store.forget_connections()
 

@@ -164,7 +164,10 @@ class RecordStore:
             self._engine.dispose()
 
     def forget_connections(self) -> None:
-        """In a forked process: drop the parent's pooled connections without closing them."""
+        """In a forked process: drop the parent's pooled connections without closing them,
+        and take a new lock (a thread of the parent, which the child has not, may hold its
+        copy for ever: the republish on start holds it while it looks at the table)."""
+        self._lock = threading.Lock()
         if self._engine is not None:
             self._engine.dispose(close=False)
 

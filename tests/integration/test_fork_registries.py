@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import pytest
 from celery import Celery, states
 
+import celery_ext
 from kombu_sqlinbox import brokers, results
 from kombu_sqlinbox.options import TransportOptions
 
@@ -98,3 +99,21 @@ def test_a_child_forked_while_a_thread_creates_the_result_tables_stores_results(
     finally:
         app.close()
         results.close_all()
+
+
+def test_a_child_forked_while_a_thread_prepares_the_outbox_records_all_the_same(
+        db_url: str, table_prefix: str) -> None:
+    """The installed outbox passes to the child (its tasks publish through it); a thread
+    of the parent (the republish on start) may hold the outbox's lock while it looks at
+    the table."""
+    app = Celery("fork", broker="memory://", set_as_current=False)
+    outbox = celery_ext.install(app, db_url, table=f"{table_prefix}outbox",
+                                republish_on_start=False)
+    try:
+        code = forked_exit_code(outbox.store._lock, lambda: bool(
+            outbox.store.prepared(outbox.engine)))
+        assert code == 0, "the child hung preparing the outbox's statements"
+    finally:
+        outbox.uninstall()
+        outbox.close()
+        app.close()
