@@ -40,6 +40,9 @@ T = TypeVar("T")
 #: a polling waiter's first wait, and how much longer each next one is
 POLL_FIRST = 0.005
 POLL_BACKOFF = 1.25
+#: waiters (each a LISTEN connection on PostgreSQL) kept open between waits: threads
+#: come and go (a web server's), the connections they waited on must not stay with them
+IDLE_WAITERS = 4
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,8 @@ class StoredResult:
 
 class ResultStore:
     """The result tables of one database and table prefix, and their waiters (one per
-    thread: a waiting thread holds its LISTEN connection or signal socket alone)."""
+    waiting thread, lent for the wait: a waiting thread holds its LISTEN connection or
+    signal socket alone; at most :data:`IDLE_WAITERS` stay open between waits)."""
 
     def __init__(self, database: Database, prefix: str, create_tables: bool = True,
                  max_bytes: int | None = None) -> None:
@@ -70,8 +74,8 @@ class ResultStore:
         self._sender = None if directory is None else LocalSignal(directory + "-results")
         self._ready = False
         self._lock = threading.Lock()
-        self._local = threading.local()
         self._waiters: list[Waiter] = []
+        self._idle: list[Waiter] = []
         self.pid = os.getpid()
 
     # -- tables --------------------------------------------------------------------------
@@ -228,8 +232,7 @@ class ResultStore:
         once ``timeout`` seconds passed without one."""
         self.ensure()
         deadline = None if timeout is None else time.monotonic() + timeout
-        waiter = self._waiter()
-        with waiter.watching(task_id):
+        with self._lent() as waiter, waiter.watching(task_id):
             while True:
                 found = ready()
                 if found is not None:
@@ -241,19 +244,33 @@ class ResultStore:
                     return None
                 waiter.wait(ceiling if left is None else min(ceiling, left))
 
-    def _waiter(self) -> Waiter:
-        waiter: Waiter | None = getattr(self._local, "waiter", None)
+    @contextlib.contextmanager
+    def _lent(self) -> Iterator[Waiter]:
+        """An idle waiter (or a new one) for one wait; given back after it, or closed
+        when :data:`IDLE_WAITERS` are idle already."""
+        with self._lock:
+            waiter = self._idle.pop() if self._idle else None
         if waiter is None:
-            waiter = self._local.waiter = Waiter(self)
+            waiter = Waiter(self)
             with self._lock:
                 self._waiters.append(waiter)
-        return waiter
+        try:
+            yield waiter
+        finally:
+            with self._lock:
+                kept = waiter in self._waiters and len(self._idle) < IDLE_WAITERS
+                if kept:
+                    self._idle.append(waiter)
+                elif waiter in self._waiters:
+                    self._waiters.remove(waiter)
+            if not kept:
+                waiter.close(self.pid == os.getpid())
 
     def close(self) -> None:
         """Close every waiter's connection and socket, and the engine's pool (the
         process's own only: a forked child leaves its parent's alone)."""
         with self._lock:
-            waiters, self._waiters = self._waiters, []
+            waiters, self._waiters, self._idle = self._waiters, [], []
         mine = self.pid == os.getpid()
         for waiter in waiters:
             waiter.close(mine)

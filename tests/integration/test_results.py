@@ -265,7 +265,7 @@ def test_a_waiter_whose_listen_connection_dies_still_gets_the_result(
 
     def end_the_listener_then_store() -> None:
         if not ended:
-            waiter = app.backend.store._local.waiter
+            (waiter,) = app.backend.store._waiters
             pid = waiter._own.driver.info.backend_pid
             with engine.begin() as conn:
                 conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
@@ -322,3 +322,32 @@ def test_with_another_broker_a_chord_runs_through_chord_unlock(
     with engine.connect() as conn:
         assert conn.execute(text(
             f"SELECT COUNT(*) FROM {quoted(engine, table_prefix + 'chords')}")).scalar_one() == 0
+
+
+@pytest.mark.databases("postgresql")
+def test_threads_that_waited_leave_at_most_a_few_listen_connections_open(
+        app: Celery, engine: Engine, table_prefix: str) -> None:
+    """A web server's threads come and go: each ``get()`` borrows a LISTEN connection
+    for its wait, and no more than IDLE_WAITERS stay open once the threads have
+    ended (one per thread ever used would run the server out of connections)."""
+    import threading
+
+    from kombu_sqlinbox.results import IDLE_WAITERS
+
+    ids = [f"w-{n}" for n in range(IDLE_WAITERS + 4)]
+    waiting = [threading.Thread(target=app.AsyncResult(task_id).get,
+                                kwargs={"timeout": 20, "interval": 0.05}) for task_id in ids]
+    for thread in waiting:
+        thread.start()
+    for task_id in ids:
+        app.backend.mark_as_done(task_id, task_id)
+    for thread in waiting:
+        thread.join(25)
+    channels = [app.backend.store.dialect.result_channel(table_prefix, task_id)
+                for task_id in ids]
+    with engine.connect() as conn:
+        sessions = [row[0] for row in conn.execute(text(
+            "SELECT query FROM pg_stat_activity WHERE query LIKE 'UNLISTEN %'"))]
+    assert not any(thread.is_alive() for thread in waiting)
+    assert sum(1 for query in sessions
+               if any(channel in query for channel in channels)) <= IDLE_WAITERS
