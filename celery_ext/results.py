@@ -34,7 +34,7 @@ from kombu_sqlinbox import binding
 from kombu_sqlinbox.broker import Broker, same_database
 from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.options import TransportOptions
-from kombu_sqlinbox.results import ResultStore, StoredResult, store_for
+from kombu_sqlinbox.results import ResultStore, StoredResult, check_id, store_for
 from kombu_sqlinbox.urls import URL_PREFIX, masked
 
 from .delivery import TransactionalTaskError, broker_of, delivered_row
@@ -131,6 +131,11 @@ class SqlInboxBackend(BaseBackend):
         return URL_PREFIX + (url if include_password else masked(url, "**"))
 
     # -- tasks ---------------------------------------------------------------------------
+    def on_task_call(self, producer: Any, task_id: str) -> None:
+        """Celery calls it as it sends a task whose result is kept: an id the result
+        tables cannot key fails the send, not the result's write in the worker."""
+        check_id(task_id)
+
     def store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,
                      request: Any = None, **kwargs: Any) -> Any:
         """Celery's, deciding first, from the outcome as raised, whether this write

@@ -30,7 +30,8 @@ from sqlalchemy.exc import DBAPIError
 
 from .database import Database
 from .dialects import ResultStatements
-from .errors import ConfigurationError, ResultTooLarge
+from .dialects.results import RESULT_ID_BYTES
+from .errors import ConfigurationError, ResultIdTooLong, ResultTooLarge
 from .own_session import OwnSession
 from .retries import Cadence
 from .wakeups import LocalSignal
@@ -111,8 +112,10 @@ class ResultStore:
 
     # -- tasks ---------------------------------------------------------------------------
     def check_size(self, task_id: str, size: int) -> None:
-        """Refuse an encoded meta larger than the table or server takes, saying which (the
-        server's limit is read as the first connection opens)."""
+        """Refuse an id longer than the tables' key, or an encoded meta larger than the
+        table or server takes, saying which (the server's limit is read as the first
+        connection opens)."""
+        check_id(task_id)
         self.ensure()
         limit, why = self.dialect.result_limit()
         if self.max_bytes is not None and self.max_bytes < limit:
@@ -277,6 +280,15 @@ class ResultStore:
         if self._sender is not None and mine:
             self._sender.close()
         self.database.dispose(close=mine)
+
+
+def check_id(task_id: str) -> None:
+    """Refuse a task or group id the result tables cannot key (:data:`RESULT_ID_BYTES`)."""
+    size = len(task_id.encode())
+    if size > RESULT_ID_BYTES:
+        raise ResultIdTooLong(
+            f"task id {task_id[:40]}...: {size} bytes (UTF-8), more than the "
+            f"{RESULT_ID_BYTES} the result tables key; use a shorter task_id")
 
 
 def _text(value: str | bytes) -> str:

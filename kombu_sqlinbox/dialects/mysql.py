@@ -24,7 +24,7 @@ from ..tables import ColumnSpec, Role, TableSpec
 from .base import Dialect
 from .core import Capabilities
 from .driver import _expanding
-from .results import FINAL, Names
+from .results import FINAL, RESULT_ID_BYTES, Names
 from .routing import TRANSIENT_ORDER, RoutingStatements
 from .wakeups import no_wakeups
 
@@ -309,7 +309,7 @@ class MySQLDialect(Dialect):
 
     # -- results: the result tables (celery_ext.results) ----------------------------------
     #: ids compared byte for byte, as Celery compares them
-    result_id_type = "VARBINARY(255)"
+    result_id_type = f"VARBINARY({RESULT_ID_BYTES})"
     result_text_type = "VARCHAR(255)"
     result_meta_type = "LONGBLOB"
     result_meta_bytes = (1 << 32) - 1

@@ -21,6 +21,10 @@ from .driver import DriverFamily
 
 #: the result tables under a table prefix: tasks' results, saved groups, chords' counters
 RESULT_TABLES = ("task_results", "group_results", "chords")
+#: the longest task or group id the result tables key (bytes, UTF-8): Celery takes any
+#: string a caller gives (``task_id=...``); within what a PostgreSQL btree entry and an
+#: InnoDB key hold
+RESULT_ID_BYTES = 2048
 #: the state a stored result never leaves (Celery's rule: a task run again after its
 #: success does not replace the result)
 FINAL = "SUCCESS"
@@ -73,8 +77,9 @@ class ResultStatements:
 class ResultFamily(DriverFamily):
     """The result tables' statements, built once per table prefix."""
 
-    #: a task or group id (any string Celery is given; compared as stored)
-    result_id_type: ClassVar[str] = "VARCHAR(255)"
+    #: a task or group id (any string Celery is given, up to :data:`RESULT_ID_BYTES`;
+    #: compared as stored)
+    result_id_type: ClassVar[str] = f"VARCHAR({RESULT_ID_BYTES})"
     #: a state, task name or worker name
     result_text_type: ClassVar[str] = "TEXT"
     #: the encoded meta: the result, traceback, children, and with ``result_extended``

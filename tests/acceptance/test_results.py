@@ -31,6 +31,25 @@ def test_a_worker_stores_values_failures_retries_and_extended_meta(
     assert retried.retries == 1
 
 
+def test_custom_task_ids_up_to_the_id_limit_get_their_results_longer_ones_are_refused(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """Task ids a caller chooses (``task_id=...``), longer than 255 characters and in
+    utf8mb4, store their results (early and late acked); one longer than the column
+    holds is refused as it is sent, not left without a result for ``get()`` to wait on."""
+    from kombu_sqlinbox.dialects.results import RESULT_ID_BYTES
+    from kombu_sqlinbox.errors import ResultIdTooLong
+
+    acceptance.worker("prefork", 1, **results_conf(db_url))
+    longest = "report:\U0001f4e6:" + "é" * ((RESULT_ID_BYTES - 12) // 2)
+    assert len(longest.encode()) == RESULT_ID_BYTES
+    for name, task_id in (("acc.add", "order-" + "7" * 400), ("acc.add_late", longest)):
+        assert caller.send_task(name, args=(1, 2), task_id=task_id).get(
+            timeout=RESULT_LIMIT) == 3
+        assert caller.AsyncResult(task_id).name == name
+    with pytest.raises(ResultIdTooLong, match=rf"{RESULT_ID_BYTES + 1} bytes"):
+        caller.send_task("acc.add", args=(1, 2), task_id=longest + "x")
+
+
 def test_a_result_too_large_fails_the_task_with_an_error_saying_so(
         acceptance: Acceptance, caller: Celery, db_url: str) -> None:
     acceptance.worker("prefork", 1, **results_conf(db_url))
