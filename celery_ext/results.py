@@ -169,7 +169,7 @@ class SqlInboxBackend(BaseBackend):
         meta.pop("date_done", None)  # the database's clock sets it, in its own column
         meta["task_id"] = task_id
         encoded = ensure_bytes(self.encode(meta))
-        self.store.check_size(task_id, len(encoded))
+        self.store.check_size(task_id, encoded)
         return state, encoded, state in states.READY_STATES, meta.get("name"), meta.get("worker")
 
     def _store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,

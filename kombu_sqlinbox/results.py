@@ -111,15 +111,17 @@ class ResultStore:
         return self.database.run(work, read_only=read_only, repeatable=True)
 
     # -- tasks ---------------------------------------------------------------------------
-    def check_size(self, task_id: str, size: int) -> None:
+    def check_size(self, task_id: str, meta: bytes) -> None:
         """Refuse an id longer than the tables' key, or an encoded meta larger than the
         table or server takes, saying which (the server's limit is read as the first
         connection opens)."""
         check_id(task_id)
         self.ensure()
+        size = self.dialect.sent_bytes(meta)
         limit, why = self.dialect.result_limit()
         if self.max_bytes is not None and self.max_bytes < limit:
-            limit, why = self.max_bytes, "the result backend's max_result_bytes option"
+            size, limit, why = len(meta), self.max_bytes, \
+                "the result backend's max_result_bytes option"
         if size > limit:
             raise ResultTooLarge(
                 f"task {task_id}: its result takes {size} bytes encoded, more than the "
@@ -129,7 +131,7 @@ class ResultStore:
     def store(self, task_id: str, status: str, meta: bytes, ready: bool,
               task_name: str | None = None, worker: str | None = None) -> None:
         """Write a task's state (a row already in SUCCESS stays), and announce it."""
-        self.check_size(task_id, len(meta))
+        self.check_size(task_id, meta)
         self._run(partial(self.write, task_id, status, meta, ready, task_name, worker))
         self.announce()
 
@@ -173,7 +175,7 @@ class ResultStore:
 
     # -- groups --------------------------------------------------------------------------
     def save_group(self, group_id: str, meta: bytes) -> None:
-        self.check_size(group_id, len(meta))
+        self.check_size(group_id, meta)
         self._run(lambda conn: conn.execute(self.sql.save_group,
                                             {"group_id": group_id, "meta": meta}))
 
@@ -190,7 +192,7 @@ class ResultStore:
     def save_chord(self, group_id: str, meta: bytes) -> None:
         """A chord's counter row, nothing counted and no size yet (a chord applied again
         under the same id starts over)."""
-        self.check_size(group_id, len(meta))
+        self.check_size(group_id, meta)
         self._run(lambda conn: conn.execute(self.sql.chord_save,
                                             {"group_id": group_id, "meta": meta}))
 

@@ -35,6 +35,10 @@ SMALL_LOB_TYPES = ("TINYBLOB", "BLOB", "TINYTEXT", "TEXT", "VARCHAR", "VARBINARY
 LONG_TYPES = {Role.PAYLOAD: "LONGBLOB", Role.HEADERS: "LONGTEXT"}
 
 
+#: the bytes the MySQL drivers escape in a bound value (sent as two bytes each)
+ESCAPED = (b"\0", b"\n", b"\r", b"\x1a", b"'", b'"', b"\\")
+
+
 class Utf8Name(sqltypes.TypeDecorator[str]):
     """A name bound as its UTF-8 bytes (:attr:`MySQLDialect.name_bind`)."""
 
@@ -113,6 +117,8 @@ class MySQLDialect(Dialect):
         cursor.execute("SELECT @@max_allowed_packet")
         (self.max_statement_bytes,) = cursor.fetchone()
         cursor.close()
+        escape = getattr(dbapi_connection, "escape", None)  # PyMySQL's (mysqlclient: none)
+        self.hex_binary = escape is not None and "X'" in escape(b"'")
 
     # -- selection: a claim's row selection ------------------------------------------------
     floor_time = "FROM_UNIXTIME(:{})"
@@ -314,6 +320,16 @@ class MySQLDialect(Dialect):
     result_meta_type = "LONGBLOB"
     result_meta_bytes = (1 << 32) - 1
     result_time_type = "DOUBLE"
+
+    #: the driver sends a bound bytes value in hex (PyMySQL 1.1 and later: twice its
+    #: size); else escaped (each of :data:`ESCAPED` as two bytes)
+    hex_binary = False
+
+    def sent_bytes(self, value: bytes) -> int:
+        """PyMySQL and mysqlclient put a bound value in the statement's text."""
+        if self.hex_binary:
+            return 2 * len(value)
+        return len(value) + sum(value.count(byte) for byte in ESCAPED)
 
     def result_upsert(self, table: str, key: str, values: Sequence[tuple[str, str]],
                       guarded: bool) -> str:

@@ -105,11 +105,16 @@ class ResultFamily(DriverFamily):
         column's type, or the server's limit on one statement (less room for the rest
         of it), whichever is lower."""
         limit = (self.result_meta_bytes, f"the {self.result_meta_type} column's limit")
-        if self.max_statement_bytes is not None:
-            statement = (self.max_statement_bytes - 4096,
+        if self.max_statement_bytes is not None:  # room for the ids and names too
+            statement = (self.max_statement_bytes - 16384,
                          f"the server's max_allowed_packet of {self.max_statement_bytes}")
             limit = min(limit, statement)
         return limit
+
+    def sent_bytes(self, value: bytes) -> int:
+        """How many bytes of the statement a bound value takes as the driver sends it
+        (what :meth:`result_limit`'s statement limit counts)."""
+        return len(value)
 
     def result_channel(self, prefix: str, task_id: str) -> str:
         """The NOTIFY channel a task's result is announced on (a valid identifier of at

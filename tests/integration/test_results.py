@@ -193,6 +193,25 @@ def test_a_result_over_the_servers_packet_limit_is_refused_before_it_is_sent(
         app.backend.mark_as_done("huge", "x" * packet)
 
 
+@pytest.mark.databases("mysql")
+def test_a_result_whose_escapes_overflow_the_packet_is_refused_not_sent(
+        app: Celery, engine: Engine) -> None:
+    """The driver puts a bound value in the statement's text (PyMySQL in hex, twice its
+    size; mysqlclient escaping quotes, backslashes and newlines as two bytes): a result
+    under max_allowed_packet as encoded but over it as sent is refused with
+    ResultTooLarge, not sent for the server to drop the connection; one that fits as
+    sent is stored."""
+    with engine.connect() as conn:
+        packet = int(conn.exec_driver_sql("SELECT @@max_allowed_packet").scalar_one())
+    quotes = '"' * (packet // 3)  # JSON: 2 bytes each; sent: 4
+    assert len(ensure_bytes(app.backend.encode({"result": quotes}))) < packet - 65536
+    with pytest.raises(ResultTooLarge, match="max_allowed_packet"):
+        app.backend.mark_as_done("escaped", quotes)
+    fits = "x" * (packet // 2 - 65536)  # sent: at most twice
+    app.backend.mark_as_done("fits", fits)
+    assert app.AsyncResult("fits").get(timeout=30) == fits
+
+
 def test_without_create_tables_a_missing_table_is_an_error_giving_the_ddl(
         make_app: MakeApp, table_prefix: str) -> None:
     app = make_app(options={"create_tables": False})
