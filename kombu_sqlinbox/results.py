@@ -26,12 +26,12 @@ from functools import partial
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, TextClause, inspect
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from .database import Database
 from .dialects import ResultStatements
 from .dialects.results import RESULT_ID_BYTES
-from .errors import ConfigurationError, ResultIdTooLong, ResultTooLarge
+from .errors import ConfigurationError, ResultIdTooLong, ResultTooLarge, reason_of
 from .own_session import OwnSession
 from .retries import Cadence
 from .wakeups import LocalSignal
@@ -234,18 +234,30 @@ class ResultStore:
              ceiling: float, on_round: Callable[[], object] | None = None) -> T | None:
         """``ready()``'s first value that is not None, read once at first and again after
         each wake-up for ``task_id`` (or each wait of at most ``ceiling`` seconds); None
-        once ``timeout`` seconds passed without one."""
+        once ``timeout`` seconds passed without one. A read the database does not answer
+        (a server restarting, a connection cut) is read again at the next round: the
+        driver's error is raised at the timeout, not before."""
         self.ensure()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lent() as waiter, waiter.watching(task_id):
+            lost: DBAPIError | None = None
             while True:
-                found = ready()
+                try:
+                    found, lost = ready(), None
+                except (OperationalError, InterfaceError) as exc:
+                    if lost is None:
+                        logger.warning("sqlinbox: reading the result of %s failed (%s); "
+                                       "reading again until get()'s timeout", task_id,
+                                       reason_of(exc))
+                    found, lost = None, exc
                 if found is not None:
                     return found
                 if on_round is not None:
                     on_round()
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
+                    if lost is not None:
+                        raise lost
                     return None
                 waiter.wait(ceiling if left is None else min(ceiling, left))
 

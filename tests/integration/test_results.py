@@ -3,6 +3,8 @@ states, results, extended meta, forget, groups, expiry, size limits, waiting."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
@@ -16,10 +18,12 @@ from celery.result import AsyncResult, GroupResult
 from kombu.utils.encoding import ensure_bytes
 from sqlalchemy import text
 from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import OperationalError
 
 from celery_ext.results import SqlInboxBackend
 from kombu_sqlinbox import clock as clocks
 from kombu_sqlinbox.errors import ConfigurationError, ResultTooLarge
+from tests.tcp_proxy import Proxy
 
 from .support import quoted
 
@@ -370,3 +374,49 @@ def test_threads_that_waited_leave_at_most_a_few_listen_connections_open(
     assert not any(thread.is_alive() for thread in waiting)
     assert sum(1 for query in sessions
                if any(channel in query for channel in channels)) <= IDLE_WAITERS
+
+
+@pytest.mark.databases("postgresql", "mysql")
+@pytest.mark.drivers
+def test_get_waits_through_a_lost_connection_to_the_database(
+        make_app: MakeApp, app: Celery, proxy: Proxy, db_url: str) -> None:
+    """The caller's connections to the database are cut, and new ones refused, as
+    ``get()`` waits, the result stored meanwhile: the read that fails is logged, and
+    ``get()`` reads again and returns the result once the database answers (it raised
+    the driver's error at once)."""
+    cut = make_app(url="sqlinbox+" + proxy.url(db_url))
+    cut.backend.store.ensure()
+    refusing = contextlib.ExitStack()
+    failed: list[str] = []
+
+    class EndTheCut(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "reading the result of t-13 failed" in record.getMessage():
+                failed.append(record.getMessage())
+                refusing.close()
+
+    def cut_then_store() -> None:
+        refusing.enter_context(proxy.refuse())
+        app.backend.mark_as_done("t-13", "after the cut")
+
+    handler = EndTheCut()
+    logging.getLogger("kombu_sqlinbox.results").addHandler(handler)
+    try:
+        with refusing:
+            assert cut.AsyncResult("t-13").get(timeout=20, interval=0.05,
+                                               on_interval=cut_then_store) == "after the cut"
+    finally:
+        logging.getLogger("kombu_sqlinbox.results").removeHandler(handler)
+    assert len(failed) == 1
+
+
+@pytest.mark.databases("postgresql", "mysql")
+def test_get_raises_the_connection_error_at_its_timeout_when_the_database_stays_away(
+        make_app: MakeApp, proxy: Proxy, db_url: str) -> None:
+    cut = make_app(url="sqlinbox+" + proxy.url(db_url))
+    cut.backend.store.ensure()
+    with proxy.refuse():
+        started = time.monotonic()
+        with pytest.raises(OperationalError):
+            cut.AsyncResult("t-14").get(timeout=1.5, interval=0.05)
+    assert 1.5 <= time.monotonic() - started < 6
