@@ -29,10 +29,11 @@ from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult, ResultSet, result_from_tuple
 from kombu.utils.encoding import ensure_bytes
 from sqlalchemy import Connection
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from kombu_sqlinbox import binding
 from kombu_sqlinbox.broker import Broker, same_database
-from kombu_sqlinbox.errors import ConfigurationError
+from kombu_sqlinbox.errors import ConfigurationError, DatabaseUnreachable
 from kombu_sqlinbox.options import TransportOptions
 from kombu_sqlinbox.results import ResultStore, StoredResult, check_id, store_for
 from kombu_sqlinbox.urls import URL_PREFIX, masked
@@ -161,6 +162,12 @@ class SqlInboxBackend(BaseBackend):
                 result, (Reject, WorkerLostError))):
             return None
         return row
+
+    def exception_safe_to_retry(self, exc: Exception) -> bool:
+        """With Celery's ``result_backend_always_retry``, a write the database did not
+        answer (a server restarting, a connection cut) is retried until it does: the
+        worker holds the result rather than losing it."""
+        return isinstance(exc, (OperationalError, InterfaceError, DatabaseUnreachable))
 
     def _row(self, task_id: str, result: Any, state: str, traceback: Any,
              request: Any) -> Row:

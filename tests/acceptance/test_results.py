@@ -11,6 +11,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine, make_url
 
 from tests.acceptance.conftest import MAX_RESULT_BYTES, RESULT_LIMIT, Acceptance, results_conf
+from tests.processes import wait_until
+from tests.tcp_proxy import Proxy
 
 
 def test_a_worker_stores_values_failures_retries_and_extended_meta(
@@ -48,6 +50,29 @@ def test_custom_task_ids_up_to_the_id_limit_get_their_results_longer_ones_are_re
         assert caller.AsyncResult(task_id).name == name
     with pytest.raises(ResultIdTooLong, match=rf"{RESULT_ID_BYTES + 1} bytes"):
         caller.send_task("acc.add", args=(1, 2), task_id=longest + "x")
+
+
+@pytest.mark.databases("postgresql", "mysql")
+def test_with_always_retry_a_result_is_written_once_its_database_answers_again(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """Results in another database than the queue (here: reached through a proxy), which
+    refuses every connection as a late-acked task ends: with Celery's
+    ``result_backend_always_retry`` the worker writes the result once the database
+    answers again (it lost it: the error was not one the backend called safe to retry)."""
+    target = make_url(db_url)
+    proxy = Proxy(str(target.host), int(target.port or 0))
+    worker = acceptance.worker("prefork", 1, **results_conf(
+        proxy.url(db_url), result_backend_always_retry=True))
+    sent = caller.send_task("acc.run_late", args=("away",), kwargs={"hold": True})
+    wait_until(lambda: acceptance.runs.records("away"), RESULT_LIMIT, "the task to start",
+               [worker])
+    with proxy.refuse():
+        acceptance.runs.release("away")
+        wait_until(lambda: acceptance.runs.done()["away"] and proxy.refused, RESULT_LIMIT,
+                   "the task to end and its result's write to be refused", [worker])
+    assert sent.get(timeout=RESULT_LIMIT) == acceptance.runs.records("away")[0]["token"]
+    assert acceptance.runs.starts()["away"] == 1
+    proxy.close()
 
 
 def test_a_result_too_large_fails_the_task_with_an_error_saying_so(
