@@ -33,7 +33,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from kombu_sqlinbox import binding
 from kombu_sqlinbox.broker import Broker, same_database
-from kombu_sqlinbox.errors import ConfigurationError, DatabaseUnreachable
+from kombu_sqlinbox.errors import ConfigurationError, DatabaseUnreachable, ResultTooLarge
 from kombu_sqlinbox.options import TransportOptions
 from kombu_sqlinbox.results import ResultStore, StoredResult, check_id, store_for
 from kombu_sqlinbox.urls import URL_PREFIX, masked
@@ -176,6 +176,14 @@ class SqlInboxBackend(BaseBackend):
         meta.pop("date_done", None)  # the database's clock sets it, in its own column
         meta["task_id"] = task_id
         encoded = ensure_bytes(self.encode(meta))
+        if meta.get("args") is not None or meta.get("kwargs") is not None:
+            try:  # result_extended's arguments: the result comes first
+                self.store.check_size(task_id, encoded)
+            except ResultTooLarge as exc:
+                logger.warning("sqlinbox: task %s: its arguments are left out of its stored "
+                               "result (result_extended): %s", task_id, exc)
+                meta["args"] = meta["kwargs"] = None
+                encoded = ensure_bytes(self.encode(meta))
         self.store.check_size(task_id, encoded)
         return state, encoded, state in states.READY_STATES, meta.get("name"), meta.get("worker")
 

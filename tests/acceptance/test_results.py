@@ -75,6 +75,19 @@ def test_with_always_retry_a_result_is_written_once_its_database_answers_again(
     proxy.close()
 
 
+def test_arguments_too_large_to_store_leave_the_result_stored_without_them(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """``result_extended`` stores a task's arguments with its result: arguments larger
+    than the result tables take are left out (``args`` None), not the result (nothing was
+    stored: neither the result nor the failure, whose meta carried them too)."""
+    worker = acceptance.worker("prefork", 1, **results_conf(db_url))
+    summed = caller.send_task("acc.total", args=([1] * MAX_RESULT_BYTES,))
+    assert summed.get(timeout=RESULT_LIMIT) == MAX_RESULT_BYTES
+    assert (summed.name, summed.args, summed.kwargs) == ("acc.total", None, None)
+    assert f"task {summed.id}: its arguments are left out of its stored result" in \
+        worker.output()
+
+
 def test_a_result_too_large_fails_the_task_with_an_error_saying_so(
         acceptance: Acceptance, caller: Celery, db_url: str) -> None:
     acceptance.worker("prefork", 1, **results_conf(db_url))
