@@ -33,7 +33,12 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from kombu_sqlinbox import binding
 from kombu_sqlinbox.broker import Broker, same_database
-from kombu_sqlinbox.errors import ConfigurationError, DatabaseUnreachable, ResultTooLarge
+from kombu_sqlinbox.errors import (
+    ConfigurationError,
+    DatabaseUnreachable,
+    ResultTooLarge,
+    reason_of,
+)
 from kombu_sqlinbox.options import TransportOptions
 from kombu_sqlinbox.results import ResultStore, StoredResult, check_id, store_for
 from kombu_sqlinbox.urls import URL_PREFIX, masked
@@ -69,6 +74,9 @@ def backend_options(app: Any) -> dict[str, Any]:
     return options
 
 
+#: the first and the longest pause between writes of a result with its message's
+#: completion while their database does not answer (seconds)
+RETRY_FIRST, RETRY_MOST = 0.1, 5.0
 #: a request attribute: its task's result was written in its own transaction
 STORED = "sqlinbox_result_stored"
 #: a request attribute: its chord part was counted with its result
@@ -190,9 +198,15 @@ class SqlInboxBackend(BaseBackend):
     def _store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,
                       request: Any = None, completes: dict[str, Any] | None = None,
                       **kwargs: Any) -> Any:
-        row = self._row(task_id, result, state, traceback, request)
-        if completes is None or not self._with_ack(task_id, row, completes, request):
-            self.store.store(task_id, *row)
+        def write() -> None:
+            row = self._row(task_id, result, state, traceback, request)
+            if completes is None or not self._with_ack(task_id, row, completes, request):
+                self.store.store(task_id, *row)
+
+        if completes is None:
+            write()
+        else:
+            self._until_answered(task_id, write)
         return result
 
     def _with_ack(self, task_id: str, row: Row, delivered: dict[str, Any],
@@ -231,6 +245,23 @@ class SqlInboxBackend(BaseBackend):
         if after is not None:
             after()
         return True
+
+    def _until_answered(self, task_id: str, write: Callable[[], None]) -> None:
+        """Write a late-acked task's final state until the database answers: giving up
+        would let the worker's acknowledgement, retried until it lands, complete the row
+        without its result. A write with the completion is fenced, so it is never done
+        twice; meanwhile the message stays held (its lease, once lapsed, lets another
+        worker run it)."""
+        pause = RETRY_FIRST
+        while True:
+            try:
+                return write()
+            except (OperationalError, InterfaceError) as exc:
+                logger.warning("sqlinbox: task %s: writing its result failed (%s); again "
+                               "in %.1f s", task_id,
+                               reason_of(exc), pause)
+            time.sleep(pause)
+            pause = min(pause * 2, RETRY_MOST)
 
     def writes_in(self, task: Any, conn: Connection) -> bool:
         """Whether a transactional task's success is written in its own transaction on

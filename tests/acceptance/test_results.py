@@ -56,14 +56,15 @@ def test_custom_task_ids_up_to_the_id_limit_get_their_results_longer_ones_are_re
 def test_with_always_retry_a_result_is_written_once_its_database_answers_again(
         acceptance: Acceptance, caller: Celery, db_url: str) -> None:
     """Results in another database than the queue (here: reached through a proxy), which
-    refuses every connection as a late-acked task ends: with Celery's
+    refuses every connection as an early-acked task ends: with Celery's
     ``result_backend_always_retry`` the worker writes the result once the database
-    answers again (it lost it: the error was not one the backend called safe to retry)."""
+    answers again (it lost it: the error was not one the backend called safe to retry).
+    A late-acked task's is written again without it (test_results_ack)."""
     target = make_url(db_url)
     proxy = Proxy(str(target.host), int(target.port or 0))
     worker = acceptance.worker("prefork", 1, **results_conf(
         proxy.url(db_url), result_backend_always_retry=True))
-    sent = caller.send_task("acc.run_late", args=("away",), kwargs={"hold": True})
+    sent = caller.send_task("acc.run", args=("away",), kwargs={"hold": True})
     wait_until(lambda: acceptance.runs.records("away"), RESULT_LIMIT, "the task to start",
                [worker])
     with proxy.refuse():
