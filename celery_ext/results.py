@@ -30,12 +30,18 @@ from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult, ResultSet, result_from_tuple
 from kombu.utils.encoding import ensure_bytes
 from sqlalchemy import Connection
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from kombu_sqlinbox import binding
 from kombu_sqlinbox.broker import Broker, same_database
-from kombu_sqlinbox.errors import ConfigurationError
+from kombu_sqlinbox.errors import (
+    ConfigurationError,
+    DatabaseUnreachable,
+    ResultTooLarge,
+    reason_of,
+)
 from kombu_sqlinbox.options import TransportOptions
-from kombu_sqlinbox.results import ResultStore, StoredResult, store_for
+from kombu_sqlinbox.results import ResultStore, StoredResult, check_id, store_for
 from kombu_sqlinbox.urls import URL_PREFIX, masked
 
 from .delivery import TransactionalTaskError, broker_of, delivered_row
@@ -69,6 +75,9 @@ def backend_options(app: Any) -> dict[str, Any]:
     return options
 
 
+#: the first and the longest pause between writes of a result with its message's
+#: completion while their database does not answer (seconds)
+RETRY_FIRST, RETRY_MOST = 0.1, 5.0
 #: a request attribute: its task's result was written in its own transaction
 STORED = "sqlinbox_result_stored"
 #: a request attribute: its chord part was counted with its result
@@ -134,6 +143,11 @@ class SqlInboxBackend(BaseBackend):
         return URL_PREFIX + (url if include_password else masked(url, "**"))
 
     # -- tasks ---------------------------------------------------------------------------
+    def on_task_call(self, producer: Any, task_id: str) -> None:
+        """Celery calls it as it sends a task whose result is kept: an id the result
+        tables cannot key fails the send, not the result's write in the worker."""
+        check_id(task_id)
+
     def store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,
                      request: Any = None, **kwargs: Any) -> Any:
         """Celery's, deciding first, from the outcome as raised, whether this write
@@ -160,6 +174,12 @@ class SqlInboxBackend(BaseBackend):
             return None
         return row
 
+    def exception_safe_to_retry(self, exc: Exception) -> bool:
+        """With Celery's ``result_backend_always_retry``, a write the database did not
+        answer (a server restarting, a connection cut) is retried until it does: the
+        worker holds the result rather than losing it."""
+        return isinstance(exc, (OperationalError, InterfaceError, DatabaseUnreachable))
+
     def _row(self, task_id: str, result: Any, state: str, traceback: Any,
              request: Any) -> Row:
         meta = self._get_result_meta(result=result, state=state, traceback=traceback,
@@ -167,15 +187,29 @@ class SqlInboxBackend(BaseBackend):
         meta.pop("date_done", None)  # the database's clock sets it, in its own column
         meta["task_id"] = task_id
         encoded = ensure_bytes(self.encode(meta))
-        self.store.check_size(task_id, len(encoded))
+        if meta.get("args") is not None or meta.get("kwargs") is not None:
+            try:  # result_extended's arguments: the result comes first
+                self.store.check_size(task_id, encoded)
+            except ResultTooLarge as exc:
+                logger.warning("sqlinbox: task %s: its arguments are left out of its stored "
+                               "result (result_extended): %s", task_id, exc)
+                meta["args"] = meta["kwargs"] = None
+                encoded = ensure_bytes(self.encode(meta))
+        self.store.check_size(task_id, encoded)
         return state, encoded, state in states.READY_STATES, meta.get("name"), meta.get("worker")
 
     def _store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,
                       request: Any = None, completes: dict[str, Any] | None = None,
                       **kwargs: Any) -> Any:
-        row = self._row(task_id, result, state, traceback, request)
-        if completes is None or not self._with_ack(task_id, row, completes, request):
-            self.store.store(task_id, *row)
+        def write() -> None:
+            row = self._row(task_id, result, state, traceback, request)
+            if completes is None or not self._with_ack(task_id, row, completes, request):
+                self.store.store(task_id, *row)
+
+        if completes is None:
+            write()
+        else:
+            self._until_answered(task_id, write)
         return result
 
     def _with_ack(self, task_id: str, row: Row, delivered: dict[str, Any],
@@ -214,6 +248,23 @@ class SqlInboxBackend(BaseBackend):
         if after is not None:
             after()
         return True
+
+    def _until_answered(self, task_id: str, write: Callable[[], None]) -> None:
+        """Write a late-acked task's final state until the database answers: giving up
+        would let the worker's acknowledgement, retried until it lands, complete the row
+        without its result. A write with the completion is fenced, so it is never done
+        twice; meanwhile the message stays held (its lease, once lapsed, lets another
+        worker run it)."""
+        pause = RETRY_FIRST
+        while True:
+            try:
+                return write()
+            except (OperationalError, InterfaceError) as exc:
+                logger.warning("sqlinbox: task %s: writing its result failed (%s); again "
+                               "in %.1f s", task_id,
+                               reason_of(exc), pause)
+            time.sleep(pause)
+            pause = min(pause * 2, RETRY_MOST)
 
     def writes_in(self, task: Any, conn: Connection) -> bool:
         """Whether a transactional task's success is written in its own transaction on

@@ -35,6 +35,11 @@ class ResultTooLarge(SqlInboxError, EncodeError):
     the task as failed with this error, which ``AsyncResult.get()`` raises."""
 
 
+class ResultIdTooLong(SqlInboxError, ValueError):
+    """A task or group id longer than the result tables' key holds: refused as the task
+    is sent (its result could never be stored, ``get()`` would wait for it in vain)."""
+
+
 class DatabaseUnreachable(SqlInboxError):
     """The broker's database cannot be connected to (a server down or elsewhere, refused
     credentials, an SQLite file that cannot be opened). A connection error: kombu and

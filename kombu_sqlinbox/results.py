@@ -26,11 +26,12 @@ from functools import partial
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, TextClause, inspect
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from .database import Database
 from .dialects import ResultStatements
-from .errors import ConfigurationError, ResultTooLarge
+from .dialects.results import RESULT_ID_BYTES
+from .errors import ConfigurationError, ResultIdTooLong, ResultTooLarge, reason_of
 from .own_session import OwnSession
 from .retries import Cadence
 from .wakeups import LocalSignal
@@ -40,6 +41,9 @@ T = TypeVar("T")
 #: a polling waiter's first wait, and how much longer each next one is
 POLL_FIRST = 0.005
 POLL_BACKOFF = 1.25
+#: waiters (each a LISTEN connection on PostgreSQL) kept open between waits: threads
+#: come and go (a web server's), the connections they waited on must not stay with them
+IDLE_WAITERS = 4
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,8 @@ class StoredResult:
 
 class ResultStore:
     """The result tables of one database and table prefix, and their waiters (one per
-    thread: a waiting thread holds its LISTEN connection or signal socket alone)."""
+    waiting thread, lent for the wait: a waiting thread holds its LISTEN connection or
+    signal socket alone; at most :data:`IDLE_WAITERS` stay open between waits)."""
 
     def __init__(self, database: Database, prefix: str, create_tables: bool = True,
                  max_bytes: int | None = None) -> None:
@@ -70,8 +75,8 @@ class ResultStore:
         self._sender = None if directory is None else LocalSignal(directory + "-results")
         self._ready = False
         self._lock = threading.Lock()
-        self._local = threading.local()
         self._waiters: list[Waiter] = []
+        self._idle: list[Waiter] = []
         self.pid = os.getpid()
 
     # -- tables --------------------------------------------------------------------------
@@ -106,13 +111,17 @@ class ResultStore:
         return self.database.run(work, read_only=read_only, repeatable=True)
 
     # -- tasks ---------------------------------------------------------------------------
-    def check_size(self, task_id: str, size: int) -> None:
-        """Refuse an encoded meta larger than the table or server takes, saying which (the
-        server's limit is read as the first connection opens)."""
+    def check_size(self, task_id: str, meta: bytes) -> None:
+        """Refuse an id longer than the tables' key, or an encoded meta larger than the
+        table or server takes, saying which (the server's limit is read as the first
+        connection opens)."""
+        check_id(task_id)
         self.ensure()
+        size = self.dialect.sent_bytes(meta)
         limit, why = self.dialect.result_limit()
         if self.max_bytes is not None and self.max_bytes < limit:
-            limit, why = self.max_bytes, "the result backend's max_result_bytes option"
+            size, limit, why = len(meta), self.max_bytes, \
+                "the result backend's max_result_bytes option"
         if size > limit:
             raise ResultTooLarge(
                 f"task {task_id}: its result takes {size} bytes encoded, more than the "
@@ -122,7 +131,7 @@ class ResultStore:
     def store(self, task_id: str, status: str, meta: bytes, ready: bool,
               task_name: str | None = None, worker: str | None = None) -> None:
         """Write a task's state (a row already in SUCCESS stays), and announce it."""
-        self.check_size(task_id, len(meta))
+        self.check_size(task_id, meta)
         self._run(partial(self.write, task_id, status, meta, ready, task_name, worker))
         self.announce()
 
@@ -166,7 +175,7 @@ class ResultStore:
 
     # -- groups --------------------------------------------------------------------------
     def save_group(self, group_id: str, meta: bytes) -> None:
-        self.check_size(group_id, len(meta))
+        self.check_size(group_id, meta)
         self._run(lambda conn: conn.execute(self.sql.save_group,
                                             {"group_id": group_id, "meta": meta}))
 
@@ -183,7 +192,7 @@ class ResultStore:
     def save_chord(self, group_id: str, meta: bytes) -> None:
         """A chord's counter row, nothing counted and no size yet (a chord applied again
         under the same id starts over)."""
-        self.check_size(group_id, len(meta))
+        self.check_size(group_id, meta)
         self._run(lambda conn: conn.execute(self.sql.chord_save,
                                             {"group_id": group_id, "meta": meta}))
 
@@ -225,41 +234,75 @@ class ResultStore:
              ceiling: float, on_round: Callable[[], object] | None = None) -> T | None:
         """``ready()``'s first value that is not None, read once at first and again after
         each wake-up for ``task_id`` (or each wait of at most ``ceiling`` seconds); None
-        once ``timeout`` seconds passed without one."""
+        once ``timeout`` seconds passed without one. A read the database does not answer
+        (a server restarting, a connection cut) is read again at the next round: the
+        driver's error is raised at the timeout, not before."""
         self.ensure()
         deadline = None if timeout is None else time.monotonic() + timeout
-        waiter = self._waiter()
-        with waiter.watching(task_id):
+        with self._lent() as waiter, waiter.watching(task_id):
+            lost: DBAPIError | None = None
             while True:
-                found = ready()
+                try:
+                    found, lost = ready(), None
+                except (OperationalError, InterfaceError) as exc:
+                    if lost is None:
+                        logger.warning("sqlinbox: reading the result of %s failed (%s); "
+                                       "reading again until get()'s timeout", task_id,
+                                       reason_of(exc))
+                    found, lost = None, exc
                 if found is not None:
                     return found
                 if on_round is not None:
                     on_round()
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
+                    if lost is not None:
+                        raise lost
                     return None
                 waiter.wait(ceiling if left is None else min(ceiling, left))
 
-    def _waiter(self) -> Waiter:
-        waiter: Waiter | None = getattr(self._local, "waiter", None)
+    @contextlib.contextmanager
+    def _lent(self) -> Iterator[Waiter]:
+        """An idle waiter (or a new one) for one wait; given back after it, or closed
+        when :data:`IDLE_WAITERS` are idle already."""
+        with self._lock:
+            waiter = self._idle.pop() if self._idle else None
         if waiter is None:
-            waiter = self._local.waiter = Waiter(self)
+            waiter = Waiter(self)
             with self._lock:
                 self._waiters.append(waiter)
-        return waiter
+        try:
+            yield waiter
+        finally:
+            with self._lock:
+                kept = waiter in self._waiters and len(self._idle) < IDLE_WAITERS
+                if kept:
+                    self._idle.append(waiter)
+                elif waiter in self._waiters:
+                    self._waiters.remove(waiter)
+            if not kept:
+                waiter.close(self.pid == os.getpid())
 
     def close(self) -> None:
         """Close every waiter's connection and socket, and the engine's pool (the
         process's own only: a forked child leaves its parent's alone)."""
         with self._lock:
-            waiters, self._waiters = self._waiters, []
+            waiters, self._waiters, self._idle = self._waiters, [], []
         mine = self.pid == os.getpid()
         for waiter in waiters:
             waiter.close(mine)
         if self._sender is not None and mine:
             self._sender.close()
         self.database.dispose(close=mine)
+
+
+def check_id(task_id: str) -> None:
+    """Refuse a task or group id the result tables cannot key (:data:`RESULT_ID_BYTES`)."""
+    size = len(task_id.encode())
+    if size > RESULT_ID_BYTES:
+        raise ResultIdTooLong(
+            f"task id {task_id[:40]}...: {size} bytes (UTF-8), more than the "
+            f"{RESULT_ID_BYTES} the result tables key; use a shorter task_id")
 
 
 def _text(value: str | bytes) -> str:

@@ -35,6 +35,8 @@ class Proxy:
         self._commit_cuts = 0
         self._marker = b"COMMIT"
         self.commits_cut = 0
+        #: connections refused so far (inside :meth:`refuse`)
+        self.refused = 0
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -81,6 +83,7 @@ class Proxy:
                 return
             if self._refusing:
                 client.close()
+                self.refused += 1
                 continue
             try:
                 server = socket.create_connection(self.target, timeout=5)

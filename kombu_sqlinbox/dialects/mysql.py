@@ -24,7 +24,7 @@ from ..tables import ColumnSpec, Role, TableSpec
 from .base import Dialect
 from .core import Capabilities
 from .driver import _expanding
-from .results import FINAL, Names
+from .results import FINAL, RESULT_ID_BYTES, Names
 from .routing import TRANSIENT_ORDER, RoutingStatements
 from .wakeups import no_wakeups
 
@@ -33,6 +33,10 @@ NOW = "UTC_TIMESTAMP(6)"
 SMALL_LOB_TYPES = ("TINYBLOB", "BLOB", "TINYTEXT", "TEXT", "VARCHAR", "VARBINARY", "CHAR")
 #: the roles a Celery message fills, and the type that holds any message
 LONG_TYPES = {Role.PAYLOAD: "LONGBLOB", Role.HEADERS: "LONGTEXT"}
+
+
+#: the bytes the MySQL drivers escape in a bound value (sent as two bytes each)
+ESCAPED = (b"\0", b"\n", b"\r", b"\x1a", b"'", b'"', b"\\")
 
 
 class Utf8Name(sqltypes.TypeDecorator[str]):
@@ -113,6 +117,8 @@ class MySQLDialect(Dialect):
         cursor.execute("SELECT @@max_allowed_packet")
         (self.max_statement_bytes,) = cursor.fetchone()
         cursor.close()
+        escape = getattr(dbapi_connection, "escape", None)  # PyMySQL's (mysqlclient: none)
+        self.hex_binary = escape is not None and "X'" in escape(b"'")
 
     # -- selection: a claim's row selection ------------------------------------------------
     floor_time = "FROM_UNIXTIME(:{})"
@@ -309,11 +315,21 @@ class MySQLDialect(Dialect):
 
     # -- results: the result tables (celery_ext.results) ----------------------------------
     #: ids compared byte for byte, as Celery compares them
-    result_id_type = "VARBINARY(255)"
+    result_id_type = f"VARBINARY({RESULT_ID_BYTES})"
     result_text_type = "VARCHAR(255)"
     result_meta_type = "LONGBLOB"
     result_meta_bytes = (1 << 32) - 1
     result_time_type = "DOUBLE"
+
+    #: the driver sends a bound bytes value in hex (PyMySQL 1.1 and later: twice its
+    #: size); else escaped (each of :data:`ESCAPED` as two bytes)
+    hex_binary = False
+
+    def sent_bytes(self, value: bytes) -> int:
+        """PyMySQL and mysqlclient put a bound value in the statement's text."""
+        if self.hex_binary:
+            return 2 * len(value)
+        return len(value) + sum(value.count(byte) for byte in ESCAPED)
 
     def result_upsert(self, table: str, key: str, values: Sequence[tuple[str, str]],
                       guarded: bool) -> str:

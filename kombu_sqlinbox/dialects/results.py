@@ -21,6 +21,10 @@ from .driver import DriverFamily
 
 #: the result tables under a table prefix: tasks' results, saved groups, chords' counters
 RESULT_TABLES = ("task_results", "group_results", "chords")
+#: the longest task or group id the result tables key (bytes, UTF-8): Celery takes any
+#: string a caller gives (``task_id=...``); within what a PostgreSQL btree entry and an
+#: InnoDB key hold
+RESULT_ID_BYTES = 2048
 #: the state a stored result never leaves (Celery's rule: a task run again after its
 #: success does not replace the result)
 FINAL = "SUCCESS"
@@ -73,8 +77,9 @@ class ResultStatements:
 class ResultFamily(DriverFamily):
     """The result tables' statements, built once per table prefix."""
 
-    #: a task or group id (any string Celery is given; compared as stored)
-    result_id_type: ClassVar[str] = "VARCHAR(255)"
+    #: a task or group id (any string Celery is given, up to :data:`RESULT_ID_BYTES`;
+    #: compared as stored)
+    result_id_type: ClassVar[str] = f"VARCHAR({RESULT_ID_BYTES})"
     #: a state, task name or worker name
     result_text_type: ClassVar[str] = "TEXT"
     #: the encoded meta: the result, traceback, children, and with ``result_extended``
@@ -100,11 +105,16 @@ class ResultFamily(DriverFamily):
         column's type, or the server's limit on one statement (less room for the rest
         of it), whichever is lower."""
         limit = (self.result_meta_bytes, f"the {self.result_meta_type} column's limit")
-        if self.max_statement_bytes is not None:
-            statement = (self.max_statement_bytes - 4096,
+        if self.max_statement_bytes is not None:  # room for the ids and names too
+            statement = (self.max_statement_bytes - 16384,
                          f"the server's max_allowed_packet of {self.max_statement_bytes}")
             limit = min(limit, statement)
         return limit
+
+    def sent_bytes(self, value: bytes) -> int:
+        """How many bytes of the statement a bound value takes as the driver sends it
+        (what :meth:`result_limit`'s statement limit counts)."""
+        return len(value)
 
     def result_channel(self, prefix: str, task_id: str) -> str:
         """The NOTIFY channel a task's result is announced on (a valid identifier of at

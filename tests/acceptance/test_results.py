@@ -11,6 +11,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine, make_url
 
 from tests.acceptance.conftest import MAX_RESULT_BYTES, RESULT_LIMIT, Acceptance, results_conf
+from tests.processes import wait_until
+from tests.tcp_proxy import Proxy
 
 
 def test_a_worker_stores_values_failures_retries_and_extended_meta(
@@ -29,6 +31,62 @@ def test_a_worker_stores_values_failures_retries_and_extended_meta(
     retried = caller.send_task("acc.retried")
     assert retried.get(timeout=RESULT_LIMIT) == 1
     assert retried.retries == 1
+
+
+def test_custom_task_ids_up_to_the_id_limit_get_their_results_longer_ones_are_refused(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """Task ids a caller chooses (``task_id=...``), longer than 255 characters and in
+    utf8mb4, store their results (early and late acked); one longer than the column
+    holds is refused as it is sent, not left without a result for ``get()`` to wait on."""
+    from kombu_sqlinbox.dialects.results import RESULT_ID_BYTES
+    from kombu_sqlinbox.errors import ResultIdTooLong
+
+    acceptance.worker("prefork", 1, **results_conf(db_url))
+    longest = "report:\U0001f4e6:" + "é" * ((RESULT_ID_BYTES - 12) // 2)
+    assert len(longest.encode()) == RESULT_ID_BYTES
+    for name, task_id in (("acc.add", "order-" + "7" * 400), ("acc.add_late", longest)):
+        assert caller.send_task(name, args=(1, 2), task_id=task_id).get(
+            timeout=RESULT_LIMIT) == 3
+        assert caller.AsyncResult(task_id).name == name
+    with pytest.raises(ResultIdTooLong, match=rf"{RESULT_ID_BYTES + 1} bytes"):
+        caller.send_task("acc.add", args=(1, 2), task_id=longest + "x")
+
+
+@pytest.mark.databases("postgresql", "mysql")
+def test_with_always_retry_a_result_is_written_once_its_database_answers_again(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """Results in another database than the queue (here: reached through a proxy), which
+    refuses every connection as an early-acked task ends: with Celery's
+    ``result_backend_always_retry`` the worker writes the result once the database
+    answers again (it lost it: the error was not one the backend called safe to retry).
+    A late-acked task's is written again without it (test_results_ack)."""
+    target = make_url(db_url)
+    proxy = Proxy(str(target.host), int(target.port or 0))
+    worker = acceptance.worker("prefork", 1, **results_conf(
+        proxy.url(db_url), result_backend_always_retry=True))
+    sent = caller.send_task("acc.run", args=("away",), kwargs={"hold": True})
+    wait_until(lambda: acceptance.runs.records("away"), RESULT_LIMIT, "the task to start",
+               [worker])
+    with proxy.refuse():
+        acceptance.runs.release("away")
+        wait_until(lambda: acceptance.runs.done()["away"] and proxy.refused, RESULT_LIMIT,
+                   "the task to end and its result's write to be refused", [worker])
+    assert sent.get(timeout=RESULT_LIMIT) == acceptance.runs.records("away")[0]["token"]
+    assert acceptance.runs.starts()["away"] == 1
+    proxy.close()
+
+
+def test_arguments_too_large_to_store_leave_the_result_stored_without_them(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """``result_extended`` stores a task's arguments with its result: arguments larger
+    than the result tables take are left out (``args`` None), not the result (nothing was
+    stored: neither the result nor the failure, whose meta carried them too)."""
+    worker = acceptance.worker("prefork", 1, **results_conf(db_url))
+    summed = caller.send_task("acc.total", args=([1] * MAX_RESULT_BYTES,))
+    assert summed.get(timeout=RESULT_LIMIT) == MAX_RESULT_BYTES
+    assert (summed.name, summed.args, summed.kwargs) == ("acc.total", None, None)
+    assert f"task {summed.id}: its arguments are left out of its stored result" in \
+        worker.output()
 
 
 def test_a_result_too_large_fails_the_task_with_an_error_saying_so(

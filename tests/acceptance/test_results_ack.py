@@ -135,3 +135,35 @@ def test_a_failure_the_worker_rejects_is_stored_and_its_row_dead_lettered(
         assert result.state == "FAILURE"
     wait_until(lambda: acceptance.rows("dead") == 2, 30, "both rows to be dead-lettered")
     assert acceptance.rows() == 0
+
+
+@pytest.mark.databases("postgresql", "mysql")  # a database file has no connection to cut
+def test_a_result_whose_database_is_away_as_the_task_ends_is_written_once_it_answers(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """The queue's and the results' database refuses every connection as a late-acked
+    task ends: the worker writes the result with the row's completion once the database
+    answers again, without Celery's result_backend_always_retry (it lost the result: the
+    worker's acknowledgement, retried, completed the row without it)."""
+    from sqlalchemy.engine import make_url
+
+    from tests.tcp_proxy import Proxy
+
+    target = make_url(db_url)
+    proxy = Proxy(str(target.host), int(target.port or 0))
+    try:
+        worker = acceptance.worker("prefork", 1, broker_url="sqlinbox+" + proxy.url(db_url),
+                                   **results_conf(proxy.url(db_url)))
+        sent = caller.send_task("acc.run_late", args=("away",), kwargs={"hold": True})
+        wait_until(lambda: acceptance.runs.records("away"), RESULT_LIMIT,
+                   "the task to start", [worker])
+        with proxy.refuse():
+            acceptance.runs.release("away")
+            wait_until(lambda: acceptance.runs.done()["away"] and proxy.refused,
+                       RESULT_LIMIT, "the task to end and its result's write to be refused",
+                       [worker])
+        assert sent.get(timeout=RESULT_LIMIT) == acceptance.runs.records("away")[0]["token"]
+        wait_until(lambda: acceptance.rows() == 0, RESULT_LIMIT, "the row to be completed",
+                   [worker])
+        assert acceptance.runs.starts()["away"] == 1
+    finally:
+        proxy.close()

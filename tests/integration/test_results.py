@@ -3,6 +3,8 @@ states, results, extended meta, forget, groups, expiry, size limits, waiting."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
@@ -16,10 +18,12 @@ from celery.result import AsyncResult, GroupResult
 from kombu.utils.encoding import ensure_bytes
 from sqlalchemy import text
 from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import OperationalError
 
 from celery_ext.results import SqlInboxBackend
 from kombu_sqlinbox import clock as clocks
 from kombu_sqlinbox.errors import ConfigurationError, ResultTooLarge
+from tests.tcp_proxy import Proxy
 
 from .support import quoted
 
@@ -193,6 +197,25 @@ def test_a_result_over_the_servers_packet_limit_is_refused_before_it_is_sent(
         app.backend.mark_as_done("huge", "x" * packet)
 
 
+@pytest.mark.databases("mysql")
+def test_a_result_whose_escapes_overflow_the_packet_is_refused_not_sent(
+        app: Celery, engine: Engine) -> None:
+    """The driver puts a bound value in the statement's text (PyMySQL in hex, twice its
+    size; mysqlclient escaping quotes, backslashes and newlines as two bytes): a result
+    under max_allowed_packet as encoded but over it as sent is refused with
+    ResultTooLarge, not sent for the server to drop the connection; one that fits as
+    sent is stored."""
+    with engine.connect() as conn:
+        packet = int(conn.exec_driver_sql("SELECT @@max_allowed_packet").scalar_one())
+    quotes = '"' * (packet // 3)  # JSON: 2 bytes each; sent: 4
+    assert len(ensure_bytes(app.backend.encode({"result": quotes}))) < packet - 65536
+    with pytest.raises(ResultTooLarge, match="max_allowed_packet"):
+        app.backend.mark_as_done("escaped", quotes)
+    fits = "x" * (packet // 2 - 65536)  # sent: at most twice
+    app.backend.mark_as_done("fits", fits)
+    assert app.AsyncResult("fits").get(timeout=30) == fits
+
+
 def test_without_create_tables_a_missing_table_is_an_error_giving_the_ddl(
         make_app: MakeApp, table_prefix: str) -> None:
     app = make_app(options={"create_tables": False})
@@ -265,7 +288,7 @@ def test_a_waiter_whose_listen_connection_dies_still_gets_the_result(
 
     def end_the_listener_then_store() -> None:
         if not ended:
-            waiter = app.backend.store._local.waiter
+            (waiter,) = app.backend.store._waiters
             pid = waiter._own.driver.info.backend_pid
             with engine.begin() as conn:
                 conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
@@ -322,3 +345,78 @@ def test_with_another_broker_a_chord_runs_through_chord_unlock(
     with engine.connect() as conn:
         assert conn.execute(text(
             f"SELECT COUNT(*) FROM {quoted(engine, table_prefix + 'chords')}")).scalar_one() == 0
+
+
+@pytest.mark.databases("postgresql")
+def test_threads_that_waited_leave_at_most_a_few_listen_connections_open(
+        app: Celery, engine: Engine, table_prefix: str) -> None:
+    """A web server's threads come and go: each ``get()`` borrows a LISTEN connection
+    for its wait, and no more than IDLE_WAITERS stay open once the threads have
+    ended (one per thread ever used would run the server out of connections)."""
+    import threading
+
+    from kombu_sqlinbox.results import IDLE_WAITERS
+
+    ids = [f"w-{n}" for n in range(IDLE_WAITERS + 4)]
+    waiting = [threading.Thread(target=app.AsyncResult(task_id).get,
+                                kwargs={"timeout": 20, "interval": 0.05}) for task_id in ids]
+    for thread in waiting:
+        thread.start()
+    for task_id in ids:
+        app.backend.mark_as_done(task_id, task_id)
+    for thread in waiting:
+        thread.join(25)
+    channels = [app.backend.store.dialect.result_channel(table_prefix, task_id)
+                for task_id in ids]
+    with engine.connect() as conn:
+        sessions = [row[0] for row in conn.execute(text(
+            "SELECT query FROM pg_stat_activity WHERE query LIKE 'UNLISTEN %'"))]
+    assert not any(thread.is_alive() for thread in waiting)
+    assert sum(1 for query in sessions
+               if any(channel in query for channel in channels)) <= IDLE_WAITERS
+
+
+@pytest.mark.databases("postgresql", "mysql")
+@pytest.mark.drivers
+def test_get_waits_through_a_lost_connection_to_the_database(
+        make_app: MakeApp, app: Celery, proxy: Proxy, db_url: str) -> None:
+    """The caller's connections to the database are cut, and new ones refused, as
+    ``get()`` waits, the result stored meanwhile: the read that fails is logged, and
+    ``get()`` reads again and returns the result once the database answers (it raised
+    the driver's error at once)."""
+    cut = make_app(url="sqlinbox+" + proxy.url(db_url))
+    cut.backend.store.ensure()
+    refusing = contextlib.ExitStack()
+    failed: list[str] = []
+
+    class EndTheCut(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "reading the result of t-13 failed" in record.getMessage():
+                failed.append(record.getMessage())
+                refusing.close()
+
+    def cut_then_store() -> None:
+        refusing.enter_context(proxy.refuse())
+        app.backend.mark_as_done("t-13", "after the cut")
+
+    handler = EndTheCut()
+    logging.getLogger("kombu_sqlinbox.results").addHandler(handler)
+    try:
+        with refusing:
+            assert cut.AsyncResult("t-13").get(timeout=20, interval=0.05,
+                                               on_interval=cut_then_store) == "after the cut"
+    finally:
+        logging.getLogger("kombu_sqlinbox.results").removeHandler(handler)
+    assert len(failed) == 1
+
+
+@pytest.mark.databases("postgresql", "mysql")
+def test_get_raises_the_connection_error_at_its_timeout_when_the_database_stays_away(
+        make_app: MakeApp, proxy: Proxy, db_url: str) -> None:
+    cut = make_app(url="sqlinbox+" + proxy.url(db_url))
+    cut.backend.store.ensure()
+    with proxy.refuse():
+        started = time.monotonic()
+        with pytest.raises(OperationalError):
+            cut.AsyncResult("t-14").get(timeout=1.5, interval=0.05)
+    assert 1.5 <= time.monotonic() - started < 6
