@@ -91,8 +91,10 @@ def test_two_workers_with_beat_send_each_tick_once(db_url: str, processes: Proce
 @pytest.mark.usefixtures("example_tables")
 def test_celery_beat_runs_the_scheduler_alone(db_url: str, engine: Engine,
                                                processes: Processes, tmp_path: Path) -> None:
+    # unbuffered: beat prints its banner to stdout, a file here, where it would wait in
+    # the buffer
     env = {"SCHEDULES_DATABASE_URL": db_url, "SCHEDULES_LOG": str(tmp_path / "log"),
-           "PYTHONPATH": str(EXAMPLES / "schedules")}
+           "PYTHONPATH": str(EXAMPLES / "schedules"), "PYTHONUNBUFFERED": "1"}
     beat = processes.spawn("beat", [sys.executable, "-m", "celery", "-A", "schedules_app",
                                     "beat", "-S", SCHEDULER, "-l", "info"], env)
     wait_until(lambda: len(sent_ticks(engine)) >= 2, 30, "two heartbeat ticks",
