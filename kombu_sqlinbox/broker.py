@@ -367,8 +367,7 @@ class Broker:
         the statement. ``ttl`` (seconds) bounds a transient message's life; ``task``
         (name, id) is for a declared publish statement, ``columns`` are the row columns'
         values (row mode)."""
-        self.dialect.check_message_size(
-            table.queue, len(payload or b"") + (len(headers) if headers else 0))
+        self.dialect.check_message_size(table.queue, payload, headers)
         if table.transient:
             self.transient.put(table.queue, payload or b"", headers, ttl, priority)
             return

@@ -212,11 +212,22 @@ class DriverFamily(DialectCore):
         constraints (NOT NULL, foreign key, CHECK) are ordinary errors, not duplicates."""
         return False
 
-    def check_message_size(self, queue: str, size: int) -> None:
+    def sent_bytes(self, value: bytes | str) -> int:
+        """How many bytes of the statement a bound value takes as the driver sends it
+        (what :attr:`max_statement_bytes` counts)."""
+        return len(value.encode("utf-8") if isinstance(value, str) else value)
+
+    def check_message_size(self, queue: str, payload: bytes | str | None,
+                           headers: str | None) -> None:
+        """Refuse a message the server would refuse as a statement (by dropping the
+        connection, on MySQL) before it is sent, counted as the driver sends it."""
         limit = self.max_statement_bytes
-        if limit is not None and size > limit - 1024:
+        if limit is None:
+            return
+        size = self.sent_bytes(payload or b"") + self.sent_bytes(headers or "")
+        if size > limit - 1024:
             raise MessageTooLarge(
-                f"queue {queue!r}: a message of {size} bytes exceeds the server's "
+                f"queue {queue!r}: a message of {size} bytes as sent exceeds the server's "
                 f"max_allowed_packet ({limit} bytes); raise it "
                 "(SET GLOBAL max_allowed_packet = ...) or send smaller messages"
             )

@@ -325,11 +325,13 @@ class MySQLDialect(Dialect):
     #: size); else escaped (each of :data:`ESCAPED` as two bytes)
     hex_binary = False
 
-    def sent_bytes(self, value: bytes) -> int:
-        """PyMySQL and mysqlclient put a bound value in the statement's text."""
-        if self.hex_binary:
+    def sent_bytes(self, value: bytes | str) -> int:
+        """PyMySQL and mysqlclient put a bound value in the statement's text: bytes in
+        hex (PyMySQL) or escaped, text escaped."""
+        if isinstance(value, bytes) and self.hex_binary:
             return 2 * len(value)
-        return len(value) + sum(value.count(byte) for byte in ESCAPED)
+        data = value.encode("utf-8") if isinstance(value, str) else value
+        return len(data) + sum(data.count(byte) for byte in ESCAPED)
 
     def result_upsert(self, table: str, key: str, values: Sequence[tuple[str, str]],
                       guarded: bool) -> str:

@@ -111,11 +111,6 @@ class ResultFamily(DriverFamily):
             limit = min(limit, statement)
         return limit
 
-    def sent_bytes(self, value: bytes) -> int:
-        """How many bytes of the statement a bound value takes as the driver sends it
-        (what :meth:`result_limit`'s statement limit counts)."""
-        return len(value)
-
     def result_channel(self, prefix: str, task_id: str) -> str:
         """The NOTIFY channel a task's result is announced on (a valid identifier of at
         most 63 bytes whatever the id and prefix)."""

@@ -56,3 +56,21 @@ def test_message_over_max_allowed_packet_is_refused_naming_it(
         publish(conn, "jobs", b"x" * limit, content_type="application/octet-stream",
                 content_encoding="binary")
     assert conn.default_channel.queue_declare("jobs", passive=True).message_count == 0
+
+
+@pytest.mark.parametrize("database", ["mysql"], indirect=True)
+def test_a_message_under_the_packet_as_encoded_but_over_it_as_sent_is_refused(
+    connect: Connect, engine: Engine,
+) -> None:
+    """The driver puts a bound value in the statement's text (PyMySQL in hex, twice its
+    size): a message under max_allowed_packet as encoded but over it as sent is refused
+    with MessageTooLarge, not sent for the server to drop the connection."""
+    with engine.connect() as conn:
+        limit = int(conn.execute(text("SELECT @@GLOBAL.max_allowed_packet")).scalar_one())
+    if limit > 4 * MYSQL_PACKET:
+        pytest.skip(f"max_allowed_packet is {limit}: a message near it is too big to build here")
+    conn = connect()
+    with pytest.raises(MessageTooLarge, match="max_allowed_packet"):
+        publish(conn, "jobs", b"\x00" * (limit * 2 // 3), content_type="application/octet-stream",
+                content_encoding="binary")
+    assert conn.default_channel.queue_declare("jobs", passive=True).message_count == 0
