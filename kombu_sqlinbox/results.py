@@ -140,9 +140,10 @@ class ResultStore:
         """:meth:`store`'s write in the caller's transaction on this database (its NOTIFY
         sent as that commits); the caller checks the size first and calls
         :meth:`announce` after its commit."""
+        label = self.dialect.result_label
         conn.execute(self.sql.store, {"task_id": task_id, "status": status, "meta": meta,
-                                      "ready": int(ready), "task_name": task_name,
-                                      "worker": worker})
+                                      "ready": int(ready), "task_name": label(task_name),
+                                      "worker": label(worker)})
         self.dialect.result_notify(conn, self.dialect.result_channel(self.prefix, task_id))
 
     def announce(self) -> None:

@@ -317,6 +317,7 @@ class MySQLDialect(Dialect):
     #: ids compared byte for byte, as Celery compares them
     result_id_type = f"VARBINARY({RESULT_ID_BYTES})"
     result_text_type = "VARCHAR(255)"
+    result_text_chars = 255
     result_meta_type = "LONGBLOB"
     result_meta_bytes = (1 << 32) - 1
     result_time_type = "DOUBLE"

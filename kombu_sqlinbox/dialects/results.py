@@ -82,6 +82,8 @@ class ResultFamily(DriverFamily):
     result_id_type: ClassVar[str] = f"VARCHAR({RESULT_ID_BYTES})"
     #: a state, task name or worker name
     result_text_type: ClassVar[str] = "TEXT"
+    #: the most characters :attr:`result_text_type` holds (None: no limit)
+    result_text_chars: ClassVar[int | None] = None
     #: the encoded meta: the result, traceback, children, and with ``result_extended``
     #: the task's arguments
     result_meta_type: ClassVar[str] = "BLOB"
@@ -110,6 +112,12 @@ class ResultFamily(DriverFamily):
                          f"the server's max_allowed_packet of {self.max_statement_bytes}")
             limit = min(limit, statement)
         return limit
+
+    def result_label(self, name: str | None) -> str | None:
+        """A task or worker name as its column holds it: cut to fit, for these columns
+        are labels to find results by (the meta keeps the whole name)."""
+        limit = self.result_text_chars
+        return name if name is None or limit is None else name[:limit]
 
     def result_channel(self, prefix: str, task_id: str) -> str:
         """The NOTIFY channel a task's result is announced on (a valid identifier of at

@@ -110,6 +110,24 @@ def test_extended_results_keep_the_task_its_arguments_and_worker(
     assert tuple(row) == ("shop.refund", "w1@h", "SUCCESS")
 
 
+def test_a_task_or_worker_name_longer_than_its_column_keeps_the_result(
+        make_app: MakeApp, engine: Engine, table_prefix: str) -> None:
+    """The name columns are labels (255 characters on MariaDB): a longer task or worker
+    name is stored cut to fit, never failing the result's write; the result keeps the
+    whole names."""
+    app = make_app(result_extended=True)
+    name, worker = "shop." + "n" * 400, "w@" + "h" * 400
+    app.backend.mark_as_done("t-long", "ok", request=Context(task=name, hostname=worker,
+                                                              args=[], kwargs={}))
+    result = app.AsyncResult("t-long")
+    assert (result.get(timeout=5), result.name, result.worker) == ("ok", name, worker)
+    with engine.connect() as conn:
+        row = conn.execute(text(f"SELECT task_name, worker FROM "
+                                f"{tasks_table(engine, table_prefix)}")).one()
+    assert name.startswith(row.task_name) and worker.startswith(row.worker)
+    assert len(row.task_name) >= 255 and len(row.worker) >= 255
+
+
 def test_forget_deletes_the_result(app: Celery, engine: Engine, table_prefix: str) -> None:
     app.backend.mark_as_done("t-5", 5)
     app.AsyncResult("t-5").forget()
