@@ -148,3 +148,17 @@ def test_the_start_up_check_leaves_another_brokers_failover_urls_alone() -> None
                   set_as_current=False)
     with pytest.raises(ConfigurationError, match="no URL may have a query string"):
         check_broker(ours)
+
+
+@pytest.mark.parametrize("transport", ["no_such_alias", "no.such.module:Transport",
+                                       "kombu_sqlinbox.transport:NoSuchClass"])
+def test_a_broker_transport_that_names_nothing_is_left_for_celery_to_refuse(
+        transport: str) -> None:
+    """The start-up check reads ``broker_transport`` to learn whether a plain URL is
+    this transport's; one that resolves to nothing is Celery's to refuse (its own error
+    names it), so the check claims none of the URLs rather than failing on its own."""
+    app = Celery("start", broker="postgresql://nobody@nowhere/none", set_as_current=False)
+    app.conf.broker_transport = transport
+    check_broker(app)
+    with pytest.raises((KeyError, ImportError, AttributeError, ValueError)):
+        app.connection_for_write().connect()
