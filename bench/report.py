@@ -89,17 +89,21 @@ def parse_markdown(text: str) -> tuple[list[dict[str, Any]], str]:
     return tables, " ".join(rest)
 
 
+def proc_field(file: str, name: str) -> str:
+    """A ``name: value`` line's value in a /proc file; "?" where there is none (not Linux,
+    or a file the kernel does not offer)."""
+    try:
+        with open(file) as lines:
+            return next((line.split(":", 1)[1].strip() for line in lines
+                         if line.startswith(name)), "?")
+    except OSError:
+        return "?"
+
+
 def machine() -> str:
-    """What the figures depend on: CPUs, memory, the load when the run began, Python."""
-    def field(file: str, name: str) -> str:
-        try:
-            with open(file) as lines:
-                return next((line.split(":", 1)[1].strip() for line in lines
-                             if line.startswith(name)), "?")
-        except OSError:
-            return "?"
-    memory = field("/proc/meminfo", "MemTotal").split()[0]
+    """What the figures depend on: CPUs, memory, the load at the end of the run, Python."""
+    memory = proc_field("/proc/meminfo", "MemTotal").split()[0]
     gib = f"{int(memory) / 2**20:.0f} GiB" if memory.isdigit() else "? GiB"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"{os.cpu_count()} CPUs {field('/proc/cpuinfo', 'model name')}, {gib}; load "
+    return (f"{os.cpu_count()} CPUs {proc_field('/proc/cpuinfo', 'model name')}, {gib}; load "
             f"average {load:.1f} at the end; Python {platform.python_version()}")

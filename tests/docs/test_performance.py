@@ -133,3 +133,13 @@ def test_run_writes_its_json_in_the_results_format(tmp_path: Path,
     assert record["command"] == "python bench/run.py --sections remote"
     assert record["notes"] == "remote: Two workers on one queue."
     assert record["figures"]["remote"][0]["value"] == 4.2
+
+
+def test_a_machine_without_the_proc_files_is_described_all_the_same(tmp_path: Path) -> None:
+    """Figures kept from a machine without /proc (not Linux) say "?" for what it lacks."""
+    from bench.report import proc_field
+
+    assert proc_field(str(tmp_path / "meminfo"), "MemTotal") == "?"  # no such file
+    assert proc_field(str(tmp_path), "MemTotal") == "?"  # a directory: unreadable
+    (tmp_path / "cpuinfo").write_text("vendor_id\t: x\nmodel name\t: Some CPU\n")
+    assert proc_field(str(tmp_path / "cpuinfo"), "model name") == "Some CPU"
