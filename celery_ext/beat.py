@@ -85,11 +85,15 @@ class Tick:
 class Schedules:
     """The schedules on one database under one table prefix (the broker's, by default)."""
 
-    def __init__(self, database: Database, prefix: str, app: Any = None) -> None:
+    def __init__(self, database: Database, prefix: str, app: Any = None,
+                 connection: Connection | None = None) -> None:
         self.database = database
         self.dialect = database.dialect
+        self.prefix = prefix
         self.app = app
         self.sql: ScheduleStatements = self.dialect.schedule_statements(prefix)
+        #: where the work runs, in its owner's transaction (None: a transaction each)
+        self.connection = connection
         self._ready = False
 
     @classmethod
@@ -105,6 +109,13 @@ class Schedules:
         with app.connection_for_write() as connection:
             url = client_url(connection)
         return cls(open_database(url, options), options.table_prefix, app)
+
+    def bound(self, connection: Connection) -> Schedules:
+        """These schedules, worked on in ``connection``'s transaction, which its owner
+        commits: Django's admin changes a schedule in the transaction that logs it."""
+        found = Schedules(self.database, self.prefix, self.app, connection)
+        found._ready = self._ready
+        return found
 
     def close(self) -> None:
         self.database.dispose()
@@ -131,6 +142,8 @@ class Schedules:
 
     def _run(self, work: Any, read_only: bool = False) -> Any:
         self.ensure()
+        if self.connection is not None:
+            return work(self.connection)
         return self.database.run(work, read_only=read_only)
 
     def now(self) -> float:

@@ -1,5 +1,6 @@
 """The tables the migrations create: the transport's DDL for the configured queues, the
-routing tables and the outbox, run on the migration's own connection."""
+routing tables, the outbox and the database scheduler's tables, run on the migration's
+own connection."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from django.conf import settings
 
 from celery_ext.declaration import default_outbox_table
 from celery_ext.django_db import sqlalchemy_connection
-from kombu_sqlinbox.dialects import Dialect, dialect_for
+from kombu_sqlinbox.dialects import Dialect, ScheduleStatements, dialect_for
 from kombu_sqlinbox.options import parse_options
 from kombu_sqlinbox.tables import default_table, table_name_for_queue
 
@@ -39,9 +40,24 @@ def _routing(dialect: Dialect) -> tuple[list[str], list[str]]:
     """CREATE and DROP statements of the routing tables (the queue registry, the bindings,
     the transient messages) of the configured table prefix: a worker's remote-control
     queue, reply queues and fanout bindings live there."""
-    options = parse_options(getattr(settings, "CELERY_BROKER_TRANSPORT_OPTIONS", None))
-    routing = dialect.routing_statements(options.table_prefix)
+    routing = dialect.routing_statements(_prefix())
     return routing.ddl, routing.drop
+
+
+def _schedules(dialect: Dialect) -> tuple[list[str], list[str]]:
+    """CREATE and DROP statements of the database scheduler's tables (its schedules and
+    the ticks they sent) of the configured table prefix."""
+    schedules = dialect.schedule_statements(_prefix())
+    return schedules.ddl, schedules.drop
+
+
+def _prefix() -> str:
+    return parse_options(getattr(settings, "CELERY_BROKER_TRANSPORT_OPTIONS", None)).table_prefix
+
+
+def schedules_table() -> str:
+    """The configured prefix's schedules table: the admin's model of it is named so."""
+    return ScheduleStatements.tables(_prefix())[0]
 
 
 def _run(schema_editor: Any, which: int,
@@ -68,3 +84,11 @@ def create_routing_tables(apps: Any, schema_editor: Any) -> None:
 
 def drop_routing_tables(apps: Any, schema_editor: Any) -> None:
     _run(schema_editor, 1, _routing)
+
+
+def create_schedule_tables(apps: Any, schema_editor: Any) -> None:
+    _run(schema_editor, 0, _schedules)
+
+
+def drop_schedule_tables(apps: Any, schema_editor: Any) -> None:
+    _run(schema_editor, 1, _schedules)

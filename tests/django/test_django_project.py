@@ -61,16 +61,17 @@ def test_the_site_tests_pass(site_database: str, pytester: pytest.Pytester,
                     ignore=shutil.ignore_patterns("*.sqlite3", "__pycache__"))
     monkeypatch.setenv("SHOP_DATABASE", site_database)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=6)
+    result.assert_outcomes(passed=12)
 
 
 @pytest.mark.parametrize("site_database", ["sqlite", "postgresql", "mysql"], indirect=True)
 def test_a_worker_runs_on_what_migrate_created(
         site_database: str, tmp_path: Path, processes: Processes) -> None:
     """The site runs with ``create_tables: False``: after ``manage.py migrate``, a real
-    worker starts (its remote-control queue needs the routing tables), answers a ping
-    and runs a task sent through the app, and nothing creates a table after ``migrate``:
-    the database's tables are the same before and after the worker ran."""
+    worker starts (its remote-control queue needs the routing tables), answers a ping,
+    runs a task sent through the app and, with its embedded database scheduler, a
+    periodic task added as the admin adds one; nothing creates a table after
+    ``migrate``: the database's tables are the same before and after the worker ran."""
     site = tmp_path / "site"
     shutil.copytree(SITE, site, ignore=shutil.ignore_patterns("*.sqlite3", "__pycache__"))
     env = {"SHOP_DATABASE": site_database, "DJANGO_SETTINGS_MODULE": "shopsite.settings",
@@ -80,15 +81,21 @@ def test_a_worker_runs_on_what_migrate_created(
     migrated = run([sys.executable, "manage.py", "migrate"])
     assert migrated.returncode == 0, migrated.stdout + migrated.stderr
     migrated_tables = tables(site_database)
-    made = {"sqlinbox_celery", "sqlinbox_queues", "sqlinbox_bindings", "shop_outbox"}
+    made = {"sqlinbox_celery", "sqlinbox_queues", "sqlinbox_bindings", "shop_outbox",
+            "sqlinbox_schedules", "sqlinbox_schedule_ticks"}
     assert made <= migrated_tables, migrated_tables
+    scheduled = run([sys.executable, "-c", SCHEDULE])
+    assert scheduled.returncode == 0, scheduled.stdout + scheduled.stderr
 
-    worker = processes.worker("shopsite", env=env, pool="solo")
+    worker = processes.worker("shopsite", env=env, pool="solo", args=[
+        "-B", "--scheduler", "celery_ext.beat:DatabaseScheduler"])
     asked = run([sys.executable, "-c", ASK])
     assert asked.returncode == 0, asked.stdout + asked.stderr
     assert asked.stdout.split() == ["create_tables=False", "pong", "ran"], asked.stdout
     wait_until(lambda: "reserved stock for order 7" in worker.output(), 30,
                "the worker to log the task's result", alive=[worker])
+    wait_until(lambda: "reserved stock for order 99" in worker.output(), 30,
+               "the worker to run the periodic task", alive=[worker])
     worker.stop()
     assert tables(site_database) == migrated_tables
 
@@ -105,6 +112,16 @@ def tables(site_database: str) -> set[str]:
     finally:
         engine.dispose()
 
+
+#: a periodic task added through the admin's schedules
+SCHEDULE = """
+import django
+
+django.setup()
+from celery_ext.django.admin import schedules
+
+schedules().add("stock-check", "orders.tasks.reserve_stock", 1.0, args=[99])
+"""
 
 #: what a client of the site asks a worker: a ping, then a task (its result in the log)
 ASK = """

@@ -15,7 +15,20 @@ import celery_ext.django
 BASE_DIR = Path(__file__).resolve().parent.parent
 SECRET_KEY = "only-for-the-example"
 USE_TZ = True
-INSTALLED_APPS = ["celery_ext.django", "orders"]
+INSTALLED_APPS = ["celery_ext.django", "orders",
+                  # the admin, where the database scheduler's schedules are managed
+                  "django.contrib.admin", "django.contrib.auth", "django.contrib.contenttypes",
+                  "django.contrib.sessions", "django.contrib.messages"]
+MIDDLEWARE = ["django.contrib.sessions.middleware.SessionMiddleware",
+              "django.middleware.csrf.CsrfViewMiddleware",
+              "django.contrib.auth.middleware.AuthenticationMiddleware",
+              "django.contrib.messages.middleware.MessageMiddleware"]
+ROOT_URLCONF = "shopsite.urls"
+TEMPLATES = [{"BACKEND": "django.template.backends.django.DjangoTemplates", "APP_DIRS": True,
+              "OPTIONS": {"context_processors": [
+                  "django.template.context_processors.request",
+                  "django.contrib.auth.context_processors.auth",
+                  "django.contrib.messages.context_processors.messages"]}}]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 
