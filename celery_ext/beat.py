@@ -221,10 +221,18 @@ class Schedules:
         return [Tick(float(row.due), float(row.sent_at), row.task_id) for row in rows]
 
     def _schedule(self, row: Row[Any]) -> Schedule:
+        """A row as a schedule; one this process cannot read (a kind it does not know, a
+        spec or JSON edited by hand, a solar schedule without ``ephem``) raises
+        :class:`ScheduleError` naming it."""
+        try:
+            timing = decode(row.kind, row.spec, self.app)
+            args, kwargs, options = (json.loads(value)
+                                     for value in (row.args, row.kwargs, row.options))
+        except Exception as exc:
+            raise ScheduleError(f"schedule {row.name!r} cannot be read: {exc}") from exc
         return Schedule(
-            name=row.name, task=row.task, schedule=decode(row.kind, row.spec, self.app),
-            kind=row.kind, spec=row.spec, args=json.loads(row.args),
-            kwargs=json.loads(row.kwargs), options=json.loads(row.options),
+            name=row.name, task=row.task, schedule=timing, kind=row.kind, spec=row.spec,
+            args=args, kwargs=kwargs, options=options,
             misfire=row.misfire, grace=float(row.grace), enabled=bool(row.enabled),
             last_run_at=None if row.last_run_at is None else float(row.last_run_at),
             next_run_at=float(row.next_run_at), total_run_count=int(row.total_run_count))
@@ -234,11 +242,17 @@ class Schedules:
         """One tick: in one transaction, each enabled schedule due is claimed (its tick
         row), its task sent into the same transaction, and moved to its next run. Returns
         the names sent; a schedule another scheduler holds is left to it, a tick it
-        claimed is not sent again."""
+        claimed is not sent again, one that cannot be read is logged and left (the
+        others are sent: one bad row must not stop every scheduler)."""
         def work(conn: Connection) -> list[str]:
             sent = []
             for row in conn.execute(self.sql.due).all():
-                found = self._schedule(row)
+                try:
+                    found = self._schedule(row)
+                except ScheduleError as exc:
+                    logger.error("Scheduler: %s; its ticks are not sent until it is fixed "
+                                 "or removed", exc)
+                    continue
                 decision = decide(found.schedule, found.next_run_at, float(row.now),
                                   found.misfire, found.grace)
                 sends = decision.send and self._send(conn, found)

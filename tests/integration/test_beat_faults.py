@@ -1,0 +1,59 @@
+"""The database scheduler where production goes wrong: a schedule no scheduler can read, a
+schedule held by another scheduler, names the databases compare differently, values a
+column cannot hold, a session the server ends under a running beat."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from celery_ext.beat import Schedules
+from tests.acceptance.apps import tasks
+from tests.processes import Processes, wait_until
+
+from .beat_support import make_app
+
+#: a real ``celery beat`` with the database scheduler, on the acceptance tests' app
+BEAT = [sys.executable, "-m", "celery", "-A", "tests.acceptance.apps.tasks", "beat", "-S",
+        "celery_ext.beat:DatabaseScheduler", "-l", "info"]
+
+
+@pytest.fixture
+def store(broker_url: str, table_prefix: str) -> Iterator[Schedules]:
+    made = Schedules.for_app(make_app(broker_url, table_prefix))
+    yield made
+    made.close()
+
+
+def beat_env(broker_url: str, prefix: str, tmp_path: Path) -> dict[str, str]:
+    """The environment of a ``celery beat`` on this test's tables (unbuffered: its log is
+    read while it runs)."""
+    return {tasks.BROKER_ENV: broker_url, tasks.RUNS_ENV: str(tmp_path / "runs"),
+            tasks.OPTIONS_ENV: json.dumps({"table_prefix": prefix, "polling_interval": 0.1}),
+            tasks.CONF_ENV: "{}", "PYTHONUNBUFFERED": "1"}
+
+
+def set_column(store: Schedules, name: str, column: str, value: str) -> None:
+    """A schedule's row changed by hand (an operator's SQL, a newer version's kind)."""
+    table = store.dialect.quote(store.sql.names[0])
+    store.database.run(lambda conn: conn.execute(
+        text(f"UPDATE {table} SET {column} = :value WHERE name = :name"),
+        {"value": value, "name": name}))
+
+
+def test_a_schedule_that_cannot_be_read_is_logged_and_the_others_still_sent(
+        store: Schedules, broker_url: str, table_prefix: str, processes: Processes,
+        tmp_path: Path) -> None:
+    store.add("odd", "beat.odd", 0.2)
+    set_column(store, "odd", "kind", "weekly")
+    store.add("ping", "beat.ping", 0.3)
+    beat = processes.spawn("beat", BEAT, beat_env(broker_url, table_prefix, tmp_path))
+    wait_until(lambda: len(store.ticks("ping")) >= 3, 60, "three ticks of ping",
+               alive=[beat])
+    assert "schedule 'odd' cannot be read: unknown schedule kind 'weekly'" in beat.output()
+    assert store.ticks("odd") == []
