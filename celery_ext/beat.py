@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 TICK_RETENTION = 86_400.0
 #: how often a scheduler deletes ticks older than that (seconds)
 PRUNE_EVERY = 300.0
+#: how soon a scheduler looks again at a schedule still due after its tick (another
+#: scheduler is sending it, or it cannot be read), rather than at once, in a spin
+BUSY_WAIT = 1.0
 
 
 @dataclass(frozen=True)
@@ -292,9 +295,16 @@ class Schedules:
                                         "next_run_at": next_run_at, "sent": int(sent)})
 
     def wait(self) -> float | None:
-        """Seconds until the next enabled schedule is due (None: none is enabled)."""
-        found = self._run(lambda conn: conn.execute(self.sql.wait).scalar(), read_only=True)
-        return None if found is None else max(float(found), 0.0)
+        """Seconds until a scheduler should tick again (None: no schedule is enabled):
+        until the next enabled schedule falls due, or :data:`BUSY_WAIT` for one still due
+        (held by another scheduler, or unreadable) unless another falls due before."""
+        due, coming = self._run(lambda conn: conn.execute(self.sql.wait).one(),
+                                read_only=True)
+        if due is None:
+            return None
+        if due > 0:
+            return float(due)
+        return BUSY_WAIT if coming is None else min(float(coming), BUSY_WAIT)
 
     def prune(self, older_than: float = TICK_RETENTION) -> int:
         """Delete ticks due more than ``older_than`` seconds ago; returns how many."""

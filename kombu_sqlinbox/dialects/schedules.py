@@ -55,7 +55,8 @@ class ScheduleStatements:
     claim: TextClause
     #: a schedule moved past ``:due`` to ``:next_run_at`` (``:sent``: whether it sent)
     advance: TextClause
-    #: seconds until the next enabled schedule is due (NULL without one)
+    #: seconds until the first enabled schedule is due (negative: one is due), and until
+    #: the first due after now (NULL without one)
     wait: TextClause
     #: ``due, sent_at, task_id`` of ``:name``'s ticks, oldest first
     ticks: TextClause
@@ -146,7 +147,8 @@ class ScheduleFamily(DriverFamily):
                         f"last_run_at = CASE WHEN :sent = 1 THEN {now} ELSE last_run_at END, "
                         f"total_run_count = total_run_count + :sent "
                         f"WHERE name = :name AND next_run_at = :due"),
-            wait=sql(f"SELECT MIN(next_run_at) - {now} FROM {schedules} WHERE enabled = 1"),
+            wait=sql(f"SELECT MIN(next_run_at) - {now}, MIN(CASE WHEN next_run_at > {now} "
+                     f"THEN next_run_at END) - {now} FROM {schedules} WHERE enabled = 1"),
             ticks=sql(f"SELECT due, sent_at, task_id FROM {ticks} WHERE name = :name "
                       "ORDER BY due"),
             prune=sql(f"DELETE FROM {ticks} WHERE due < {now} - :older_than"),

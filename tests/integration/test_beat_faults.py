@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from sqlalchemy import text
 
-from celery_ext.beat import Schedules
+from celery_ext.beat import BUSY_WAIT, DatabaseScheduler, Schedules
 from tests.acceptance.apps import tasks
 from tests.processes import Processes, wait_until
 
@@ -53,7 +54,30 @@ def test_a_schedule_that_cannot_be_read_is_logged_and_the_others_still_sent(
     set_column(store, "odd", "kind", "weekly")
     store.add("ping", "beat.ping", 0.3)
     beat = processes.spawn("beat", BEAT, beat_env(broker_url, table_prefix, tmp_path))
+    started = time.monotonic()
     wait_until(lambda: len(store.ticks("ping")) >= 3, 60, "three ticks of ping",
                alive=[beat])
-    assert "schedule 'odd' cannot be read: unknown schedule kind 'weekly'" in beat.output()
+    logged = beat.output().count("schedule 'odd' cannot be read: unknown schedule kind "
+                                 "'weekly'")
+    ticks, seconds = len(store.ticks("ping")), time.monotonic() - started
+    # logged at each tick: ping's, and one each BUSY_WAIT for it (not a spin)
+    assert 1 <= logged <= ticks + seconds / BUSY_WAIT + 2, (logged, ticks, seconds)
     assert store.ticks("odd") == []
+
+
+@pytest.mark.databases("postgresql", "mysql")
+def test_a_scheduler_waits_while_another_holds_a_due_schedule(
+        store: Schedules, broker_url: str, table_prefix: str) -> None:
+    scheduler = DatabaseScheduler(make_app(broker_url, table_prefix))
+    due = store.add("ping", "beat.ping", 0.2).next_run_at
+    wait_until(lambda: store.now() > due, 10, "the schedule to fall due")
+    table = store.dialect.quote(store.sql.names[0])
+    try:
+        with store.database.engine.connect() as conn, conn.begin():
+            # another scheduler's tick holds the schedule
+            conn.execute(text(f"SELECT name FROM {table} WHERE name = 'ping' FOR UPDATE"))
+            assert scheduler.tick() == BUSY_WAIT
+        scheduler.tick()
+        assert len(store.ticks("ping")) == 1
+    finally:
+        scheduler.close()
