@@ -356,6 +356,8 @@ class MySQLDialect(Dialect):
                 for table, index in zip(made[::2], made[1::2], strict=True)]
 
     # -- schedules: the schedule tables (celery_ext.beat) ---------------------------------
+    #: a name compared byte for byte, as the routing tables' (:attr:`name_type`)
+    schedule_name_type = name_type
     schedule_time_type = "DOUBLE"
     schedule_table_suffix = " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
 

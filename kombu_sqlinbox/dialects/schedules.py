@@ -9,9 +9,10 @@ Every value is bound, every time is epoch seconds read from the database's clock
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from sqlalchemy import TextClause, text
+from sqlalchemy import TextClause, bindparam, text
+from sqlalchemy import types as sqltypes
 from sqlalchemy.engine import Engine
 
 from ..roles import check_identifier
@@ -73,10 +74,18 @@ class ScheduleStatements:
 class ScheduleFamily(DriverFamily):
     """The schedule tables' statements, built once per table prefix."""
 
-    #: a schedule's name (a key)
+    #: a schedule's name (a key, compared exactly: ``'Ping'``, ``'ping'`` and ``'ping '``
+    #: are three schedules), at most 255 characters
     schedule_name_type: ClassVar[str] = "VARCHAR(255)"
+    #: a schedule's kind and misfire policy, a tick's task id
+    schedule_word_type: ClassVar[str] = "VARCHAR(255)"
     #: a task name, the schedule's JSON, the arguments' JSON
     schedule_text_type: ClassVar[str] = "TEXT"
+
+    if TYPE_CHECKING:  # the routing family's: a name column read as text, bound
+        name_bind: ClassVar[sqltypes.TypeEngine[Any] | None]
+
+        def name_text(self, column: str) -> str: ...
     #: epoch seconds
     schedule_time_type: ClassVar[str] = "DOUBLE PRECISION"
     #: what follows a CREATE TABLE's column list
@@ -98,17 +107,18 @@ class ScheduleFamily(DriverFamily):
         return f"INSERT INTO {table} ({columns}) VALUES ({values}) ON CONFLICT ({key}) DO NOTHING"
 
     def schedule_ddl(self, schedules: str, ticks: str) -> list[str]:
-        name, label = self.schedule_name_type, self.schedule_text_type
+        name, word, label = (self.schedule_name_type, self.schedule_word_type,
+                             self.schedule_text_type)
         seconds = self.schedule_time_type
         return [
             f"CREATE TABLE IF NOT EXISTS {schedules} (name {name} NOT NULL PRIMARY KEY, "
-            f"task {label} NOT NULL, kind {name} NOT NULL, spec {label} NOT NULL, "
+            f"task {label} NOT NULL, kind {word} NOT NULL, spec {label} NOT NULL, "
             f"args {label} NOT NULL, kwargs {label} NOT NULL, options {label} NOT NULL, "
-            f"misfire {name} NOT NULL, grace {seconds} NOT NULL, enabled INTEGER NOT NULL, "
+            f"misfire {word} NOT NULL, grace {seconds} NOT NULL, enabled INTEGER NOT NULL, "
             f"last_run_at {seconds}, next_run_at {seconds} NOT NULL, "
             f"total_run_count INTEGER NOT NULL)" + self.schedule_table_suffix,
             f"CREATE TABLE IF NOT EXISTS {ticks} (name {name} NOT NULL, due {seconds} NOT NULL, "
-            f"sent_at {seconds} NOT NULL, task_id {name}, PRIMARY KEY (name, due))"
+            f"sent_at {seconds} NOT NULL, task_id {word}, PRIMARY KEY (name, due))"
             + self.schedule_table_suffix,
         ]
 
@@ -116,11 +126,15 @@ class ScheduleFamily(DriverFamily):
         names = ScheduleStatements.tables(prefix)
         schedules, ticks = (self.quote(name) for name in names)
         now = self.epoch(self.now)
-        columns = ", ".join(COLUMNS)
+        columns = ", ".join(f"{self.name_text(c)} AS {c}" if c == "name" else c
+                            for c in COLUMNS)
         defined = COLUMNS[:9]
 
         def sql(statement: str) -> TextClause:
-            return self.clocked(text(statement))
+            made = self.clocked(text(statement))
+            if self.name_bind is not None and ":name" in statement:
+                made = made.bindparams(bindparam("name", type_=self.name_bind))
+            return made
 
         return ScheduleStatements(
             names=names,
@@ -128,7 +142,7 @@ class ScheduleFamily(DriverFamily):
             drop=[f"DROP TABLE IF EXISTS {table}" for table in (schedules, ticks)],
             now=sql(f"SELECT {now}"),
             add=sql(self.insert_new(
-                schedules, columns,
+                schedules, ", ".join(COLUMNS),
                 ", ".join([*(f":{c}" for c in defined), ":enabled", "NULL", ":next_run_at",
                            "0"]), "name")),
             define=sql(f"UPDATE {schedules} SET "

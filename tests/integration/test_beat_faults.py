@@ -81,3 +81,15 @@ def test_a_scheduler_waits_while_another_holds_a_due_schedule(
         assert len(store.ticks("ping")) == 1
     finally:
         scheduler.close()
+
+
+@pytest.mark.drivers
+def test_names_differing_in_case_or_trailing_spaces_are_different_schedules(
+        store: Schedules) -> None:
+    for name, every in (("ping", 30.0), ("Ping", 60.0), ("ping ", 90.0)):
+        store.add(name, "beat.ping", every)
+    assert {(each.name, each.spec) for each in store.all()} == {
+        ("ping", '{"every": 30.0}'), ("Ping", '{"every": 60.0}'), ("ping ", '{"every": 90.0}')}
+    assert not store.pause("PING") and store.pause("Ping")
+    assert [each.name for each in store.all() if not each.enabled] == ["Ping"]
+
