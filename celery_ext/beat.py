@@ -37,6 +37,7 @@ from .schedule_times import (
     DEFAULT_GRACE,
     ScheduleError,
     check_misfire,
+    check_name,
     decide,
     decode,
     encode,
@@ -150,8 +151,12 @@ class Schedules:
         """Store a schedule; a name already there is kept as it is, unless ``replace``:
         then its definition is replaced, its enabled flag and last run kept (its next run
         recomputed when its timing changed)."""
-        check_misfire(misfire, grace)
-        kind, spec = encode(schedule)
+        check_name(name)
+        try:
+            check_misfire(misfire, grace)
+            kind, spec = encode(schedule)
+        except ScheduleError as exc:
+            raise ScheduleError(f"schedule {name!r}: {exc}") from None
         try:
             stored = {"args": json.dumps(list(args)), "kwargs": json.dumps(dict(kwargs or {})),
                       "options": json.dumps(dict(options or {}))}

@@ -25,6 +25,8 @@ DEFAULT_GRACE = 60.0
 MAX_STEPS = 10_000
 #: crontab's fields, in Celery's order
 CRON_FIELDS = ("minute", "hour", "day_of_week", "day_of_month", "month_of_year")
+#: the longest schedule name (characters): the name is a key every database holds whole
+NAME_LIMIT = 255
 
 
 class ScheduleError(ValueError):
@@ -142,6 +144,15 @@ def first_run(given: BaseSchedule, now: float) -> float:
     """When a schedule added at ``now`` first runs: an interval ``every`` from now (as
     Celery's beat does), a crontab or solar event at its next occurrence."""
     return next_after(given, now)
+
+
+def check_name(name: str) -> None:
+    """Refuse a name a table cannot hold as given (MySQL would cut it, PostgreSQL refuse
+    it as a driver error)."""
+    if not 0 < len(name) <= NAME_LIMIT or "\0" in name:
+        shown = repr(name) if len(name) <= 40 else f"{name[:40]!r}... ({len(name)} characters)"
+        raise ScheduleError(f"a schedule's name is 1 to {NAME_LIMIT} characters, none of "
+                            f"them NUL, not {shown}")
 
 
 def check_misfire(misfire: str, grace: float) -> None:

@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import text
 
 from celery_ext.beat import BUSY_WAIT, DatabaseScheduler, Schedules
+from celery_ext.schedule_times import ScheduleError
 from tests.acceptance.apps import tasks
 from tests.processes import Processes, wait_until
 
@@ -92,4 +93,15 @@ def test_names_differing_in_case_or_trailing_spaces_are_different_schedules(
         ("ping", '{"every": 30.0}'), ("Ping", '{"every": 60.0}'), ("ping ", '{"every": 90.0}')}
     assert not store.pause("PING") and store.pause("Ping")
     assert [each.name for each in store.all() if not each.enabled] == ["Ping"]
+
+
+@pytest.mark.drivers
+def test_a_name_a_table_cannot_hold_is_refused_and_the_longest_kept_whole(
+        store: Schedules) -> None:
+    for name in ("x" * 256, "a\0b", ""):
+        with pytest.raises(ScheduleError, match="a schedule's name is 1 to 255 characters"):
+            store.add(name, "beat.x", 30.0)
+    longest = "\N{GRINNING FACE}" * 255  # 1020 bytes of UTF-8
+    assert store.add(longest, "beat.x", 30.0).name == longest
+    assert [each.name for each in store.all()] == [longest]
 
