@@ -358,6 +358,8 @@ class MySQLDialect(Dialect):
     # -- schedules: the schedule tables (celery_ext.beat) ---------------------------------
     #: a name compared byte for byte, as the routing tables' (:attr:`name_type`)
     schedule_name_type = name_type
+    #: JSON of any size the server takes (TEXT holds 64 KiB)
+    schedule_text_type = "LONGTEXT"
     schedule_time_type = "DOUBLE"
     schedule_table_suffix = " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
 

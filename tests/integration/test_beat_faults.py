@@ -105,3 +105,8 @@ def test_a_name_a_table_cannot_hold_is_refused_and_the_longest_kept_whole(
     assert store.add(longest, "beat.x", 30.0).name == longest
     assert [each.name for each in store.all()] == [longest]
 
+
+@pytest.mark.drivers
+def test_arguments_of_any_size_are_stored_whole(store: Schedules) -> None:
+    blob = "x" * 100_000
+    assert store.add("big", "beat.big", 30.0, kwargs={"blob": blob}).kwargs == {"blob": blob}
