@@ -4,21 +4,26 @@ column cannot hold, a session the server ends under a running beat."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import bindparam, text
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 
 from celery_ext.beat import BUSY_WAIT, DatabaseScheduler, Schedules
 from celery_ext.schedule_times import ScheduleError
 from tests.acceptance.apps import tasks
 from tests.processes import Processes, wait_until
 
-from .beat_support import make_app
+from .beat_support import make_app, sent_ids
 
 #: a real ``celery beat`` with the database scheduler, on the acceptance tests' app
 BEAT = [sys.executable, "-m", "celery", "-A", "tests.acceptance.apps.tasks", "beat", "-S",
@@ -37,7 +42,8 @@ def beat_env(broker_url: str, prefix: str, tmp_path: Path) -> dict[str, str]:
     read while it runs)."""
     return {tasks.BROKER_ENV: broker_url, tasks.RUNS_ENV: str(tmp_path / "runs"),
             tasks.OPTIONS_ENV: json.dumps({"table_prefix": prefix, "polling_interval": 0.1}),
-            tasks.CONF_ENV: "{}", "PYTHONUNBUFFERED": "1"}
+            tasks.CONF_ENV: json.dumps({"task_default_queue": "beat"}),
+            "PYTHONUNBUFFERED": "1"}
 
 
 def set_column(store: Schedules, name: str, column: str, value: str) -> None:
@@ -110,3 +116,57 @@ def test_a_name_a_table_cannot_hold_is_refused_and_the_longest_kept_whole(
 def test_arguments_of_any_size_are_stored_whole(store: Schedules) -> None:
     blob = "x" * 100_000
     assert store.add("big", "beat.big", 30.0, kwargs={"blob": blob}).kwargs == {"blob": blob}
+
+
+def client_ports(pid: int) -> set[int]:
+    """The local TCP ports of ``pid``'s sockets (its sessions' ports as the server sees
+    them)."""
+    fds = Path(f"/proc/{pid}/fd")
+    inodes = set()
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+#: a server's sessions from these client ports, and how to end one
+SESSIONS = {"postgresql": ("SELECT pid FROM pg_stat_activity WHERE client_port IN :ports",
+                           "SELECT pg_terminate_backend({})"),
+            "mysql": ("SELECT id FROM information_schema.processlist WHERE "
+                      "SUBSTRING_INDEX(host, ':', -1) IN :ports", "KILL {}")}
+
+
+@pytest.mark.databases("postgresql", "mysql")  # SQLite has no session to end
+def test_a_running_beat_whose_sessions_the_server_ends_sends_on_once(
+        store: Schedules, broker_url: str, table_prefix: str, processes: Processes,
+        tmp_path: Path, engine: Engine, database: str) -> None:
+    store.add("ping", "beat.ping", 0.3)
+    beat = processes.spawn("beat", BEAT, beat_env(broker_url, table_prefix, tmp_path))
+    wait_until(lambda: len(store.ticks("ping")) >= 3, 60, "three ticks", alive=[beat])
+    find, end = SESSIONS[database]
+    for _ in range(3):  # as a server restart would, between and during ticks
+        ports = [str(port) for port in client_ports(beat.popen.pid)]
+        with engine.connect() as conn:
+            ended = conn.execute(text(find).bindparams(bindparam("ports", expanding=True)),
+                                 {"ports": ports}).scalars().all()
+            assert ended, "the beat's sessions"
+            for session in ended:
+                with contextlib.suppress(DBAPIError):  # ended on its own meanwhile
+                    conn.execute(text(end.format(int(session))))
+        before = len(store.ticks("ping"))
+        wait_until(lambda at=before: len(store.ticks("ping")) >= at + 3, 60, "three more ticks",
+                   alive=[beat])
+    beat.kill()
+    dues = [tick.due for tick in store.ticks("ping")]
+    steps = [(b - a) / 0.3 for a, b in pairwise(dues)]
+    assert all(step > 0.5 and abs(step - round(step)) < 1e-6 for step in steps), dues
+    assert sorted(sent_ids(broker_url, table_prefix)) == sorted(
+        str(tick.task_id) for tick in store.ticks("ping"))
