@@ -126,8 +126,9 @@ class ScheduleFamily(DriverFamily):
         names = ScheduleStatements.tables(prefix)
         schedules, ticks = (self.quote(name) for name in names)
         now = self.epoch(self.now)
-        columns = ", ".join(f"{self.name_text(c)} AS {c}" if c == "name" else c
-                            for c in COLUMNS)
+        named = self.name_text("name")
+        columns = ", ".join(COLUMNS).replace(
+            "name", "name" if named == "name" else f"{named} AS name", 1)
         defined = COLUMNS[:9]
 
         def sql(statement: str) -> TextClause:
