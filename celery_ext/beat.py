@@ -28,6 +28,7 @@ from sqlalchemy.exc import DBAPIError
 
 from kombu_sqlinbox.database import Database, open_database
 from kombu_sqlinbox.dialects import ScheduleStatements
+from kombu_sqlinbox.dialects.schedules import TICK_IDLE_LIMIT
 from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.options import parse_options
 from kombu_sqlinbox.urls import client_url, masked
@@ -44,7 +45,7 @@ from .schedule_times import (
     first_run,
 )
 
-__all__ = ["DatabaseScheduler", "Schedule", "Schedules", "Tick"]
+__all__ = ["TICK_IDLE_LIMIT", "DatabaseScheduler", "Schedule", "Schedules", "Tick"]
 
 logger = logging.getLogger(__name__)
 #: how long sent ticks are kept (seconds): far longer than any race for one lasts
@@ -253,6 +254,8 @@ class Schedules:
         claimed is not sent again, one that cannot be read is logged and left (the
         others are sent: one bad row must not stop every scheduler)."""
         def work(conn: Connection) -> list[str]:
+            for statement in self.sql.guard:  # a scheduler frozen here lets go in time
+                conn.exec_driver_sql(statement)
             sent = []
             for row in conn.execute(self.sql.due).all():
                 try:
@@ -269,6 +272,8 @@ class Schedules:
                 self._advance(conn, found, decision.next_run_at, sends)
                 if sends:
                     sent.append(found.name)
+            for statement in self.sql.unguard:
+                conn.exec_driver_sql(statement)
             return sent
 
         return list(self._run(work))

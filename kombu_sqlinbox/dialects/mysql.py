@@ -363,6 +363,12 @@ class MySQLDialect(Dialect):
     schedule_time_type = "DOUBLE"
     schedule_table_suffix = " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
 
+    def schedule_guard(self, seconds: int) -> tuple[list[str], list[str]]:
+        """The server waits ``wait_timeout`` for a session's next statement, inside a
+        transaction too (MySQL has no idle-in-transaction limit); restored after."""
+        return ([f"SET SESSION wait_timeout = {seconds}"],
+                ["SET SESSION wait_timeout = DEFAULT"])
+
     def insert_new(self, table: str, columns: str, values: str, key: str) -> str:
         """INSERT IGNORE: a taken key writes nothing and counts no row (ON DUPLICATE KEY
         UPDATE would count one, the driver reporting rows found)."""

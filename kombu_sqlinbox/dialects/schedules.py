@@ -23,6 +23,10 @@ SCHEDULE_TABLES = ("schedules", "schedule_ticks")
 #: a schedule's columns as :attr:`ScheduleStatements.read` and ``listed`` return them
 COLUMNS = ("name", "task", "kind", "spec", "args", "kwargs", "options", "misfire", "grace",
            "enabled", "last_run_at", "next_run_at", "total_run_count")
+#: how long (seconds) a tick's transaction may sit idle before the server ends it: a
+#: scheduler frozen mid-tick (a paused VM, a stopped process) holds its schedules' rows,
+#: which the others skip, until then
+TICK_IDLE_LIMIT = 10
 #: values the schema check binds to every statement it plans
 PLAN_PARAMS = {"name": "-", "task": "-", "kind": "interval", "spec": "{}", "args": "[]",
                "kwargs": "{}", "options": "{}", "misfire": "skip", "grace": 1.0, "enabled": 1,
@@ -63,6 +67,10 @@ class ScheduleStatements:
     ticks: TextClause
     #: ticks older than ``:older_than`` seconds
     prune: TextClause
+    #: run first in a tick's transaction, and last: the server ends its session once it
+    #: sits idle :data:`TICK_IDLE_LIMIT` seconds
+    guard: list[str]
+    unguard: list[str]
 
     @staticmethod
     def tables(prefix: str) -> tuple[str, str]:
@@ -122,6 +130,11 @@ class ScheduleFamily(DriverFamily):
             + self.schedule_table_suffix,
         ]
 
+    def schedule_guard(self, seconds: int) -> tuple[list[str], list[str]]:
+        """What a tick runs first and last so that the server ends its session once it sits
+        idle ``seconds`` (none: a database that holds no row locks)."""
+        return [], []
+
     def build_schedules(self, prefix: str) -> ScheduleStatements:
         names = ScheduleStatements.tables(prefix)
         schedules, ticks = (self.quote(name) for name in names)
@@ -130,6 +143,7 @@ class ScheduleFamily(DriverFamily):
         columns = ", ".join(COLUMNS).replace(
             "name", "name" if named == "name" else f"{named} AS name", 1)
         defined = COLUMNS[:9]
+        guard, unguard = self.schedule_guard(TICK_IDLE_LIMIT)
 
         def sql(statement: str) -> TextClause:
             made = self.clocked(text(statement))
@@ -167,4 +181,6 @@ class ScheduleFamily(DriverFamily):
             ticks=sql(f"SELECT due, sent_at, task_id FROM {ticks} WHERE name = :name "
                       "ORDER BY due"),
             prune=sql(f"DELETE FROM {ticks} WHERE due < {now} - :older_than"),
+            guard=guard,
+            unguard=unguard,
         )

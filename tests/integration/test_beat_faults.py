@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -18,13 +19,14 @@ from sqlalchemy import bindparam, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from celery_ext.beat import BUSY_WAIT, DatabaseScheduler, Schedules
+from celery_ext.beat import BUSY_WAIT, TICK_IDLE_LIMIT, DatabaseScheduler, Schedules
 from celery_ext.schedule_times import ScheduleError
 from tests.acceptance.apps import tasks
 from tests.processes import Processes, wait_until
 
-from .beat_support import make_app, sent_ids
+from .beat_support import make_app, sent_ids, stall
 
+SPAWN = multiprocessing.get_context("spawn")
 #: a real ``celery beat`` with the database scheduler, on the acceptance tests' app
 BEAT = [sys.executable, "-m", "celery", "-A", "tests.acceptance.apps.tasks", "beat", "-S",
         "celery_ext.beat:DatabaseScheduler", "-l", "info"]
@@ -170,3 +172,23 @@ def test_a_running_beat_whose_sessions_the_server_ends_sends_on_once(
     assert all(step > 0.5 and abs(step - round(step)) < 1e-6 for step in steps), dues
     assert sorted(sent_ids(broker_url, table_prefix)) == sorted(
         str(tick.task_id) for tick in store.ticks("ping"))
+
+
+@pytest.mark.databases("postgresql", "mysql")  # SQLite: one writer, its lock the file's
+def test_a_scheduler_frozen_mid_tick_does_not_hold_its_schedules_for_ever(
+        store: Schedules, broker_url: str, table_prefix: str, tmp_path: Path) -> None:
+    due = store.add("nightly", "beat.nightly", 1.0).next_run_at
+    flag = tmp_path / "flag"
+    frozen = SPAWN.Process(target=stall, args=(broker_url, table_prefix, str(flag)))
+    frozen.start()
+    try:
+        wait_until(flag.exists, 60, "the scheduler to stop inside its tick")
+        # the server ends the frozen scheduler's session: its tick is sent by another
+        sent = wait_until(store.run_due, TICK_IDLE_LIMIT + 30, "another scheduler's tick",
+                          interval=0.5)
+        assert sent == ["nightly"]
+        assert [tick.due for tick in store.ticks("nightly")] == [due]
+        assert len(sent_ids(broker_url, table_prefix)) == 1
+    finally:
+        frozen.kill()
+        frozen.join(10)
