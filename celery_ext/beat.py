@@ -28,6 +28,7 @@ from sqlalchemy.exc import DBAPIError
 
 from kombu_sqlinbox.database import Database, open_database
 from kombu_sqlinbox.dialects import ScheduleStatements
+from kombu_sqlinbox.dialects.schedules import TICK_IDLE_LIMIT
 from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.options import parse_options
 from kombu_sqlinbox.urls import client_url, masked
@@ -37,19 +38,23 @@ from .schedule_times import (
     DEFAULT_GRACE,
     ScheduleError,
     check_misfire,
+    check_name,
     decide,
     decode,
     encode,
     first_run,
 )
 
-__all__ = ["DatabaseScheduler", "Schedule", "Schedules", "Tick"]
+__all__ = ["TICK_IDLE_LIMIT", "DatabaseScheduler", "Schedule", "Schedules", "Tick"]
 
 logger = logging.getLogger(__name__)
 #: how long sent ticks are kept (seconds): far longer than any race for one lasts
 TICK_RETENTION = 86_400.0
 #: how often a scheduler deletes ticks older than that (seconds)
 PRUNE_EVERY = 300.0
+#: how soon a scheduler looks again at a schedule still due after its tick (another
+#: scheduler is sending it, or it cannot be read), rather than at once, in a spin
+BUSY_WAIT = 1.0
 
 
 @dataclass(frozen=True)
@@ -160,8 +165,12 @@ class Schedules:
         """Store a schedule; a name already there is kept as it is, unless ``replace``:
         then its definition is replaced, its enabled flag and last run kept (its next run
         recomputed when its timing changed)."""
-        check_misfire(misfire, grace)
-        kind, spec = encode(schedule)
+        check_name(name)
+        try:
+            check_misfire(misfire, grace)
+            kind, spec = encode(schedule)
+        except ScheduleError as exc:
+            raise ScheduleError(f"schedule {name!r}: {exc}") from None
         try:
             stored = {"args": json.dumps(list(args)), "kwargs": json.dumps(dict(kwargs or {})),
                       "options": json.dumps(dict(options or {}))}
@@ -234,10 +243,18 @@ class Schedules:
         return [Tick(float(row.due), float(row.sent_at), row.task_id) for row in rows]
 
     def _schedule(self, row: Row[Any]) -> Schedule:
+        """A row as a schedule; one this process cannot read (a kind it does not know, a
+        spec or JSON edited by hand, a solar schedule without ``ephem``) raises
+        :class:`ScheduleError` naming it."""
+        try:
+            timing = decode(row.kind, row.spec, self.app)
+            args, kwargs, options = (json.loads(value)
+                                     for value in (row.args, row.kwargs, row.options))
+        except Exception as exc:
+            raise ScheduleError(f"schedule {row.name!r} cannot be read: {exc}") from exc
         return Schedule(
-            name=row.name, task=row.task, schedule=decode(row.kind, row.spec, self.app),
-            kind=row.kind, spec=row.spec, args=json.loads(row.args),
-            kwargs=json.loads(row.kwargs), options=json.loads(row.options),
+            name=row.name, task=row.task, schedule=timing, kind=row.kind, spec=row.spec,
+            args=args, kwargs=kwargs, options=options,
             misfire=row.misfire, grace=float(row.grace), enabled=bool(row.enabled),
             last_run_at=None if row.last_run_at is None else float(row.last_run_at),
             next_run_at=float(row.next_run_at), total_run_count=int(row.total_run_count))
@@ -247,11 +264,19 @@ class Schedules:
         """One tick: in one transaction, each enabled schedule due is claimed (its tick
         row), its task sent into the same transaction, and moved to its next run. Returns
         the names sent; a schedule another scheduler holds is left to it, a tick it
-        claimed is not sent again."""
+        claimed is not sent again, one that cannot be read is logged and left (the
+        others are sent: one bad row must not stop every scheduler)."""
         def work(conn: Connection) -> list[str]:
+            for statement in self.sql.guard:  # a scheduler frozen here lets go in time
+                conn.exec_driver_sql(statement)
             sent = []
             for row in conn.execute(self.sql.due).all():
-                found = self._schedule(row)
+                try:
+                    found = self._schedule(row)
+                except ScheduleError as exc:
+                    logger.error("Scheduler: %s; its ticks are not sent until it is fixed "
+                                 "or removed", exc)
+                    continue
                 decision = decide(found.schedule, found.next_run_at, float(row.now),
                                   found.misfire, found.grace)
                 sends = decision.send and self._send(conn, found)
@@ -260,6 +285,8 @@ class Schedules:
                 self._advance(conn, found, decision.next_run_at, sends)
                 if sends:
                     sent.append(found.name)
+            for statement in self.sql.unguard:
+                conn.exec_driver_sql(statement)
             return sent
 
         return list(self._run(work))
@@ -291,9 +318,16 @@ class Schedules:
                                         "next_run_at": next_run_at, "sent": int(sent)})
 
     def wait(self) -> float | None:
-        """Seconds until the next enabled schedule is due (None: none is enabled)."""
-        found = self._run(lambda conn: conn.execute(self.sql.wait).scalar(), read_only=True)
-        return None if found is None else max(float(found), 0.0)
+        """Seconds until a scheduler should tick again (None: no schedule is enabled):
+        until the next enabled schedule falls due, or :data:`BUSY_WAIT` for one still due
+        (held by another scheduler, or unreadable) unless another falls due before."""
+        due, coming = self._run(lambda conn: conn.execute(self.sql.wait).one(),
+                                read_only=True)
+        if due is None:
+            return None
+        if due > 0:
+            return float(due)
+        return BUSY_WAIT if coming is None else min(float(coming), BUSY_WAIT)
 
     def prune(self, older_than: float = TICK_RETENTION) -> int:
         """Delete ticks due more than ``older_than`` seconds ago; returns how many."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from celery.schedules import BaseSchedule, crontab, schedule, solar
+from celery.schedules import BaseSchedule, ParseException, crontab, schedule, solar
 
 #: what a tick does with occurrences no scheduler reached in time: skip them (the latest
 #: runs if it is at most ``grace`` seconds late), or run one catch-up for them all
@@ -25,6 +25,8 @@ DEFAULT_GRACE = 60.0
 MAX_STEPS = 10_000
 #: crontab's fields, in Celery's order
 CRON_FIELDS = ("minute", "hour", "day_of_week", "day_of_month", "month_of_year")
+#: the longest schedule name (characters): the name is a key every database holds whole
+NAME_LIMIT = 255
 
 
 class ScheduleError(ValueError):
@@ -42,7 +44,11 @@ def encode(given: BaseSchedule | timedelta | float) -> tuple[str, str]:
     """``(kind, spec)`` of a schedule as Celery's ``beat_schedule`` takes it (a number of
     seconds or a timedelta is an interval)."""
     if isinstance(given, (int, float, timedelta)):
-        given = schedule(given)
+        try:
+            given = schedule(given)
+        except (OverflowError, ValueError):  # infinite, NaN
+            raise ScheduleError(f"an interval must be a number of seconds, not {given!r}"
+                                ) from None
     if isinstance(given, crontab):
         fields = {name: _cron_field(getattr(given, f"_orig_{name}")) for name in CRON_FIELDS}
         return "crontab", json.dumps(fields)
@@ -73,16 +79,18 @@ def parse(text: str, app: Any = None) -> BaseSchedule:
     """A schedule as the command line gives it: ``every:SECONDS``, ``crontab:M H DOW DOM
     MOY`` (fields omitted from the end are ``*``), ``solar:EVENT:LAT:LON``."""
     kind, _, rest = text.partition(":")
+    if kind == "crontab" and len(rest.split()) > len(CRON_FIELDS):
+        raise ScheduleError(f"{text!r}: a crontab has at most {len(CRON_FIELDS)} fields "
+                            "(M H DOW DOM MOY)")
     try:
         if kind == "every":
             return schedule(timedelta(seconds=float(rest)), app=app)
         if kind == "crontab":
-            parts = rest.split() + ["*"] * (5 - len(rest.split()))
-            return crontab(*parts[:5], app=app)
+            return crontab(*rest.split(), app=app)  # fields left out are *
         if kind == "solar":
             event, lat, lon = rest.split(":")
             return solar(event, float(lat), float(lon), app=app)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, OverflowError, ParseException) as exc:
         raise ScheduleError(f"{text!r}: {exc}") from None
     raise ScheduleError(f"{text!r}: give every:SECONDS, crontab:'M H DOW DOM MOY' or "
                         "solar:EVENT:LAT:LON")
@@ -144,10 +152,20 @@ def first_run(given: BaseSchedule, now: float) -> float:
     return next_after(given, now)
 
 
+def check_name(name: str) -> None:
+    """Refuse a name a table cannot hold as given (MySQL would cut it, PostgreSQL refuse
+    it as a driver error)."""
+    if not 0 < len(name) <= NAME_LIMIT or "\0" in name:
+        shown = repr(name) if len(name) <= 40 else f"{name[:40]!r}... ({len(name)} characters)"
+        raise ScheduleError(f"a schedule's name is 1 to {NAME_LIMIT} characters, none of "
+                            f"them NUL, not {shown}")
+
+
 def check_misfire(misfire: str, grace: float) -> None:
     if misfire not in MISFIRE:
         raise ScheduleError(f"misfire must be one of {', '.join(MISFIRE)}, not {misfire!r}")
-    if not grace >= 0:
-        raise ScheduleError(f"the misfire grace must be 0 seconds or more, not {grace}")
+    if not 0 <= grace < math.inf:
+        raise ScheduleError(f"the misfire grace must be 0 seconds or more (and finite), "
+                            f"not {grace}")
 
 

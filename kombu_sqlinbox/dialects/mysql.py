@@ -359,8 +359,18 @@ class MySQLDialect(Dialect):
                 for table, index in zip(made[::2], made[1::2], strict=True)]
 
     # -- schedules: the schedule tables (celery_ext.beat) ---------------------------------
+    #: a name compared byte for byte, as the routing tables' (:attr:`name_type`)
+    schedule_name_type = name_type
+    #: JSON of any size the server takes (TEXT holds 64 KiB)
+    schedule_text_type = "LONGTEXT"
     schedule_time_type = "DOUBLE"
     schedule_table_suffix = " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
+
+    def schedule_guard(self, seconds: int) -> tuple[list[str], list[str]]:
+        """The server waits ``wait_timeout`` for a session's next statement, inside a
+        transaction too (MySQL has no idle-in-transaction limit); restored after."""
+        return ([f"SET SESSION wait_timeout = {seconds}"],
+                ["SET SESSION wait_timeout = DEFAULT"])
 
     def insert_new(self, table: str, columns: str, values: str, key: str) -> str:
         """INSERT IGNORE: a taken key writes nothing and counts no row (ON DUPLICATE KEY

@@ -297,6 +297,11 @@ class PostgreSQLDialect(Dialect):
         if self.notify:
             self.execute(conn, WAKE, {"channel": channel})
 
+    # -- schedules: the schedule tables (celery_ext.beat) ---------------------------------
+    def schedule_guard(self, seconds: int) -> tuple[list[str], list[str]]:
+        """Set for the tick's transaction alone."""
+        return [f"SET LOCAL idle_in_transaction_session_timeout = '{seconds}s'"], []
+
     # -- wakeups: wake-ups and advisory key locks ------------------------------------------
     def wake(self, conn: Connection, spec: TableSpec) -> None:
         if self.notify:

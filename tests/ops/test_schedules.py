@@ -46,9 +46,15 @@ def test_schedules_are_added_listed_paused_resumed_and_removed(cli: Cli) -> None
 
 @ONE_DATABASE
 def test_a_bad_schedule_or_argument_is_a_usage_error(cli: Cli) -> None:
-    for args, said in ((["hourly"], "give every:SECONDS"),
-                       (["every:5", "--kwargs", "[1]"], "a JSON dict is needed")):
-        done = cli("schedules", "add", "bad", "ops.add", *args, check=False)
+    for name, args, said in (
+            ("bad", ["hourly"], "give every:SECONDS"),
+            ("bad", ["every:5", "--kwargs", "[1]"], "a JSON dict is needed"),
+            ("bad", ["every:inf"], "'every:inf': cannot convert float infinity"),
+            ("bad", ["crontab:-5"], "'crontab:-5': negative numbers not supported"),
+            ("bad", ["crontab:0 3 * * * *"], "a crontab has at most 5 fields"),
+            ("bad", ["every:5", "--grace", "inf"], "0 seconds or more (and finite), not inf"),
+            ("x" * 300, ["every:5"], "a schedule's name is 1 to 255 characters")):
+        done = cli("schedules", "add", name, "ops.add", *args, check=False)
         assert done.returncode == 2 and said in done.stderr, (args, done.stderr)
     nowhere = subprocess.run([SQLINBOX, "schedules", "list"], capture_output=True, text=True,
                              timeout=CLI_LIMIT)

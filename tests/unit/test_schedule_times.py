@@ -28,6 +28,9 @@ def test_schedules_survive_storing_as_json() -> None:
     assert decode(*encode(solar("sunrise", 52.0, 4.0))) == solar("sunrise", 52.0, 4.0)
     with pytest.raises(ScheduleError, match="positive"):
         encode(0)
+    for endless in (float("inf"), float("nan")):
+        with pytest.raises(ScheduleError, match="an interval must be a number of seconds"):
+            encode(endless)
     with pytest.raises(ScheduleError, match="unknown schedule kind"):
         decode("lunar", "{}")
 
