@@ -9,6 +9,8 @@ from the database's clock, as one changed from Python or the command line does.
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.db import models
 
 from .schema import schedules_table
@@ -17,10 +19,18 @@ from .schema import schedules_table
 STATES = [(1, "enabled"), (0, "paused")]
 
 
+class ScheduleName(models.CharField):  # type: ignore[type-arg]
+    """A schedule's name: text, stored as the scheduler stores it (MariaDB and MySQL keep
+    names as UTF-8 bytes, compared exactly whatever the collation)."""
+
+    def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:
+        return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
 class Schedule(models.Model):
     """One periodic task of the database scheduler (times: epoch seconds, the database's)."""
 
-    name = models.CharField(max_length=255, primary_key=True)
+    name = ScheduleName(max_length=255, primary_key=True)
     task = models.TextField()
     kind = models.CharField(max_length=255)
     spec = models.TextField()

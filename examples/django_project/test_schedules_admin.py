@@ -57,7 +57,7 @@ def test_a_schedule_added_in_the_admin_runs_by_the_databases_clock(client: Clien
 
 def test_a_mistake_is_shown_on_the_form_and_nothing_is_stored(client: Client) -> None:
     answer = client.post(f"{PAGES}add/", {
-        "name": "broken", "task": "orders.tasks.reserve_stock", "when": "every:soon",
+        "name": "broken\x00", "task": "orders.tasks.reserve_stock", "when": "every:soon",
         "arguments": "{}", "keyword_arguments": "{oops", "misfire": "later", "grace": "-1",
         "enabled": "1"})
     page = answer.content.decode()
@@ -65,7 +65,8 @@ def test_a_mistake_is_shown_on_the_form_and_nothing_is_stored(client: Client) ->
     assert "a JSON list is needed" in page and "not JSON" in page
     assert "Select a valid choice" in page and "greater than or equal to 0" in page
     assert "every:soon" in page and "errorlist" in page
-    assert schedules().get("broken") is None
+    assert "Null characters are not allowed" in page  # the scheduler's rule for names
+    assert schedules().all() == []
 
 
 def test_a_change_keeps_the_options_the_admin_does_not_show(client: Client) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from django.db import migrations, models
 
-from celery_ext.django.models import STATES
+from celery_ext.django.models import STATES, ScheduleName
 from celery_ext.django.schema import (
     create_schedule_tables,
     drop_schedule_tables,
@@ -21,7 +21,7 @@ class Migration(migrations.Migration):
         migrations.CreateModel(
             name="Schedule",
             fields=[
-                ("name", models.CharField(max_length=255, primary_key=True, serialize=False)),
+                ("name", ScheduleName(max_length=255, primary_key=True, serialize=False)),
                 ("task", models.TextField()),
                 ("kind", models.CharField(max_length=255)),
                 ("spec", models.TextField()),
