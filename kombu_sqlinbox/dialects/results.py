@@ -161,9 +161,11 @@ class ResultFamily(DriverFamily):
                 f"ON CONFLICT ({key}) DO UPDATE SET {updates}{guard}")
 
     def result_expire_sql(self, table: str, key: str) -> str:
-        """DELETE of at most ``:limit`` rows of ``table`` done ``:expires`` seconds ago."""
+        """DELETE of at most ``:limit`` rows of ``table`` done ``:expires`` seconds ago,
+        the oldest first (the index on ``date_done``'s walk)."""
         return (f"DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {table} "
-                f"WHERE date_done < {self.epoch(self.now)} - :expires LIMIT :limit)")
+                f"WHERE date_done < {self.epoch(self.now)} - :expires ORDER BY date_done "
+                "LIMIT :limit)")
 
     def history_index(self, tasks: str, name: str) -> str:
         """CREATE INDEX of the history index on an existing task table."""

@@ -1,6 +1,7 @@
 """Task history from the result table: the recent failures one by one and per task, the
-history index (made with the tables, added to tables made before it), and its plans on a
-big table: a listing reads a range of the index, never the whole table."""
+history index (made with the tables, added to tables made before it), and the plans on a
+big table: a listing reads a range of the index, never the whole table, and so does
+``backend_cleanup``'s batch (the index on ``date_done``)."""
 
 from __future__ import annotations
 
@@ -184,6 +185,12 @@ def test_failure_listing_reads_the_history_index_on_a_big_table(
         plan = "\n".join(dialect.plan_lines(conn, dialect.explained(store.sql.failures_at),
                                             {"last": 0.0}))
     assert index in plan and "Seq Scan" not in plan and "type=ALL" not in plan, plan
+    expire = store.sql.expire[0]  # backend_cleanup's batch: by the index on date_done
+    with engine.connect() as conn:
+        plan = "\n".join(dialect.plan_lines(conn, dialect.explained(expire),
+                                            {"expires": 3600.0, "limit": 1000}))
+    assert dialect.plan_problem(plan, store.sql.names[0] + "_done") is None, plan
+    assert "Hash" not in plan, plan  # PostgreSQL: no hash of the whole table per batch
     history = History(store.database, store.sql)
     listed = history.failures(3600, 20)
     assert listed and all(f.task_name for f in listed)
