@@ -36,6 +36,8 @@ __all__ = ["failures", "failures_section"]
 #: the window and the tasks ``queues`` shows
 SECTION_WINDOW, SECTION_TASKS = 3600.0, 5
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+#: the longest exception a table shows (``--json`` shows them whole)
+SHOWN = 120
 NO_NAMES = ("task names are not stored: result_extended is off (every failure is "
             "counted under -)")
 
@@ -121,6 +123,17 @@ def exception_text(failure: Failure, decode: Callable[[bytes], Any]) -> str:
     return " ".join((f"{kind}: {message}" if message else kind).split())
 
 
+def duration_text(seconds: float) -> str:
+    """A window as ``--since`` takes it, in its largest whole unit (``3600`` -> ``1h``)."""
+    unit = next(name for name in "dhms" if name == "s" or seconds % UNITS[name] == 0)
+    return f"{seconds / UNITS[unit]:g}{unit}"
+
+
+def shown(text: str) -> str:
+    """An exception as a table shows it: :data:`SHOWN` characters at most."""
+    return text if len(text) <= SHOWN else text[:SHOWN - 1] + "…"
+
+
 def when(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
@@ -134,7 +147,7 @@ def summary_table(found: Sequence[TaskFailures], decode: Callable[[bytes], Any])
     return text_table(
         ("task", "failures", "last failure (UTC)", "last exception"),
         [(each.task_name or "-", each.count, when(each.last_done),
-          "-" if each.last is None else exception_text(each.last, decode))
+          "-" if each.last is None else shown(exception_text(each.last, decode)))
          for each in found], align="<><<")
 
 
@@ -189,9 +202,9 @@ def failures(ctx: click.Context, task: str | None, since: float, limit: int,
     click.echo(text_table(
         ("task id", "task", "failed at (UTC)", "exception", "worker"),
         [(each.task_id, each.task_name or "-", when(each.date_done),
-          exception_text(each, found.decode), each.worker or "-") for each in listed],
+          shown(exception_text(each, found.decode)), each.worker or "-") for each in listed],
         align="<<<<<"))
-    click.echo(f"\nper task, last {since:g}s:")
+    click.echo(f"\nper task, last {duration_text(since)}:")
     click.echo(summary_table(per_task, found.decode))
 
 
@@ -202,7 +215,8 @@ def failures_section(ctx: click.Context, ops: Operations) -> str | None:
     found = source(ctx.obj.app, ops, results_only=True)
     if found is None:
         return None
-    head = f"recent failures (last {SECTION_WINDOW / 3600:g}h, {found.history.sql.names[0]})"
+    head = (f"recent failures (last {duration_text(SECTION_WINDOW)}, "
+            f"{found.history.sql.names[0]})")
     with reading(found, ctx.obj.traceback):
         try:
             per_task = found.history.summary(SECTION_WINDOW, SECTION_TASKS)

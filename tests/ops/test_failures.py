@@ -73,7 +73,7 @@ def test_failures_latest_first_and_per_task(cli: Cli, with_results: Results,
     assert "RuntimeError: gateway down" in lines[1] and lines[1].endswith("w1@h")
     assert "KeyError: parcel 7" in lines[2] and lines[2].endswith("w2@h")
     assert "f-old" not in out and "result_extended is off" not in out
-    per_task = out[out.index("per task, last 3600s:"):].splitlines()
+    per_task = out[out.index("per task, last 1h:"):].splitlines()
     assert per_task[2].split()[:2] == ["shop.pay", "2"], out
     assert per_task[2].endswith("RuntimeError: gateway down")
     assert per_task[3].split()[:2] == ["shop.ship", "1"]
@@ -98,12 +98,18 @@ def test_without_result_extended_task_names_are_said_unknown(cli: Cli,
                                                              with_results: Results) -> None:
     app = with_results(extended=False)
     fail(app, "f-1", "shop.pay", ValueError("card declined"))
+    fail(app, "f-2", "shop.pay", ValueError("a long one " * 30))
     out = cli("failures").stdout
     assert out.startswith("task names are not stored: result_extended is off"), out
     assert "f-1" in out and "ValueError: card declined" in out
+    (long,) = [line for line in out.splitlines() if line.startswith("f-2")]
+    assert "ValueError: a long one a long one" in long and long.endswith("…  -"), long
     queues = cli("queues").stdout
     assert "result_extended is off" in queues and "\n-  " in queues, queues
-    assert json.loads(cli("failures", "--json").stdout)["task_names_stored"] is False
+    found = json.loads(cli("failures", "--json").stdout)
+    assert found["task_names_stored"] is False
+    exceptions = {each["task_id"]: each["exception"] for each in found["failures"]}
+    assert exceptions["f-2"] == "ValueError: " + ("a long one " * 30).strip()
 
 
 def test_standalone_reads_the_transport_prefix_as_json(cli: Cli, with_results: Results) -> None:
