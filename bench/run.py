@@ -1,7 +1,7 @@
 """Benchmark kombu-sqlinbox: every section, one Markdown table each, then the targets.
 
     python bench/run.py [--sections core,publish,latency,ordering,transactional,outbox,
-                                    layout,remote,scale,mvcc]
+                                    layout,remote,scale,mvcc,retention]
                         [--quick [SECTIONS]] [--databases postgresql,mysql,sqlite]
                         [--json PATH] [section options: see --help]
 
@@ -16,7 +16,8 @@ trip, event delivery and heartbeats against Redis and RabbitMQ), ``latency`` (id
 publish -> receive on each database against Redis, Redis ``appendfsync always`` and
 RabbitMQ; the PostgreSQL breakdown; what an idle consumer costs), ``scale`` (claim time,
 drain rates and worker memory against the backlog's size), ``mvcc`` (a queue under steady
-load beside a snapshot held open: ten minutes a database). Each section module
+load beside a snapshot held open: ten minutes a database), ``retention`` (``backend_cleanup``
+deleting a million expired results while results are written). Each section module
 also runs alone: ``python bench/ordering.py --help``.
 Not a test: the figures depend on the machine and on whatever else runs on it.
 """
@@ -38,6 +39,7 @@ from bench import (  # noqa: E402
     outbox,
     publish,
     remote,
+    retention,
     scale,
     transactional,
 )
@@ -45,7 +47,7 @@ from bench.cli import main  # noqa: E402
 
 SECTIONS = [core.SECTION, consume.SECTION, publish.SECTION, latency.SECTION, ordering.SECTION,
             transactional.SECTION, outbox.SECTION, layout.SECTION, remote.SECTION,
-            scale.SECTION, mvcc.SECTION]
+            scale.SECTION, mvcc.SECTION, retention.SECTION]
 
 if __name__ == "__main__":
     sys.exit(main(SECTIONS, sys.argv[1:], (__doc__ or "").splitlines()[0]))

@@ -1,4 +1,5 @@
-"""``celery sqlinbox``: queue health, dead letters, DDL, the schema check, the outbox.
+"""``celery sqlinbox``: queue health, dead letters, recent failures, DDL, the schema
+check, the outbox.
 
 As a Celery sub-command (``celery -A proj sqlinbox queues``), registered under the
 ``celery.commands`` entry point, or standalone where the app is not installed::
@@ -18,25 +19,25 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
 import click
 from celery.app.utils import find_app
 from celery.bin.base import CeleryCommand, CeleryOption
-from sqlalchemy.exc import InterfaceError, OperationalError
 
 from kombu_sqlinbox.codec import DEATH_HEADER, DELIVERY_PROPERTIES
 from kombu_sqlinbox.dead_letters import EVERY
 from kombu_sqlinbox.dialects.results import PLAN_PARAMS as RESULT_PLAN_PARAMS
 from kombu_sqlinbox.dialects.schedules import PLAN_PARAMS as SCHEDULE_PLAN_PARAMS
-from kombu_sqlinbox.errors import ConfigurationError
+from kombu_sqlinbox.history import history_problems
 from kombu_sqlinbox.operations import DeadFilter, DeadLetter, Operations
-from kombu_sqlinbox.options import parse_options
-from kombu_sqlinbox.urls import client_url, masked
 
+from .history_cli import failures, failures_section
+from .ops_context import operations
 from .ops_render import age_text, render_prometheus, render_text, text_table
-from .outbox_cli import database_failed, outbox, progress
+from .outbox_cli import outbox, progress
 from .results import backend_options
 from .schedules_cli import schedules
 
@@ -45,39 +46,6 @@ __all__ = ["main", "sqlinbox"]
 #: how ``check`` names the result tables' problems
 RESULTS = "(results)"
 SCHEDULES = "(schedules)"
-
-@contextmanager
-def operations(ctx: click.Context) -> Iterator[Operations]:
-    """The operations on the database of the app (``celery -A proj``) or of ``--url``."""
-    obj = ctx.obj
-    url, raw, app = obj.url, obj.transport_options, obj.app
-    queues: list[str] = []
-    if app is not None:
-        broker_url = str(app.conf.broker_url or "")
-        if url is None and not broker_url.startswith("sqlinbox+"):
-            raise click.UsageError(
-                f"the app's broker is not sqlinbox ({masked(broker_url)!r}): pass --url")
-        raw = app.conf.broker_transport_options if raw is None else raw
-        queues = list(app.amqp.queues)
-    elif not url:
-        raise click.UsageError("no sqlinbox database: pass --url URL, or -A proj")
-    try:
-        if url is None:  # as the app connects: its password setting, its first URL
-            with app.connection_for_write() as connection:
-                url = client_url(connection)
-        made = Operations(str(url), parse_options(raw), queues)
-    except ConfigurationError as exc:
-        raise click.UsageError(str(exc)) from None
-    try:
-        yield made
-    except ConfigurationError as exc:  # a queue that is not a dead-letter queue...
-        raise click.UsageError(str(exc)) from None
-    except (OperationalError, InterfaceError) as exc:
-        if obj.traceback:
-            raise
-        raise database_failed(str(url), exc) from None
-    finally:
-        made.close()
 
 
 def database_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -108,7 +76,8 @@ def configure(ctx: click.Context, app: Any, url: str | None,
                               traceback=show_traceback)
 
 
-@click.group(name="sqlinbox", help="Queue health, dead letters, DDL, the schema check, the outbox.")
+@click.group(name="sqlinbox", help="Queue health, dead letters, recent failures, DDL, the schema "
+                     "check, the outbox.")
 @database_options
 @click.pass_context
 def sqlinbox(ctx: click.Context, url: str | None, transport_options: str | None,
@@ -145,6 +114,9 @@ def queues(ctx: click.Context, form: str, as_json: bool, watch: float | None,
                 if watch is not None:
                     click.echo(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))
                 click.echo(render_text(figures))
+                section = failures_section(ctx, ops)
+                if section is not None:
+                    click.echo("\n" + section)
             printed += 1
             if watch is None or (times is not None and printed >= times):
                 return
@@ -437,7 +409,8 @@ def check(ctx: click.Context) -> None:
         prefix, create = result_settings(ctx.obj.app, ops.broker.options.table_prefix)
         results = ops.dialect.result_statements(prefix)
         more, found = ops.tables_check(RESULTS, "result", results, RESULT_PLAN_PARAMS, create,
-                                       "no task's result can be stored")
+                                       "no task's result can be stored",
+                                       partial(history_problems, results, create))
         planned, problems = planned + more, problems + found
         timed = ops.dialect.schedule_statements(ops.broker.options.table_prefix)
         more, found = ops.tables_check(SCHEDULES, "schedule", timed, SCHEDULE_PLAN_PARAMS,
@@ -450,6 +423,7 @@ def check(ctx: click.Context) -> None:
         ctx.exit(1)
 
 
+sqlinbox.add_command(failures)
 sqlinbox.add_command(outbox)
 sqlinbox.add_command(schedules)
 

@@ -32,6 +32,7 @@ from .database import Database
 from .dialects import ResultStatements
 from .dialects.results import RESULT_ID_BYTES
 from .errors import ConfigurationError, ResultIdTooLong, ResultTooLarge, reason_of
+from .history import add_history_index
 from .own_session import OwnSession
 from .retries import Cadence
 from .wakeups import LocalSignal
@@ -100,6 +101,8 @@ class ResultStore:
                     self.database.run(self._create)
                 except DBAPIError:  # another process created them at the same moment
                     self.database.run(self._create)
+            else:  # made by an earlier release: what it lacks
+                add_history_index(self.database, self.sql, self.create_tables)
             self._ready = True
 
     def _create(self, conn: Connection) -> None:

@@ -24,7 +24,7 @@ from ..tables import ColumnSpec, Role, TableSpec
 from .base import Dialect
 from .core import Capabilities
 from .driver import _expanding
-from .results import FINAL, RESULT_ID_BYTES, Names
+from .results import FINAL, HISTORY_COLUMNS, RESULT_ID_BYTES, Names
 from .routing import TRANSIENT_ORDER, RoutingStatements
 from .wakeups import no_wakeups
 
@@ -303,15 +303,7 @@ class MySQLDialect(Dialect):
 
     def routing_ddl(self, queues: str, bindings: str, messages: str,
                     names: tuple[str, str, str]) -> list[str]:
-        """MySQL has no CREATE INDEX IF NOT EXISTS: indexes go inside CREATE TABLE."""
-        tables = []
-        for statement in super().routing_ddl(queues, bindings, messages, names):
-            match = re.match(r"CREATE INDEX IF NOT EXISTS (\S+) ON \S+ \((.*)\)$", statement)
-            if match is None:
-                tables.append(statement)
-            else:
-                tables[-1] = f"{tables[-1][:-1]}, INDEX {match[1]} ({match[2]}))"
-        return [f"{table} ENGINE=InnoDB DEFAULT CHARSET=utf8mb4" for table in tables]
+        return _indexes_inside(super().routing_ddl(queues, bindings, messages, names))
 
     # -- results: the result tables (celery_ext.results) ----------------------------------
     #: ids compared byte for byte, as Celery compares them
@@ -352,11 +344,11 @@ class MySQLDialect(Dialect):
                 f"ORDER BY date_done LIMIT :limit")
 
     def result_ddl(self, quoted: Names, names: Names) -> list[str]:
-        """No CREATE INDEX IF NOT EXISTS here: the indexes go inside CREATE TABLE."""
-        made = super().result_ddl(quoted, names)
-        return [f"{table[:-1]}, INDEX {index.split()[5]} (date_done)) "
-                "ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
-                for table, index in zip(made[::2], made[1::2], strict=True)]
+        return _indexes_inside(super().result_ddl(quoted, names))
+
+    def history_index(self, tasks: str, name: str) -> str:
+        """MySQL has no CREATE INDEX IF NOT EXISTS (the store looks for it first)."""
+        return f"CREATE INDEX {self.quote(name)} ON {tasks} {HISTORY_COLUMNS}"
 
     # -- schedules: the schedule tables (celery_ext.beat) ---------------------------------
     #: a name compared byte for byte, as the routing tables' (:attr:`name_type`)
@@ -452,3 +444,16 @@ class MySQLDialect(Dialect):
         names = self.lock_names(space, keys)
         calls = ", ".join(f"RELEASE_LOCK(:{name})" for name in names)
         conn.execute(text(f"SELECT {calls}"), names)
+
+
+def _indexes_inside(statements: Sequence[str]) -> list[str]:
+    """MySQL has no CREATE INDEX IF NOT EXISTS: each table's indexes go inside its
+    CREATE TABLE (the statement before them)."""
+    tables: list[str] = []
+    for statement in statements:
+        match = re.match(r"CREATE INDEX (?:IF NOT EXISTS )?(\S+) ON \S+ \((.*)\)$", statement)
+        if match is None:
+            tables.append(statement)
+        else:
+            tables[-1] = f"{tables[-1][:-1]}, INDEX {match[1]} ({match[2]}))"
+    return [f"{table} ENGINE=InnoDB DEFAULT CHARSET=utf8mb4" for table in tables]

@@ -302,6 +302,15 @@ class PostgreSQLDialect(Dialect):
         """Set for the tick's transaction alone."""
         return [f"SET LOCAL idle_in_transaction_session_timeout = '{seconds}s'"], []
 
+    # -- results: the result tables (kombu_sqlinbox.results) ------------------------------
+    def result_expire_sql(self, table: str, key: str) -> str:
+        """The batch's rows by their place (``ctid``), oldest first through the index on
+        ``date_done``: a join on the key let the planner hash the whole table for each
+        batch once it had few rows left, so a prune grew with the table's size."""
+        return (f"DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {table} "
+                f"WHERE date_done < {self.epoch(self.now)} - :expires ORDER BY date_done "
+                "LIMIT :limit))")
+
     # -- wakeups: wake-ups and advisory key locks ------------------------------------------
     def wake(self, conn: Connection, spec: TableSpec) -> None:
         if self.notify:

@@ -28,11 +28,20 @@ RESULT_ID_BYTES = 2048
 #: the state a stored result never leaves (Celery's rule: a task run again after its
 #: success does not replace the result)
 FINAL = "SUCCESS"
+#: the state of a task that raised: what the history statements look for
+FAILED = "FAILURE"
 #: values the schema check binds to every statement it plans
 PLAN_PARAMS = {"task_id": "-", "group_id": "-", "status": "PENDING", "task_name": None,
                "worker": None, "meta": b"", "ready": 0, "expires": 0.0, "limit": 1,
-               "size": 1, "task_ids": ["-"]}
+               "size": 1, "task_ids": ["-"], "since": 3600.0, "last": 0.0}
 Names = tuple[str, str, str]
+#: the history index's columns: a task table's failures by time, each listing a range of it
+HISTORY_COLUMNS = "(status, date_done)"
+
+
+def history_index_name(names: Names) -> str:
+    """The history index of the task table of ``names`` (unquoted)."""
+    return names[0] + "_status_done"
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,19 @@ class ResultStatements:
     #: at most ``:limit`` rows of each table done (a chord: saved) more than ``:expires``
     #: seconds ago
     expire: tuple[TextClause, ...]
+    #: ``task_id, task_name, worker, date_done, meta`` of the last ``:limit`` failures
+    #: done in the last ``:since`` seconds, the latest first (the history index's range)
+    failures: TextClause
+    #: :attr:`failures` of task ``:task_name`` only
+    task_failures: TextClause
+    #: ``task_name, failures, last date_done`` per task of the failures done in the last
+    #: ``:since`` seconds, the latest first (at most ``:limit`` tasks)
+    failure_summary: TextClause
+    #: :attr:`failures`' columns of the failures done at ``:last``
+    #: (a task's last one: :attr:`failure_summary` gives the time)
+    failures_at: TextClause
+    #: the history index, for result tables made before it (what :attr:`ddl` makes)
+    history_index: tuple[str, str]
 
     @staticmethod
     def tables(prefix: str) -> Names:
@@ -142,12 +164,19 @@ class ResultFamily(DriverFamily):
                 f"ON CONFLICT ({key}) DO UPDATE SET {updates}{guard}")
 
     def result_expire_sql(self, table: str, key: str) -> str:
-        """DELETE of at most ``:limit`` rows of ``table`` done ``:expires`` seconds ago."""
+        """DELETE of at most ``:limit`` rows of ``table`` done ``:expires`` seconds ago,
+        the oldest first (the index on ``date_done``'s walk)."""
         return (f"DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {table} "
-                f"WHERE date_done < {self.epoch(self.now)} - :expires LIMIT :limit)")
+                f"WHERE date_done < {self.epoch(self.now)} - :expires ORDER BY date_done "
+                "LIMIT :limit)")
+
+    def history_index(self, tasks: str, name: str) -> str:
+        """CREATE INDEX of the history index on an existing task table."""
+        return f"CREATE INDEX IF NOT EXISTS {self.quote(name)} ON {tasks} {HISTORY_COLUMNS}"
 
     def result_ddl(self, quoted: Names, names: Names) -> list[str]:
-        """The result tables, each with its index on ``date_done`` (expiry's scan)."""
+        """The result tables, each with its index on ``date_done`` (expiry's scan); the
+        tasks' also on ``(status, date_done)``: the history's failures, latest first."""
         key, label = self.result_id_type, self.result_text_type
         meta, seconds = self.result_meta_type, self.result_time_type
         tasks, groups, chords = quoted
@@ -157,6 +186,7 @@ class ResultFamily(DriverFamily):
             f"meta {meta} NOT NULL, status {label} NOT NULL)",
             f"CREATE INDEX IF NOT EXISTS {self.quote(names[0] + '_done')} "
             f"ON {tasks} (date_done)",
+            self.history_index(tasks, history_index_name(names)),
             f"CREATE TABLE IF NOT EXISTS {groups} (group_id {key} NOT NULL PRIMARY KEY, "
             f"date_done {seconds} NOT NULL, meta {meta} NOT NULL)",
             f"CREATE INDEX IF NOT EXISTS {self.quote(names[1] + '_done')} "
@@ -179,6 +209,9 @@ class ResultFamily(DriverFamily):
                   ("status", ":status")]
         saved = [("group_id", ":group_id"), ("date_done", now), ("meta", ":meta")]
         counted = [*saved, ("size", "NULL"), ("done", "0")]
+        history = "task_id, task_name, worker, date_done, meta"
+        failed = (f"SELECT {history} FROM {tasks} "
+                  f"WHERE status = '{FAILED}' AND date_done >= {now} - :since")
 
         def sql(statement: str) -> TextClause:
             return self.clocked(text(statement))
@@ -205,4 +238,15 @@ class ResultFamily(DriverFamily):
             expire=(sql(self.result_expire_sql(tasks, "task_id")),
                     sql(self.result_expire_sql(groups, "group_id")),
                     sql(self.result_expire_sql(chords, "group_id"))),
+            failures=sql(f"{failed} ORDER BY date_done DESC LIMIT :limit"),
+            task_failures=sql(f"{failed} AND task_name = :task_name "
+                              "ORDER BY date_done DESC LIMIT :limit"),
+            failure_summary=sql(
+                f"SELECT task_name, COUNT(*), MAX(date_done) FROM {tasks} "
+                f"WHERE status = '{FAILED}' AND date_done >= {now} - :since "
+                "GROUP BY task_name ORDER BY MAX(date_done) DESC LIMIT :limit"),
+            failures_at=sql(f"SELECT {history} FROM {tasks} "
+                            f"WHERE status = '{FAILED}' AND date_done = :last"),
+            history_index=(history_index_name(names),
+                           self.history_index(tasks, history_index_name(names))),
         )

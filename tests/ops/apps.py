@@ -7,6 +7,7 @@ Everything a test varies comes from the environment: the broker URL, the table p
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from pathlib import Path
@@ -23,6 +24,9 @@ PREFIX_ENV = "SQLINBOX_OPS_PREFIX"
 RUNS_ENV = "SQLINBOX_OPS_RUNS"
 #: Celery's ``broker_password`` setting, where a test gives one
 PASSWORD_ENV = "SQLINBOX_OPS_PASSWORD"
+#: the sqlinbox result backend, where a test gives one: JSON ``{"extended": bool,
+#: "create_tables": bool, "url": "sqlinbox+..."}`` (the URL defaults to the broker's)
+RESULTS_ENV = "SQLINBOX_OPS_RESULTS"
 
 
 def fifo_table(prefix: str) -> TableSpec:
@@ -71,7 +75,8 @@ def transport_options(prefix: str) -> dict[str, Any]:
     }
 
 
-def make_app(broker_url: str, prefix: str) -> Celery:
+def make_app(broker_url: str, prefix: str, results: str | None = None) -> Celery:
+    """The app; with ``results`` (:data:`RESULTS_ENV`'s JSON), its sqlinbox result backend."""
     import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox alias)
 
     made = Celery("ops", broker=broker_url, set_as_current=False)
@@ -85,6 +90,12 @@ def make_app(broker_url: str, prefix: str) -> Celery:
         worker_redirect_stdouts=False,
         broker_password=os.environ.get(PASSWORD_ENV),
     )
+    if results:
+        given = json.loads(results)
+        made.conf.update(result_backend=given.get("url", broker_url),
+                         result_extended=given.get("extended", False),
+                         result_backend_transport_options={
+                             "create_tables": given.get("create_tables", True)})
     made.task(name="ops.add")(add)
     made.task(name="ops.fail")(fail)
     made.task(name="ops.record")(record)
@@ -109,7 +120,8 @@ def record(key: int, poisoned: str) -> None:
     (runs / f"{key}.{uuid.uuid4().hex}").touch()
 
 
-app = make_app(os.environ.get(BROKER_ENV, "memory://"), os.environ.get(PREFIX_ENV, "ops_"))
+app = make_app(os.environ.get(BROKER_ENV, "memory://"), os.environ.get(PREFIX_ENV, "ops_"),
+               os.environ.get(RESULTS_ENV))
 
 #: the declared tables of this process's prefix, for ``--transport-options`` given as JSON
 FIFO = fifo_table(os.environ.get(PREFIX_ENV, "ops_"))
