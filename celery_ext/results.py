@@ -263,12 +263,11 @@ class SqlInboxBackend(BaseBackend):
             broker.engine, self.store.database.engine)
 
     def completed_by_success(self, request: Any) -> bool:
-        """In the worker's main process: whether a late-acked task's success, as its run
-        wrote it, completed its delivered row, so that the worker's ack of it has nothing
-        left to do. A write refused because the row was claimed again leaves it to its new
-        holder, whose ack the fence would refuse anyway."""
-        task = request.task  # the worker's request: the task itself
-        row: dict[str, Any] | None = request.message.delivery_info.get(ROW_KEY)
+        """In the worker's main process: whether a late-acked task's success was written
+        with its row's completion, leaving its ack nothing to do (a write refused as the
+        row was claimed again: the fence would refuse the ack too). ``request.task`` is
+        the task itself; the message has the transport's whole delivery_info."""
+        task, row = request.task, request.message.delivery_info.get(ROW_KEY)
         if row is None or get_actual_ignore_result(task, request) or not _completing(
                 task, states.SUCCESS, None):
             return False
