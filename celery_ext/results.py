@@ -22,7 +22,7 @@ from functools import partial
 from typing import Any
 
 from celery import states
-from celery.app.task import get_actual_ignore_result
+from celery.app.task import Task, get_actual_ignore_result
 from celery.backends.base import BaseBackend, _create_chord_error_with_cause
 from celery.canvas import maybe_signature
 from celery.exceptions import ChordError, Reject, WorkerLostError
@@ -34,6 +34,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from kombu_sqlinbox import binding
 from kombu_sqlinbox.broker import Broker, same_database
+from kombu_sqlinbox.codec import ROW_KEY
 from kombu_sqlinbox.errors import (
     ConfigurationError,
     DatabaseUnreachable,
@@ -45,6 +46,8 @@ from kombu_sqlinbox.results import ResultStore, StoredResult, check_id, store_fo
 from kombu_sqlinbox.urls import URL_PREFIX, masked
 
 from .delivery import TransactionalTaskError, broker_of, delivered_row
+
+ACKS = "celery_ext.acks:ResultRequest"  # the worker request (named: it imports this module)
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +102,16 @@ def _leaves(result: Any) -> list[str]:
     return [result.id] if isinstance(result, AsyncResult) else []
 
 
+def _completing(task: Any, state: str, result: Any) -> bool:
+    """Whether the worker acknowledges a task's delivery after this final state: not a
+    failure it rejects instead (a ``Reject``, a task not acking failures) nor a lost
+    worker's (acknowledged before Celery writes it)."""
+    if task is None or not task.acks_late:
+        return False
+    return state != states.FAILURE or (task.acks_on_failure_or_timeout and not isinstance(
+        result, (Reject, WorkerLostError)))
+
+
 def _date_done(seconds: float | None) -> datetime | None:
     return None if seconds is None else datetime.fromtimestamp(seconds, tz=timezone.utc)
 
@@ -121,6 +134,8 @@ class SqlInboxBackend(BaseBackend):
                 "result_backend = 'sqlinbox+postgresql://user@host/db' "
                 "(or sqlinbox+mysql://..., sqlinbox+sqlite:///jobs.db)")
         self.options = backend_options(app)
+        if app.Task.Request == Task.Request:  # the worker's request for results written
+            app.Task.Request = ACKS  # with their row (an app's own request class stays)
         self._store: ResultStore | None = None
         self._chords: tuple[Broker | None] | None = None
 
@@ -161,18 +176,12 @@ class SqlInboxBackend(BaseBackend):
                    request: Any) -> dict[str, Any] | None:
         """The delivered row a final state is written with: the task's own late-acked
         delivery from a sqlinbox queue, which the worker acknowledges right after this
-        write. Not a failure the worker rejects instead (a ``Reject``, a task not acking
-        failures) nor a lost worker's (acknowledged before Celery writes it)."""
+        write (see :func:`_completing`)."""
         if state not in states.READY_STATES or getattr(request, "id", None) != task_id:
             return None
         row = delivered_row(request)
         task = self.app.tasks.get(getattr(request, "task", None) or "")
-        if row is None or task is None or not task.acks_late:
-            return None
-        if state == states.FAILURE and (not task.acks_on_failure_or_timeout or isinstance(
-                result, (Reject, WorkerLostError))):
-            return None
-        return row
+        return row if row is not None and _completing(task, state, result) else None
 
     def exception_safe_to_retry(self, exc: Exception) -> bool:
         """With Celery's ``result_backend_always_retry``, a write the database did not
@@ -222,8 +231,7 @@ class SqlInboxBackend(BaseBackend):
         task is counted in the same transaction."""
         broker = broker_of(self.app)
         table = broker.table(delivered["queue"])
-        if table.options.claim == "row_lock" or not same_database(
-                broker.engine, self.store.database.engine):
+        if not self._writes_with(broker, table):
             return False
 
         counts = bool(request.chord and request.group)
@@ -248,6 +256,23 @@ class SqlInboxBackend(BaseBackend):
         if after is not None:
             after()
         return True
+
+    def _writes_with(self, broker: Broker, table: Any) -> bool:
+        """Whether a result is written with its row's completion (see :meth:`_with_ack`)."""
+        return table.options.claim != "row_lock" and same_database(
+            broker.engine, self.store.database.engine)
+
+    def completed_by_success(self, request: Any) -> bool:
+        """In the worker's main process: whether a late-acked task's success was written
+        with its row's completion, leaving its ack nothing to do (a write refused as the
+        row was claimed again: the fence would refuse the ack too). ``request.task`` is
+        the task itself; the message has the transport's whole delivery_info."""
+        task, row = request.task, request.message.delivery_info.get(ROW_KEY)
+        if row is None or get_actual_ignore_result(task, request) or not _completing(
+                task, states.SUCCESS, None):
+            return False
+        broker = broker_of(self.app)
+        return self._writes_with(broker, broker.table(row["queue"]))
 
     def _until_answered(self, task_id: str, write: Callable[[], None]) -> None:
         """Write a late-acked task's final state until the database answers: giving up

@@ -44,7 +44,6 @@ from typing import Any, NoReturn
 
 from celery import Task
 from celery.exceptions import Ignore, Reject
-from celery.worker.request import Request
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
@@ -52,6 +51,7 @@ from sqlalchemy.orm import Session
 from kombu_sqlinbox import binding
 from kombu_sqlinbox.broker import QueueTable, same_database
 
+from .acks import ResultRequest
 from .delivery import TransactionalTaskError, broker_of, delivered_row
 from .results import STORED, SqlInboxBackend
 
@@ -71,8 +71,9 @@ class RetryAfter(Reject):  # type: ignore[misc]
         return (RetryAfter, (self.seconds, self.reason))
 
 
-class InboxRequest(Request):  # type: ignore[misc]
-    """A worker request that settles :class:`RetryAfter` through the transport."""
+class InboxRequest(ResultRequest):
+    """A worker request that settles :class:`RetryAfter` through the transport (and
+    needs no ack of a success its result completed)."""
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
                    return_ok: bool = False) -> Any:

@@ -77,6 +77,11 @@ class QoS(virtual.QoS):
         broker = self.channel.broker
         self._settle(delivery_tag, lambda held, row: broker.settle(Settlement.COMPLETE, held))
 
+    def completed(self, delivery_tag: Any) -> None:
+        """The delivery's row was completed by its task's own transaction (its result
+        written with it): the delivery leaves as acked, with no statement of its own."""
+        self._settle(delivery_tag, lambda held, row: held.table.claims.completed(held))
+
     def retry_after(self, delivery_tag: Any, seconds: float) -> None:
         """Requeue in place (same row, attempt counted), hidden for ``seconds``."""
         broker = self.channel.broker

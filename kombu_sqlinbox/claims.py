@@ -72,6 +72,12 @@ class ClaimForm:
         """Run ``work`` in the transaction that may change the held row, and let go of it."""
         raise NotImplementedError
 
+    def completed(self, held: Held) -> None:
+        """The held row was completed by a transaction of its task's own, fenced by its
+        attempt (a result written with it): let go of it. A form that cannot tell that
+        from its own state settles it, and the fenced completion finds nothing."""
+        self.settle(Settlement.COMPLETE, held)
+
     def settled(self, rows: Iterable[Held]) -> None:
         """Called by the keeper once a batch of this form's settlements committed."""
 
@@ -138,6 +144,15 @@ class LeaseClaims(ClaimForm):
         result = self.database.run(work, repeatable=True)
         self.keeper.forget(held)
         return result
+
+    def completed(self, held: Held) -> None:
+        """No statement: the keeper stops extending the row (a FIFO group's head is settled
+        as usual, as that settlement wakes the group's consumers)."""
+        if held.table.fifo:
+            super().completed(held)
+            return
+        self.keeper.forget(held)
+        self.settled([held])
 
 
 class RowLockClaims(ClaimForm):

@@ -63,6 +63,9 @@ class Claims(Protocol):
     def run_held(self, held: Held, work: Callable[[Connection], T]) -> T:
         ...
 
+    def completed(self, held: Held) -> None:
+        ...
+
     def settled(self, rows: Iterable[Held]) -> None:
         ...
 

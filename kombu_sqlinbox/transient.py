@@ -123,5 +123,8 @@ class TransientQueues:
     def run_held(self, held: Held, work: Callable[[Connection], T]) -> T:
         return self.database.run(work)
 
+    def completed(self, held: Held) -> None:
+        """Taken out of its table when claimed: nothing to let go of."""
+
     def settled(self, rows: Iterable[Held]) -> None:
         """Nothing is leased, so nothing to forget."""

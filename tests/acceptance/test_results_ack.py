@@ -51,7 +51,7 @@ def test_a_worker_killed_mid_run_leaves_each_task_one_result_from_its_last_run(
         victim.kill()
     tokens = {key: result.get(timeout=RESULT_LIMIT) for key, result in sent.items()}
     assert last.stop() == 0, last.tail()
-    assert "settled rows had already left this process" in last.output()
+    assert LEFT not in last.output()  # the rows of killed workers ran again, acks in order
 
     stored = result_rows(acceptance, engine)
     assert {stored[sent[key].id] for key in keys} == {("SUCCESS", 1)}
@@ -64,6 +64,38 @@ def test_a_worker_killed_mid_run_leaves_each_task_one_result_from_its_last_run(
     assert not ran_again, f"tasks that ran again after their result was stored: {ran_again}"
     assert sum(acceptance.runs.starts().values()) > TASKS, "no kill landed mid-run"
     assert acceptance.rows() == 0
+
+
+LEFT = "settled rows had already left this process"
+
+
+def test_a_success_whose_result_completed_its_row_needs_no_ack_a_row_claimed_again_is_reported(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """Late-acked tasks whose results complete their rows: the worker's acks of them have
+    nothing left to do, and it reports no row that had already left. A delivery whose
+    row was claimed again (its worker's main process stopped past the lease, its result
+    ignored) still is reported once that process acks it."""
+    acceptance.configure(visibility_timeout=LEASE)
+    plain = acceptance.worker("prefork", 2, name="plain", **results_conf(db_url))
+    sent = [caller.send_task("acc.add_late", args=(n, 1)) for n in range(20)]
+    assert [result.get(timeout=RESULT_LIMIT) for result in sent] == list(range(1, 21))
+    assert plain.stop() == 0, plain.tail()  # its keeper writes what is queued first
+    assert "Task acc.add_late" in plain.output() and LEFT not in plain.output()
+
+    first = acceptance.worker("prefork", 1, name="first", **results_conf(db_url))
+    caller.send_task("acc.run_late", args=("held",), kwargs={"hold": True}, ignore_result=True)
+    wait_until(lambda: acceptance.runs.starts()["held"] >= 1, 30, "the first run",
+               alive=[first])
+    os.kill(first.popen.pid, signal.SIGSTOP)
+    second = acceptance.worker("prefork", 1, name="second", **results_conf(db_url))
+    wait_until(lambda: acceptance.runs.starts()["held"] >= 2, 30,
+               "the row to be claimed again", alive=[second])
+    acceptance.runs.release("held")
+    wait_until(lambda: acceptance.runs.done()["held"] == 2, 30, "both runs to end")
+    os.kill(first.popen.pid, signal.SIGCONT)
+    wait_until(lambda: f"1 of 1 {LEFT}" in first.output(), 30,
+               "the first delivery's ack to be reported", alive=[first])
+    assert LEFT not in second.output()
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from kombu.message import Message
 from sqlalchemy import TextClause, event, text
 from sqlalchemy.engine import Engine
 
+from kombu_sqlinbox import TableBuilder
 from kombu_sqlinbox.broker import Broker
 from kombu_sqlinbox.codec import DEATH_HEADER
 from kombu_sqlinbox.dialects.base import DriverSql
@@ -159,3 +160,14 @@ def exit_code_within(pid: int, seconds: float) -> int | None:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     return None
+
+
+def fifo_jobs(connect: Callable[..., Connection], table_prefix: str) -> Connection:
+    """A connection whose queue "jobs" is a FIFO table, holding messages 1 and 2 of one
+    group."""
+    spec = (TableBuilder(f"{table_prefix}jobs").id().payload().headers()
+            .group("grp", fifo=True).available_at().locked_until().attempt().build())
+    conn = connect(queues={"jobs": {"table": spec}})
+    for n in (1, 2):
+        publish(conn, "jobs", {"n": n}, headers={"group_key": "g"})
+    return conn

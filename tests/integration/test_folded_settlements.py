@@ -18,7 +18,6 @@ from kombu.message import Message
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from kombu_sqlinbox import TableBuilder
 from kombu_sqlinbox.codec import ROW_KEY
 from tests.tcp_proxy import Proxy
 
@@ -26,6 +25,7 @@ from .conftest import Connect
 from .support import (
     broker_of,
     count_rows,
+    fifo_jobs,
     get,
     get_within,
     publish,
@@ -179,17 +179,6 @@ def test_a_claim_carrying_an_ack_that_fails_runs_alone_and_the_ack_lands_later(
     assert broker_of(conn).keeper.flush(timeout=10), "the ack did not land once it could"
     assert count_rows(engine, jobs) == 0
     assert get(conn, "jobs") is None
-
-
-def fifo_jobs(connect: Connect, table_prefix: str) -> Connection:
-    """A connection whose queue "jobs" is a FIFO table, holding messages 1 and 2 of one
-    group."""
-    spec = (TableBuilder(f"{table_prefix}jobs").id().payload().headers()
-            .group("grp", fifo=True).available_at().locked_until().attempt().build())
-    conn = connect(queues={"jobs": {"table": spec}})
-    for n in (1, 2):
-        publish(conn, "jobs", {"n": n}, headers={"group_key": "g"})
-    return conn
 
 
 @pytest.mark.databases("postgresql")

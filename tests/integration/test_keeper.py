@@ -19,12 +19,14 @@ from .conftest import Connect
 from .support import (
     broker_of,
     count_rows,
+    fifo_jobs,
     get_within,
     never_delivered,
     publish,
     quoted,
     rows,
     rows_locked,
+    statements_run,
     table_of,
     wait_for,
 )
@@ -276,3 +278,30 @@ def test_acks_that_keep_coming_do_not_wake_the_writing_thread_and_still_land_soo
     second.ack()
     assert not keeper._settle_wake.is_set(), "the second ack woke the writing thread"
     wait_for(lambda: count_rows(engine, table) == 0 or None, "the second ack written", 2.0)
+
+
+def test_a_row_its_tasks_transaction_completed_leaves_with_no_statement_a_fifo_head_settles(
+    connect: Connect, engine: Engine, table_prefix: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``QoS.completed``: a row completed by a transaction of its task's own (fenced by its
+    attempt, as a result written with it) leaves the keeper with no statement and no
+    report; a FIFO group's head is settled as an ack is (that settlement wakes the
+    group's consumers), its fenced completion finding nothing."""
+    caplog.set_level(logging.INFO, "kombu_sqlinbox")
+    conn = fifo_jobs(connect, table_prefix)
+    publish(conn, "plain", {"n": 1})
+    broker = broker_of(conn)
+    for queue, fifo in (("plain", False), ("jobs", True)):
+        message = get_within(conn, queue)
+        row, table = message.delivery_info[ROW_KEY], broker.table(queue)
+        with broker.engine.begin() as tx:
+            assert broker.complete_in(tx, table, row["id"], row["attempt"])
+        caplog.clear()
+        name = table_of(queue, table_prefix)
+        with statements_run(broker.engine, lambda sql, name=name: name in sql) as seen:
+            conn.default_channel.qos.completed(message.delivery_tag)
+            assert broker.keeper.flush(timeout=10)
+        assert bool(seen) is fifo, seen
+        assert any("1 of 1 settled rows had already left" in record.getMessage()
+                   for record in caplog.records) is fifo
+        assert broker.keeper.held_count() == 0
