@@ -20,12 +20,14 @@ from sqlalchemy import Connection, TextClause, inspect, text
 from sqlalchemy import types as sqltypes
 from sqlalchemy.exc import DBAPIError
 
+from ..errors import ConfigurationError
 from ..tables import ColumnSpec, Role, TableSpec
 from .base import Dialect
 from .core import Capabilities
 from .driver import _expanding
 from .results import FINAL, RESULT_ID_BYTES, Names
 from .routing import TRANSIENT_ORDER, RoutingStatements
+from .unique import UNIQUE_COLUMN
 from .wakeups import no_wakeups
 
 NOW = "UTC_TIMESTAMP(6)"
@@ -106,6 +108,40 @@ class MySQLDialect(Dialect):
 
     def is_unique_violation(self, exc: BaseException) -> bool:
         return bool(self.driver_error_code(exc) == 1062)  # ER_DUP_ENTRY
+
+    # -- unique keys ------------------------------------------------------------------------
+    #: a SHA-256 in hex, compared byte for byte whatever the table's collation
+    unique_type = "CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NULL"
+
+    def unique_ddl(self, spec: TableSpec) -> list[str]:
+        """One ALTER adds the column and a unique index on it: InnoDB's unique index lets
+        any number of NULLs through, so it covers the rows with a key (no partial index
+        here, nor CREATE INDEX IF NOT EXISTS on MySQL)."""
+        if spec.has(Role.PROCESSED_AT):
+            raise ConfigurationError(
+                f"table {spec.table!r} keeps processed rows (processed_at): unique keys on "
+                "MariaDB/MySQL need a table that deletes its finished rows")
+        column = self.quote(UNIQUE_COLUMN)
+        return [f"ALTER TABLE {self.table_ref(spec)} ADD COLUMN {column} {self.unique_type}, "
+                f"ADD UNIQUE INDEX {self.unique_index(spec)} ({column})"]
+
+    def unique_insert(self, spec: TableSpec) -> TextClause:
+        """A plain INSERT: a taken key is the unique index's duplicate-key error (never
+        INSERT IGNORE, which would hide every other error as a warning)."""
+        head, values = self.unique_values(spec)
+        return text(f"{head} VALUES {values}")
+
+    def insert_unique(self, conn: Connection, spec: TableSpec, statement: TextClause,
+                      params: dict[str, Any]) -> bool:
+        """InnoDB undoes the failed statement alone: the transaction (a caller's) goes on."""
+        try:
+            conn.execute(statement, params)
+        except DBAPIError as exc:
+            if self.is_unique_violation(exc) and self.unique_index(spec).strip("`") in str(
+                    exc.orig):
+                return False
+            raise
+        return True
 
     def on_connect(self, dbapi_connection: Any) -> None:
         cursor = dbapi_connection.cursor()

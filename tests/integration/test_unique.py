@@ -1,0 +1,230 @@
+"""Unique keys: a publish whose key a row of the queue holds writes nothing and names the
+holder's task; the key is the row's, so it goes with the row (acknowledged, dead-lettered)
+and, in the ``waiting`` scope, with the row's lease. The column and index are added to a
+table on its first keyed publish, or refused with their DDL where the transport does not
+create tables."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from celery import Celery
+from kombu import Connection
+from sqlalchemy.engine import Engine
+
+from celery_ext.binding import bind
+from celery_ext.unique import UniqueTask
+from kombu_sqlinbox import ConfigurationError, SchemaMismatch
+from kombu_sqlinbox.errors import DuplicateTask
+from kombu_sqlinbox.unique import MAX_KEY_LENGTH
+
+from .conftest import Connect
+from .support import broker_of, count_rows, get_within, settled, table_of
+
+
+def send(conn: Connection, key: object, task_id: str, queue: str = "jobs",
+         **properties: object) -> None:
+    """Publish a task-like message (its id in the ``id`` header) with a unique key."""
+    conn.default_channel.queue_declare(queue)
+    conn.Producer().publish({"id": task_id}, routing_key=queue, headers={"id": task_id},
+                            unique_key=key, **properties)
+
+
+def held_by(conn: Connection, key: object, task_id: str, **properties: object) -> str | None:
+    """The holder's task id a keyed publish was refused for, or None when it was written."""
+    try:
+        send(conn, key, task_id, **properties)
+    except DuplicateTask as exc:
+        return exc.task_id
+    return None
+
+
+def test_a_second_publish_with_a_held_key_writes_nothing_and_names_the_holder(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    conn = connect()
+    table = table_of("jobs", table_prefix)
+    assert held_by(conn, "order-1", "first") is None
+    assert held_by(conn, "order-1", "second") == "first"
+    assert held_by(conn, "order-2", "third") is None, "another key is free"
+    assert count_rows(engine, table) == 2
+    with pytest.raises(DuplicateTask, match=r"order-1.*first"):
+        send(conn, "order-1", "fourth")
+    first = get_within(conn, "jobs")
+    assert first.payload == {"id": "first"}
+    assert held_by(conn, "order-1", "fifth") == "first", "a running task holds its key"
+    first.ack()
+    settled(conn)
+    assert held_by(conn, "order-1", "sixth") is None, "an acknowledged row frees its key"
+
+
+def test_keys_compare_byte_for_byte_whatever_they_hold(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    conn = connect()
+    hostile = "k\x00'\";--\u00e9" + "x" * (MAX_KEY_LENGTH - 9)
+    keys = ["Key", "key", "key ", "kéy", "ke\u0301y", hostile]
+    assert [held_by(conn, key, f"t{n}") for n, key in enumerate(keys)] == [None] * len(keys)
+    assert [held_by(conn, key, "again") for key in keys] == [f"t{n}" for n in range(len(keys))]
+    assert count_rows(engine, table_of("jobs", table_prefix)) == len(keys)
+
+
+@pytest.mark.parametrize("key", [42, b"bytes", "", "x" * (MAX_KEY_LENGTH + 1)])
+def test_a_key_that_is_no_short_string_is_refused(connect: Connect, engine: Engine,
+                                                  table_prefix: str, key: object) -> None:
+    conn = connect()
+    with pytest.raises(ConfigurationError, match="unique_key must be a non-empty string"):
+        send(conn, key, "t")
+    with pytest.raises(ConfigurationError, match="unique_scope must be one of"):
+        send(conn, "k", "t", unique_scope="forever")
+    assert count_rows(engine, table_of("jobs", table_prefix)) == 0
+
+
+def test_the_waiting_scope_frees_the_key_of_a_row_under_a_lease(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    conn = connect()
+    assert held_by(conn, "report", "first", unique_scope="waiting") is None
+    assert held_by(conn, "report", "second", unique_scope="waiting") == "first"
+    running = get_within(conn, "jobs")
+    assert held_by(conn, "report", "third", unique_scope="waiting") is None
+    assert held_by(conn, "report", "fourth", unique_scope="waiting") == "third"
+    assert held_by(conn, "report", "fifth") == "third", "active: the waiting row holds it"
+    running.ack()
+    settled(conn)
+    assert count_rows(engine, table_of("jobs", table_prefix)) == 1
+
+
+def test_a_retry_of_the_running_task_takes_over_its_own_key(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    conn = connect()
+    assert held_by(conn, "sync", "task-1") is None
+    running = get_within(conn, "jobs")
+    assert held_by(conn, "sync", "task-1", countdown=0) is None, "its retry is written"
+    assert held_by(conn, "sync", "task-2") == "task-1", "the retry holds the key"
+    running.ack()
+    settled(conn)
+    assert held_by(conn, "sync", "task-3") == "task-1", "the retry still waits"
+    assert count_rows(engine, table_of("jobs", table_prefix)) == 1
+
+
+def test_the_same_task_sent_again_while_it_waits_is_a_duplicate(connect: Connect) -> None:
+    conn = connect()
+    assert held_by(conn, "k", "task-1") is None
+    assert held_by(conn, "k", "task-1") == "task-1"
+
+
+def test_a_delayed_row_holds_its_key_until_it_has_run(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    conn = connect()
+    conn.default_channel.queue_declare("jobs")
+    conn.Producer().publish({"id": "later"}, routing_key="jobs", unique_key="d",
+                            headers={"id": "later", "eta": "2037-01-01T00:00:00+00:00"})
+    assert held_by(conn, "d", "now") == "later"
+
+
+def test_a_dead_lettered_row_frees_its_key(connect: Connect, engine: Engine,
+                                           table_prefix: str) -> None:
+    conn = connect(queues={"jobs": {"dead_letter_queue": "jobs.dead"}})
+    assert held_by(conn, "k", "first") is None
+    get_within(conn, "jobs").reject(requeue=False)
+    assert held_by(conn, "k", "second") is None
+    assert count_rows(engine, table_of("jobs.dead", table_prefix)) == 1
+
+
+def test_a_bound_publish_holds_its_key_in_the_callers_transaction(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    conn = connect()
+    # the table gets its key column outside the caller's transaction (on MariaDB a
+    # transaction that began before it could not read the table again)
+    assert held_by(conn, "other", "first") is None
+    with engine.connect() as caller:
+        caller.begin()
+        with bind(caller):
+            conn.Producer().publish({"n": 0}, routing_key="jobs")  # held for the batch
+            assert held_by(conn, "k", "rolled-back") is None
+            assert held_by(conn, "k", "same-transaction") == "rolled-back"
+        caller.rollback()
+    assert count_rows(engine, table_of("jobs", table_prefix)) == 1
+    with engine.connect() as caller:
+        caller.begin()
+        with bind(caller):
+            assert held_by(conn, "k", "kept") is None
+        caller.commit()
+    assert held_by(conn, "k", "after") == "kept"
+
+
+def test_an_earlier_table_gets_the_key_column_or_names_the_ddl_that_adds_it(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    made = connect()
+    made.default_channel.queue_declare("jobs")  # a table made before any key
+    broker = broker_of(made)
+    spec = broker.table("jobs").spec
+    with engine.connect() as db:
+        assert not broker.dialect.has_unique(db, spec)
+    refusing = connect(create_tables=False)
+    with pytest.raises(SchemaMismatch, match=r"has no unique key column(.|\n)*ALTER TABLE"):
+        send(refusing, "k", "t")
+    assert held_by(made, "k", "t") is None
+    with engine.connect() as db:
+        assert broker.dialect.has_unique(db, spec)
+        broker.dialect.add_unique(db, spec)  # another process's DDL, late: found done
+        assert broker.dialect.has_unique(db, spec)
+        assert broker.dialect.claim_plan_problem(db, spec) is None, "claims as before"
+    assert held_by(refusing, "k", "t2") == "t"
+
+
+def test_a_transient_queue_refuses_a_key(connect: Connect) -> None:
+    conn = connect()
+    conn.default_channel.queue_declare("replies", durable=False, auto_delete=True)
+    with pytest.raises(ConfigurationError, match="unique keys need a queue table"):
+        conn.Producer().publish({}, routing_key="replies", unique_key="k")
+
+
+def test_keys_are_per_queue(connect: Connect, engine: Engine, table_prefix: str) -> None:
+    conn = connect()
+    assert held_by(conn, "k", "a") is None
+    send(conn, "k", "b", queue="other")
+    assert count_rows(engine, table_of("other", table_prefix)) == 1
+
+
+@pytest.fixture
+def app(broker_url: str, table_prefix: str) -> Iterator[Celery]:
+    """A Celery app sending to the database under test (no worker: sends alone)."""
+    made = Celery("unique", broker=broker_url, set_as_current=False)
+    made.conf.update(broker_transport_options={"table_prefix": table_prefix},
+                     task_default_queue="jobs")
+    yield made
+    made.close()
+
+
+def test_a_unique_task_sent_again_returns_the_waiting_task(
+        app: Celery, engine: Engine, table_prefix: str) -> None:
+    @app.task(base=UniqueTask, unique="active", shared=False)
+    def charge(order_id: int, amount: int = 0) -> None: ...
+
+    @app.task(base=UniqueTask, unique="waiting", unique_key=lambda order_id: f"o{order_id}",
+              unique_raise=True, shared=False)
+    def refund(order_id: int) -> None: ...
+
+    first = charge.delay(1, amount=5)
+    assert charge.delay(1, amount=5).id == first.id, "the waiting task's result"
+    with pytest.raises(DuplicateTask) as raised:
+        charge.apply_async((1,), {"amount": 5}, unique_raise=True)
+    assert raised.value.task_id == first.id
+    assert charge.delay(1, amount=6).id != first.id, "other arguments, another key"
+    held = refund.delay(7)
+    with pytest.raises(DuplicateTask, match="'o7'"):
+        refund.delay(7)
+    assert refund.apply_async((7,), unique_key="custom").id != held.id
+    plain = app.send_task("other.task", (1,), unique_key="same")
+    with pytest.raises(DuplicateTask):
+        app.send_task("other.task", (2,), unique_key="same")
+    assert count_rows(engine, table_of("jobs", table_prefix)) == 5
+    assert plain.id
+
+
+def test_a_key_function_returning_no_string_is_refused(app: Celery) -> None:
+    @app.task(base=UniqueTask, unique="active", unique_key=lambda n: n, shared=False)
+    def numbered(n: int) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="unique_key must be"):
+        numbered.delay(3)
