@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from celery import Celery
+from celery import Celery, group
 from kombu import Connection
 from sqlalchemy.engine import Engine
 
@@ -228,3 +228,14 @@ def test_a_key_function_returning_no_string_is_refused(app: Celery) -> None:
 
     with pytest.raises(ConfigurationError, match="unique_key must be"):
         numbered.delay(3)
+
+
+def test_a_group_of_unique_tasks_queues_each_key_once(
+        app: Celery, engine: Engine, table_prefix: str) -> None:
+    @app.task(base=UniqueTask, unique="active", shared=False)
+    def charge(order_id: int) -> None: ...
+
+    charge.delay(1)
+    result = group(charge.s(1), charge.s(2), charge.s(2), charge.s(3)).apply_async()
+    assert len(result.results) == 4, "Celery's group names the ids it gave, sent or not"
+    assert count_rows(engine, table_of("jobs", table_prefix)) == 3
