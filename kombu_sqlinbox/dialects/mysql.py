@@ -112,6 +112,9 @@ class MySQLDialect(Dialect):
     # -- unique keys ------------------------------------------------------------------------
     #: a SHA-256 in hex, compared byte for byte whatever the table's collation
     unique_type = "CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NULL"
+    #: a locking read sees the holder a REPEATABLE READ caller's snapshot predates (a
+    #: consistent read would not, and the send would look for it for ever)
+    unique_find_lock = " LOCK IN SHARE MODE"
 
     def unique_ddl(self, spec: TableSpec) -> list[str]:
         """One ALTER adds the column and a unique index on it: InnoDB's unique index lets

@@ -39,6 +39,9 @@ class UniqueFamily(SchemaFamily):
 
     #: the key column's type: a SHA-256 in hex
     unique_type: ClassVar[str] = "TEXT"
+    #: how the look-up of a key's holder reads the latest committed row, where a caller's
+    #: snapshot (REPEATABLE READ) could hide the row the unique index found
+    unique_find_lock: ClassVar[str] = ""
 
     def unique_index(self, spec: TableSpec) -> str:
         return self.index_name(spec, "unique")
@@ -90,7 +93,8 @@ class UniqueFamily(SchemaFamily):
         held = f"{f['locked_until']} > {self.now}" if spec.has(Role.LOCKED_UNTIL) else "1 = 0"
         scope = self.unique_scope(spec)
         find = text(f"SELECT {f['id']}, {stored}, CASE WHEN {held} THEN 1 ELSE 0 END "
-                    f"FROM {f['table']} WHERE {column} = :unique_key AND {scope}")
+                    f"FROM {f['table']} WHERE {column} = :unique_key AND {scope}"
+                    f"{self.unique_find_lock}")
         release = text(f"UPDATE {f['table']} SET {column} = NULL "
                        f"WHERE {f['id']} = :id AND {column} = :unique_key")
         return UniqueStatements(self.clocked(self.unique_insert(spec)), self.clocked(find),

@@ -11,7 +11,9 @@ from collections.abc import Iterator
 import pytest
 from celery import Celery, group
 from kombu import Connection
+from sqlalchemy import text
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import OperationalError
 
 from celery_ext.binding import bind
 from celery_ext.unique import UniqueTask
@@ -20,7 +22,7 @@ from kombu_sqlinbox.errors import DuplicateTask
 from kombu_sqlinbox.unique import MAX_KEY_LENGTH
 
 from .conftest import Connect
-from .support import broker_of, count_rows, get_within, settled, table_of
+from .support import broker_of, count_rows, get_within, quoted, settled, table_of
 
 
 def send(conn: Connection, key: object, task_id: str, queue: str = "jobs",
@@ -239,3 +241,25 @@ def test_a_group_of_unique_tasks_queues_each_key_once(
     result = group(charge.s(1), charge.s(2), charge.s(2), charge.s(3)).apply_async()
     assert len(result.results) == 4, "Celery's group names the ids it gave, sent or not"
     assert count_rows(engine, table_of("jobs", table_prefix)) == 3
+
+
+@pytest.mark.databases("postgresql", "mysql")  # SQLite's caller holds the one write lock
+def test_a_callers_snapshot_older_than_the_holder_still_names_it(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """A caller in REPEATABLE READ whose snapshot was taken before the holder committed:
+    its send is refused naming the holder (MariaDB reads the holder with a locking read;
+    PostgreSQL refuses such an INSERT ... ON CONFLICT with a serialization failure)."""
+    conn = connect()
+    assert held_by(conn, "ready", "first") is None  # the table has its key column
+    table = quoted(engine, table_of("jobs", table_prefix))
+    with engine.connect().execution_options(isolation_level="REPEATABLE READ") as caller:
+        caller.begin()
+        caller.execute(text(f"SELECT COUNT(*) FROM {table}")).scalar_one()  # the snapshot
+        assert held_by(conn, "k", "holder") is None  # committed after it
+        with bind(caller):
+            if engine.dialect.name == "postgresql":
+                with pytest.raises(OperationalError, match="could not serialize"):
+                    send(conn, "k", "late")
+            else:
+                assert held_by(conn, "k", "late") == "holder"
+        caller.rollback()
