@@ -21,6 +21,7 @@ from celery_ext.declaration import OutboxTableBuilder, default_outbox_table
 from kombu_sqlinbox import clock as clocks
 from kombu_sqlinbox.dialects import Dialect, dialect_for
 from kombu_sqlinbox.dialects.base import DriverSql
+from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.tables import ColumnSpec, Role, TableBuilder, TableSpec, default_table
 
 DUMPS = Path(__file__).parent / "statements"
@@ -119,6 +120,14 @@ def table_statements(dialect: Dialect, drivers: tuple[str, ...], spec: TableSpec
                                                    ("t", "i"), ["c"])
     if dialect.capabilities.wakeups:
         yield "channel", dialect.channel(spec)
+    if spec.publish is None and spec.rows is None:
+        try:
+            yield "unique_ddl", dialect.unique_ddl(spec)
+        except ConfigurationError as exc:  # MariaDB/MySQL: a table keeping processed rows
+            yield "unique_ddl", f"refused: {exc.message}"
+        unique = dialect.unique_statements(spec)
+        for field in dataclasses.fields(unique):
+            yield f"unique_statements.{field.name}", getattr(unique, field.name)
 
 
 def outbox_statements(dialect: Dialect) -> Iterator[tuple[str, Any]]:
