@@ -147,6 +147,9 @@ class UniquePublisher:
                 f"queue {table.queue!r}: unique keys need a queue table storing Celery's "
                 "messages with the transport's publish statement (not a transient queue, "
                 "a declared publish statement, row mode or plain rows)")
+        refusal = self.dialect.unique_refusal(spec)
+        if refusal is not None:
+            raise ConfigurationError(f"queue {table.queue!r}: {refusal}")
         create = self.create and table.created_by_transport
 
         def ready(conn: Connection) -> None:

@@ -20,7 +20,6 @@ from sqlalchemy import Connection, TextClause, inspect, text
 from sqlalchemy import types as sqltypes
 from sqlalchemy.exc import DBAPIError
 
-from ..errors import ConfigurationError
 from ..tables import ColumnSpec, Role, TableSpec
 from .base import Dialect
 from .core import Capabilities
@@ -116,14 +115,17 @@ class MySQLDialect(Dialect):
     #: consistent read would not, and the send would look for it for ever)
     unique_find_lock = " LOCK IN SHARE MODE"
 
+    def unique_refusal(self, spec: TableSpec) -> str | None:
+        """No partial index: a processed row would hold its key for ever."""
+        if spec.has(Role.PROCESSED_AT):
+            return (f"table {spec.table!r} keeps processed rows (processed_at): unique keys "
+                    "on MariaDB/MySQL need a table that deletes its finished rows")
+        return None
+
     def unique_ddl(self, spec: TableSpec) -> list[str]:
         """One ALTER adds the column and a unique index on it: InnoDB's unique index lets
         any number of NULLs through, so it covers the rows with a key (no partial index
         here, nor CREATE INDEX IF NOT EXISTS on MySQL)."""
-        if spec.has(Role.PROCESSED_AT):
-            raise ConfigurationError(
-                f"table {spec.table!r} keeps processed rows (processed_at): unique keys on "
-                "MariaDB/MySQL need a table that deletes its finished rows")
         column = self.quote(UNIQUE_COLUMN)
         return [f"ALTER TABLE {self.table_ref(spec)} ADD COLUMN {column} {self.unique_type}, "
                 f"ADD UNIQUE INDEX {self.unique_index(spec)} ({column})"]

@@ -54,6 +54,10 @@ class UniqueFamily(SchemaFamily):
             covered += f" AND {self.quote(spec.name_of(Role.PROCESSED_AT))} IS NULL"
         return covered
 
+    def unique_refusal(self, spec: TableSpec) -> str | None:
+        """Why this database cannot hold unique keys in ``spec``'s table, or None."""
+        return None
+
     def unique_ddl(self, spec: TableSpec) -> list[str]:
         """What a queue table needs for unique keys: the column, then its partial unique
         index (the ALTER comes first: on PostgreSQL its lock makes a second process's DDL

@@ -17,7 +17,7 @@ from sqlalchemy.exc import OperationalError
 
 from celery_ext.binding import bind
 from celery_ext.unique import UniqueTask
-from kombu_sqlinbox import ConfigurationError, SchemaMismatch
+from kombu_sqlinbox import ConfigurationError, SchemaMismatch, TableBuilder
 from kombu_sqlinbox.errors import DuplicateTask
 from kombu_sqlinbox.unique import MAX_KEY_LENGTH
 
@@ -263,3 +263,29 @@ def test_a_callers_snapshot_older_than_the_holder_still_names_it(
             else:
                 assert held_by(conn, "k", "late") == "holder"
         caller.rollback()
+
+
+def test_a_declared_table_keeping_processed_rows_frees_a_key_once_processed(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """A declared table gets no column of the transport's own: the first keyed send names
+    the DDL. Its processed rows hold no key (PostgreSQL, SQLite: the index leaves them out);
+    MariaDB/MySQL, whose indexes are not partial, refuses keys on such a table."""
+    spec = (TableBuilder(f"{table_prefix}kept").id().payload().headers().attempt()
+            .locked_until().available_at().processed_at().build())
+    conn = connect(queues={"kept": {"table": spec}})
+    dialect = broker_of(conn).dialect
+    if dialect.unique_refusal(spec) is not None:
+        with pytest.raises(ConfigurationError, match="keeps processed rows"):
+            send(conn, "k", "a", queue="kept")
+        return
+    with pytest.raises(SchemaMismatch, match="has no unique key column"):
+        send(conn, "k", "a", queue="kept")
+    with engine.begin() as db:
+        for statement in dialect.unique_ddl(spec):
+            db.exec_driver_sql(statement)
+    assert held_by(conn, "k", "a", queue="kept") is None
+    assert held_by(conn, "k", "b", queue="kept") == "a"
+    get_within(conn, "kept").ack()
+    settled(conn)
+    assert held_by(conn, "k", "c", queue="kept") is None, "a processed row holds no key"
+    assert count_rows(engine, spec.table) == 2

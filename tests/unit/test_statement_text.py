@@ -21,7 +21,6 @@ from celery_ext.declaration import OutboxTableBuilder, default_outbox_table
 from kombu_sqlinbox import clock as clocks
 from kombu_sqlinbox.dialects import Dialect, dialect_for
 from kombu_sqlinbox.dialects.base import DriverSql
-from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.tables import ColumnSpec, Role, TableBuilder, TableSpec, default_table
 
 DUMPS = Path(__file__).parent / "statements"
@@ -121,10 +120,8 @@ def table_statements(dialect: Dialect, drivers: tuple[str, ...], spec: TableSpec
     if dialect.capabilities.wakeups:
         yield "channel", dialect.channel(spec)
     if spec.publish is None and spec.rows is None:
-        try:
-            yield "unique_ddl", dialect.unique_ddl(spec)
-        except ConfigurationError as exc:  # MariaDB/MySQL: a table keeping processed rows
-            yield "unique_ddl", f"refused: {exc.message}"
+        yield "unique_refusal", dialect.unique_refusal(spec)
+        yield "unique_ddl", dialect.unique_ddl(spec)
         unique = dialect.unique_statements(spec)
         for field in dataclasses.fields(unique):
             yield f"unique_statements.{field.name}", getattr(unique, field.name)
