@@ -36,13 +36,14 @@ class UniqueTask(InboxTask):
     """Base of unique tasks (late-acked, as :class:`~celery_ext.tasks.InboxTask`: a running
     task's row holds its key until the task ends).
 
-    ``unique``: the scope of every send (``"active"``: waiting or running; ``"waiting"``),
-    or None (only sends passing ``unique_key=`` are keyed); ``unique_key``: a function
+    ``unique``: the scope of every send (``"active"``: waiting or running; ``"waiting"``;
+    a number of seconds from the send), or None (only sends passing ``unique_key=`` are
+    keyed); ``unique_key``: a function
     taking the task's arguments and returning the key (default: :func:`default_key`);
     ``unique_raise``: raise instead of returning the holder's result.
     """
 
-    unique: str | None = None
+    unique: str | float | None = None
     unique_key: Callable[..., str] | None = None
     unique_raise = False
 

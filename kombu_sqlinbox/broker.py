@@ -72,7 +72,7 @@ class Broker:
         self.wakeup = Wakeup(self.database, local=options.notify)
         self.keeper = LeaseKeeper(self.database, wake=self.wakeup.poke)
         self.forms = claim_forms(self.database, self.keeper, self.wakeup)
-        self.unique = UniquePublisher(self.database, options.create_tables, self.wakeup.published)
+        self.unique = UniquePublisher(self.database, options, self.wakeup.published)
         self.routes = Routes(self.database, options.table_prefix, options.create_tables,
                              sweep_interval=options.sweep_interval,
                              sweep_batch=options.sweep_batch)

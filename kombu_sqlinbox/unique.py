@@ -6,10 +6,14 @@ unique_key=...)``), and ``unique_scope`` says how long a row holds its key:
 * ``"active"`` (the default): while it is in the table, waiting or running: until its
   task is acknowledged, moved to the dead-letter queue or dropped;
 * ``"waiting"``: while no worker holds it: a row under a lease gives its key up to the
-  next publish with that key.
+  next publish with that key;
+* a number of seconds: for that long from the publish, whatever becomes of the row (a
+  row of the timed keys' table, ``<prefix>unique_keys``, written in the publish's
+  transaction and expiring by the database's clock).
 
-The queue table's unique index decides (:mod:`.dialects.unique`): of two processes
-publishing one key at the same moment, one row lands. The key is a column of the row
+The queue table's unique index decides (:mod:`.dialects.unique`; for a timed scope, the
+timed keys' primary key): of two processes publishing one key at the same moment, one row
+lands. The key is a column of the row
 itself, so nothing outlives the row: a killed worker's row keeps its key only as long as
 the row waits to run again.
 
@@ -22,18 +26,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, inspect
+from sqlalchemy.exc import DBAPIError
 
 from . import binding
 from .codec import stores_plain
 from .database import Database
 from .dialects import UniqueStatements
 from .errors import ConfigurationError, DuplicateTask, SchemaMismatch
+from .options import TransportOptions
 from .rows import QueueTable
 
 #: the message properties that carry a key and its scope
@@ -48,7 +55,8 @@ class UniqueKey:
     """A message's key and scope; the row stores the key's SHA-256 (:attr:`digest`)."""
 
     key: str
-    scope: str = "active"
+    #: a scope of :data:`SCOPES`, or seconds
+    scope: str | float = "active"
 
     @property
     def digest(self) -> str:
@@ -65,9 +73,14 @@ def unique_of(properties: dict[str, Any]) -> UniqueKey | None:
         raise ConfigurationError(
             f"unique_key must be a non-empty string of at most {MAX_KEY_LENGTH} characters, "
             f"got {type(key).__name__} {str(key)[:80]!r}")
-    scope = properties.get(SCOPE_PROPERTY) or "active"
+    scope = properties.get(SCOPE_PROPERTY, "active")
+    if isinstance(scope, (int, float)) and not isinstance(scope, bool):
+        if not math.isfinite(scope) or scope <= 0:
+            raise ConfigurationError(f"unique_scope: {scope!r} is no number of seconds")
+        return UniqueKey(key, float(scope))
     if scope not in SCOPES:
-        raise ConfigurationError(f"unique_scope must be one of {SCOPES}, got {scope!r}")
+        raise ConfigurationError(
+            f"unique_scope must be one of {SCOPES} or seconds, got {scope!r}")
     return UniqueKey(key, scope)
 
 
@@ -89,11 +102,15 @@ class UniquePublisher:
     """Publishes with a unique key on one database; adds the key column and index to a table
     on its first keyed publish (where the transport may create tables)."""
 
-    def __init__(self, database: Database, create: bool, wake: Callable[[], None]) -> None:
+    def __init__(self, database: Database, options: TransportOptions,
+                 wake: Callable[[], None]) -> None:
         self.database, self.dialect = database, database.dialect
-        self.create = create
+        self.create = options.create_tables
+        self.keys = self.dialect.key_statements(options.table_prefix)
+        self.keys_table = f"{options.table_prefix}unique_keys"
         self.wake = wake
         self._ready: dict[Any, UniqueStatements] = {}
+        self._keys_ready = False
         self._lock = threading.Lock()
 
     def publish(self, table: QueueTable, params: dict[str, Any], unique: UniqueKey,
@@ -102,6 +119,9 @@ class UniquePublisher:
         the holder's task id) when it is. In the caller's bound transaction when there is
         one (rows it held for one INSERT go first)."""
         caller = binding.current()
+        if isinstance(unique.scope, float):
+            self._publish_timed(table, params, unique, task_id, caller)
+            return
         statements = self._statements(table, caller)
         params = {**params, "unique_key": unique.digest}
 
@@ -123,6 +143,12 @@ class UniquePublisher:
                     continue
                 return holder or ""
 
+        self._run(table, unique, work, caller)
+
+    def _run(self, table: QueueTable, unique: UniqueKey,
+             work: Callable[[Connection], str | None], caller: Connection | None) -> None:
+        """``work`` in the caller's transaction (after the rows it held) or one of our own;
+        :class:`~.errors.DuplicateTask` when it names a holder."""
         if caller is not None:
             binding.write_pending(caller)
             holder = work(caller)
@@ -133,6 +159,74 @@ class UniquePublisher:
         if caller is None:
             self.wake()
 
+    def _publish_timed(self, table: QueueTable, params: dict[str, Any], unique: UniqueKey,
+                       task_id: str | None, caller: Connection | None) -> None:
+        """Take the key in the timed keys' table, then write the row, in one transaction
+        (a key whose time is up is dropped first, and a few other expired keys with it). A
+        retry of the task holding the key is written."""
+        self._check(table)
+        keys = self.keys
+        if not self._keys_ready:
+            self._ready_keys(caller)
+        key = {"queue_table": table.spec.table, "unique_key": unique.digest}
+
+        def work(conn: Connection) -> str | None:
+            """As in :meth:`publish`: a turn round the loop follows another's change."""
+            while True:
+                conn.execute(keys.expire, key)
+                if self.dialect.claim_key(conn, keys.claim,
+                                          {**key, "task_id": task_id, "seconds": unique.scope}):
+                    conn.execute(keys.sweep)
+                    break
+                found = conn.execute(keys.holder, key).first()
+                if found is None:
+                    continue  # dropped since, expired: try again
+                if found[0] != task_id or task_id is None:
+                    return found[0] or ""
+                break  # the holder's own retry
+            self.dialect.publish(conn, table.spec, [params])
+            return None
+
+        self._run(table, unique, work, caller)
+
+    def _ready_keys(self, caller: Connection | None) -> None:
+        """Create the timed keys' table (or name its DDL where the transport creates no
+        tables); in the caller's transaction where ours would wait for it (SQLite)."""
+        def ready(conn: Connection) -> None:
+            if inspect(conn).has_table(self.keys_table):
+                return
+            if not self.create:
+                raise SchemaMismatch(
+                    f"table {self.keys_table!r} (timed unique keys) does not exist "
+                    "(create_tables is off); create it with:\n"
+                    + ";\n".join(self.keys.ddl) + ";")
+            try:
+                with conn.begin_nested():
+                    for statement in self.keys.ddl:
+                        conn.exec_driver_sql(statement)
+            except DBAPIError:
+                # another process created it at that moment (PostgreSQL reports a
+                # duplicate type): there it is
+                if not inspect(conn).has_table(self.keys_table):
+                    raise
+
+        if caller is not None and self.dialect.transactional_ddl and (
+                not self.dialect.capabilities.row_locks):
+            ready(caller)
+            return
+        with self._lock:
+            self.database.run(ready)
+            self._keys_ready = True
+
+    def _check(self, table: QueueTable) -> None:
+        """Refuse a queue whose rows are no Celery messages the transport writes."""
+        spec = table.spec
+        if table.transient or spec.publish is not None or stores_plain(spec):
+            raise ConfigurationError(
+                f"queue {table.queue!r}: unique keys need a queue table storing Celery's "
+                "messages with the transport's publish statement (not a transient queue, "
+                "a declared publish statement, row mode or plain rows)")
+
     def _statements(self, table: QueueTable, caller: Connection | None) -> UniqueStatements:
         """The table's keyed statements, once it is found (or made) ready for them: in a
         transaction of our own, remembered; in the bound caller's where ours would wait
@@ -142,11 +236,7 @@ class UniquePublisher:
         if found is not None:
             return found
         spec = table.spec
-        if table.transient or spec.publish is not None or stores_plain(spec):
-            raise ConfigurationError(
-                f"queue {table.queue!r}: unique keys need a queue table storing Celery's "
-                "messages with the transport's publish statement (not a transient queue, "
-                "a declared publish statement, row mode or plain rows)")
+        self._check(table)
         refusal = self.dialect.unique_refusal(spec)
         if refusal is not None:
             raise ConfigurationError(f"queue {table.queue!r}: {refusal}")

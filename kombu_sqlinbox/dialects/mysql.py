@@ -24,9 +24,9 @@ from ..tables import ColumnSpec, Role, TableSpec
 from .base import Dialect
 from .core import Capabilities
 from .driver import _expanding
+from .mysql_unique import MySQLUniqueKeys
 from .results import FINAL, RESULT_ID_BYTES, Names
 from .routing import TRANSIENT_ORDER, RoutingStatements
-from .unique import UNIQUE_COLUMN
 from .wakeups import no_wakeups
 
 NOW = "UTC_TIMESTAMP(6)"
@@ -50,7 +50,7 @@ class Utf8Name(sqltypes.TypeDecorator[str]):
         return None if value is None else value.encode("utf-8")
 
 
-class MySQLDialect(Dialect):
+class MySQLDialect(MySQLUniqueKeys, Dialect):
     # -- core: time, identifiers, capabilities ---------------------------------------------
     names = ("mysql", "mariadb")
     capabilities = Capabilities(row_locks=True, skip_locked=True, key_locks=True)
@@ -107,46 +107,6 @@ class MySQLDialect(Dialect):
 
     def is_unique_violation(self, exc: BaseException) -> bool:
         return bool(self.driver_error_code(exc) == 1062)  # ER_DUP_ENTRY
-
-    # -- unique keys ------------------------------------------------------------------------
-    #: a SHA-256 in hex, compared byte for byte whatever the table's collation
-    unique_type = "CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NULL"
-    #: a locking read sees the holder a REPEATABLE READ caller's snapshot predates (a
-    #: consistent read would not, and the send would look for it for ever)
-    unique_find_lock = " LOCK IN SHARE MODE"
-
-    def unique_refusal(self, spec: TableSpec) -> str | None:
-        """No partial index: a processed row would hold its key for ever."""
-        if spec.has(Role.PROCESSED_AT):
-            return (f"table {spec.table!r} keeps processed rows (processed_at): unique keys "
-                    "on MariaDB/MySQL need a table that deletes its finished rows")
-        return None
-
-    def unique_ddl(self, spec: TableSpec) -> list[str]:
-        """One ALTER adds the column and a unique index on it: InnoDB's unique index lets
-        any number of NULLs through, so it covers the rows with a key (no partial index
-        here, nor CREATE INDEX IF NOT EXISTS on MySQL)."""
-        column = self.quote(UNIQUE_COLUMN)
-        return [f"ALTER TABLE {self.table_ref(spec)} ADD COLUMN {column} {self.unique_type}, "
-                f"ADD UNIQUE INDEX {self.unique_index(spec)} ({column})"]
-
-    def unique_insert(self, spec: TableSpec) -> TextClause:
-        """A plain INSERT: a taken key is the unique index's duplicate-key error (never
-        INSERT IGNORE, which would hide every other error as a warning)."""
-        head, values = self.unique_values(spec)
-        return text(f"{head} VALUES {values}")
-
-    def insert_unique(self, conn: Connection, spec: TableSpec, statement: TextClause,
-                      params: dict[str, Any]) -> bool:
-        """InnoDB undoes the failed statement alone: the transaction (a caller's) goes on."""
-        try:
-            conn.execute(statement, params)
-        except DBAPIError as exc:
-            if self.is_unique_violation(exc) and self.unique_index(spec).strip("`") in str(
-                    exc.orig):
-                return False
-            raise
-        return True
 
     def on_connect(self, dbapi_connection: Any) -> None:
         cursor = dbapi_connection.cursor()

@@ -34,6 +34,20 @@ class UniqueStatements:
     release: TextClause
 
 
+@dataclass(frozen=True)
+class KeyStatements:
+    """The timed keys' table (a key held for some seconds from its send, whatever becomes
+    of its row): ``ddl``; ``expire`` drops ``:unique_key`` of ``:queue_table`` once expired;
+    ``claim`` takes it for ``:seconds`` (a row back when taken); ``holder`` reads its task
+    id; ``sweep`` deletes a few expired keys of any queue."""
+
+    ddl: list[str]
+    expire: TextClause
+    claim: TextClause
+    holder: TextClause
+    sweep: TextClause
+
+
 class UniqueFamily(SchemaFamily):
     """The statements of publishes with a unique key."""
 
@@ -116,6 +130,44 @@ class UniqueFamily(SchemaFamily):
         return text(f"{head} VALUES {values} ON CONFLICT ({self.quote(UNIQUE_COLUMN)}) "
                     f"WHERE {self.unique_scope(spec)} DO NOTHING "
                     f"RETURNING {self.quote(spec.name_of(Role.ID))}")
+
+    #: the timed keys table's column types: queue table name, key, task id, expiry
+    key_types: ClassVar[tuple[str, str, str, str]] = ("TEXT", "TEXT", "TEXT",
+                                                       "TIMESTAMPTZ")
+
+    def key_statements(self, prefix: str) -> KeyStatements:
+        table = self.quote(f"{prefix}unique_keys")
+        queue_type, key_type, task_type, time_type = self.key_types
+        held = "queue_table = :queue_table AND unique_key = :unique_key"
+        return KeyStatements(
+            ddl=self.key_ddl(table, [
+                f"queue_table {queue_type} NOT NULL", f"unique_key {key_type} NOT NULL",
+                f"task_id {task_type}", f"expires_at {time_type} NOT NULL",
+                "PRIMARY KEY (queue_table, unique_key)"],
+                self.quote(f"{prefix}unique_keys_expiry")),
+            expire=self.clocked(text(f"DELETE FROM {table} WHERE {held} "
+                                     f"AND expires_at <= {self.now}")),
+            claim=self.clocked(text(self.key_claim(table))),
+            holder=text(f"SELECT task_id FROM {table} WHERE {held}{self.unique_find_lock}"),
+            sweep=self.clocked(text(self.key_sweep(table))))
+
+    def key_ddl(self, table: str, columns: list[str], index: str) -> list[str]:
+        return [f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(columns)})",
+                f"CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at)"]
+
+    def key_claim(self, table: str) -> str:
+        return (f"INSERT INTO {table} (queue_table, unique_key, task_id, expires_at) "
+                f"VALUES (:queue_table, :unique_key, :task_id, {self.later(':seconds')}) "
+                "ON CONFLICT (queue_table, unique_key) DO NOTHING RETURNING task_id")
+
+    def key_sweep(self, table: str) -> str:
+        return (f"DELETE FROM {table} WHERE (queue_table, unique_key) IN (SELECT queue_table, "
+                f"unique_key FROM {table} WHERE expires_at <= {self.now} LIMIT 16)")
+
+    def claim_key(self, conn: Connection, statement: TextClause,
+                  params: dict[str, Any]) -> bool:
+        """Take a timed key; False when it is held."""
+        return conn.execute(statement, params).first() is not None
 
     def insert_unique(self, conn: Connection, spec: TableSpec, statement: TextClause,
                       params: dict[str, Any]) -> bool:

@@ -6,6 +6,7 @@ create tables."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -22,7 +23,15 @@ from kombu_sqlinbox.errors import DuplicateTask
 from kombu_sqlinbox.unique import MAX_KEY_LENGTH
 
 from .conftest import Connect
-from .support import broker_of, count_rows, get_within, quoted, settled, table_of
+from .support import (
+    broker_of,
+    count_rows,
+    get_within,
+    quoted,
+    settled,
+    table_of,
+    wait_for,
+)
 
 
 def send(conn: Connection, key: object, task_id: str, queue: str = "jobs",
@@ -289,3 +298,66 @@ def test_a_declared_table_keeping_processed_rows_frees_a_key_once_processed(
     settled(conn)
     assert held_by(conn, "k", "c", queue="kept") is None, "a processed row holds no key"
     assert count_rows(engine, spec.table) == 2
+
+
+def test_a_timed_key_is_held_for_its_seconds_whatever_becomes_of_the_row(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    conn = connect()
+    assert held_by(conn, "daily", "first", unique_scope=2) is None
+    assert held_by(conn, "daily", "second", unique_scope=2) == "first"
+    assert held_by(conn, "daily", "first", unique_scope=2) is None, "its own retry is written"
+    for _ in range(2):
+        get_within(conn, "jobs").ack()
+    settled(conn)
+    assert count_rows(engine, table_of("jobs", table_prefix)) == 0
+    assert held_by(conn, "daily", "third", unique_scope=2) == "first", "the row went, the key not"
+    assert held_by(conn, "daily", "fourth") is None, "a key of another scope is another key"
+    wait_for(lambda: held_by(conn, "daily", "fifth", unique_scope=2) is None or None, "the key's "
+             "seconds to pass", timeout=15)
+    assert held_by(conn, "daily", "sixth", unique_scope=2) == "fifth"
+    assert count_rows(engine, f"{table_prefix}unique_keys") == 1
+
+
+@pytest.mark.parametrize("scope", [0, -1, float("nan"), float("inf"), True, "1h"])
+def test_a_scope_that_is_no_number_of_seconds_is_refused(connect: Connect,
+                                                         scope: object) -> None:
+    with pytest.raises(ConfigurationError, match="unique_scope"):
+        send(connect(), "k", "t", unique_scope=scope)
+
+
+def test_the_timed_keys_table_is_named_with_its_ddl_where_tables_are_not_created(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    connect().default_channel.queue_declare("jobs")
+    refusing = connect(create_tables=False)
+    with pytest.raises(SchemaMismatch, match=r"unique_keys' \(timed unique keys\)(.|\n)*CREATE"):
+        send(refusing, "k", "t", unique_scope=60)
+    assert held_by(connect(), "k", "t", unique_scope=60) is None
+    assert held_by(refusing, "k", "u", unique_scope=60) == "t"
+
+
+@pytest.mark.databases("postgresql")
+def test_the_timed_keys_table_another_process_makes_at_that_moment_is_used(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """Another transaction creating the timed keys' table at the same moment: the publish's
+    CREATE waits for it, then fails on PostgreSQL's duplicate type, and finds the table."""
+    conn = connect()
+    conn.default_channel.queue_declare("jobs")
+    found: list[str | None] = []
+    publisher = threading.Thread(
+        target=lambda: found.append(held_by(conn, "k", "t", unique_scope=60)))
+    def waiting() -> object:
+        with engine.connect() as watcher:  # a new look each time: statistics are cached
+            return watcher.execute(text(
+                "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query LIKE 'CREATE TABLE IF NOT EXISTS%unique_keys%'")).first()
+
+    with engine.connect() as other:
+        other.begin()
+        for statement in broker_of(conn).unique.keys.ddl:
+            other.exec_driver_sql(statement)
+        publisher.start()
+        wait_for(waiting, "the publish's CREATE to wait for the other's")
+        other.commit()
+    publisher.join(10)
+    assert found == [None]
+    assert held_by(conn, "k", "u", unique_scope=60) == "t"

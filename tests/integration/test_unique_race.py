@@ -22,8 +22,8 @@ ROUNDS = 5
 WAIT = 60.0
 
 
-def publisher(broker_url: str, prefix: str, number: int, barrier: Barrier,
-              results: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+def publisher(broker_url: str, prefix: str, number: int, scope: str | float,
+              barrier: Barrier, results: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     """Publish every key each round, in an order of this process's own, and report how
     many landed and whether every refusal named a holder."""
     with Connection(broker_url, transport_options={"table_prefix": prefix}) as conn:
@@ -37,7 +37,8 @@ def publisher(broker_url: str, prefix: str, number: int, barrier: Barrier,
                 task_id = f"p{number}-r{round_number}-k{key}"
                 try:
                     producer.publish({"k": key}, routing_key="race", headers={"id": task_id},
-                                     unique_key=f"key-{key}", retry=False)
+                                     unique_key=f"key-{key}", unique_scope=scope,
+                                     retry=False)
                     landed += 1
                 except DuplicateTask as exc:
                     unnamed += exc.task_id is None
@@ -47,25 +48,33 @@ def publisher(broker_url: str, prefix: str, number: int, barrier: Barrier,
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("scope", ["active", 3600.0], ids=["active", "timed"])
 def test_racing_processes_land_exactly_one_row_per_key_each_round(
-        broker_url: str, engine: Engine, table_prefix: str) -> None:
+        broker_url: str, engine: Engine, table_prefix: str, scope: str | float) -> None:
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(PROCESSES + 1)
     results = context.Queue()
     children = [context.Process(target=publisher, args=(broker_url, table_prefix, number,
-                                                         barrier, results))
+                                                         scope, barrier, results))
                 for number in range(PROCESSES)]
     for child in children:
         child.start()
     table = quoted(engine, table_of("race", table_prefix))
+    timed = quoted(engine, f"{table_prefix}unique_keys")
     try:
         for _ in range(ROUNDS):
             barrier.wait(WAIT)  # go
             barrier.wait(WAIT)  # all published
             with engine.begin() as db:
-                keys = db.execute(text(f"SELECT sqlinbox_unique FROM {table}")).scalars().all()
+                rows = db.execute(text(f"SELECT COUNT(*) FROM {table}")).scalar_one()
+                if scope == "active":
+                    keys = db.execute(text(f"SELECT sqlinbox_unique FROM {table}")).all()
+                else:  # the timed keys' own table; its rows go with the time
+                    keys = db.execute(text(f"SELECT unique_key FROM {timed}")).all()
+                    db.execute(text(f"DELETE FROM {timed}"))
+                distinct = set(keys)
                 db.execute(text(f"DELETE FROM {table}"))  # every task done: the keys free
-            assert len(keys) == KEYS and len(set(keys)) == KEYS, keys
+            assert rows == KEYS and len(distinct) == KEYS, (rows, distinct)
             barrier.wait(WAIT)
         reports = [results.get(timeout=WAIT) for _ in range(PROCESSES * ROUNDS)]
     finally:

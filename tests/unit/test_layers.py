@@ -25,7 +25,7 @@ LAYERS = (
     ("dialects", "dialects.base", "dialects.core", "dialects.driver", "dialects.selection",
      "dialects.publish", "dialects.schema", "dialects.queue", "dialects.operations",
      "dialects.routing", "dialects.outbox", "dialects.results", "dialects.wakeups",
-     "dialects.unique",
+     "dialects.unique", "dialects.mysql_unique",
      "dialects.mysql", "dialects.postgresql", "dialects.sqlite", "dialects.conformance",
      "dialects.conformance.suite", "dialects.conformance.schema", "dialects.conformance.queue",
      "dialects.conformance.capabilities", "dialects.conformance.outbox",

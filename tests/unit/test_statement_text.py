@@ -214,7 +214,10 @@ def render(database: str) -> str:
             found += [(f"{name}: {what}", item)
                       for what, item in table_statements(dialect, drivers, spec)]
         found += [*outbox_statements(dialect), *routing_statements(dialect),
-                  *result_statements(dialect), *schedule_statements(dialect)]
+                  *result_statements(dialect), *schedule_statements(dialect),
+                  *((f"key_statements.{field.name}", getattr(keys, field.name))
+                    for keys in [dialect.key_statements("sqlinbox_")]
+                    for field in dataclasses.fields(keys))]
         sections += [f"## {variant} | {what}\n{value(item)}\n" for what, item in found]
     return "\n".join(sections)
 
