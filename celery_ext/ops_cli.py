@@ -418,6 +418,9 @@ def ddl(ctx: click.Context, names: tuple[str, ...]) -> None:
             timed = ops.dialect.schedule_statements(ops.broker.options.table_prefix)
             click.echo("-- schedule tables (celery beat -S celery_ext.beat:DatabaseScheduler)")
             click.echo(";\n".join(timed.ddl) + ";")
+            keys = ops.dialect.key_statements(ops.broker.options.table_prefix)
+            click.echo("-- timed unique keys (made by the first send with unique_scope=N):")
+            click.echo(";\n".join(keys.ddl) + ";")
 
 
 def result_settings(app: Any, table_prefix: str) -> tuple[str, bool]:

@@ -283,7 +283,7 @@ def test_ddl_prints_the_unique_keys_ddl_as_comments_that_a_migration_may_run(
     """Each queue's unique-key column and index follow its table, commented out: the
     transport adds them on the first keyed send where it creates tables; a service whose
     migrations make the tables runs them there, and keyed sends work without
-    ``create_tables``."""
+    ``create_tables`` (timed ones too: their table is printed with the others)."""
     printed = cli("ddl").stdout
     assert printed.count("-- unique keys") == 3, printed  # jobs, fifo, jobs.dead
     unique = [line.removeprefix("-- ") for line in printed.splitlines()
@@ -297,3 +297,6 @@ def test_ddl_prints_the_unique_keys_ddl_as_comments_that_a_migration_may_run(
     with pytest.raises(DuplicateTask) as raised:
         app.send_task("ops.add", (1, 2), queue="jobs", unique_key="k")
     assert raised.value.task_id == first.id
+    timed = app.send_task("ops.add", (1, 2), queue="jobs", unique_key="k", unique_scope=60)
+    with pytest.raises(DuplicateTask, match=timed.id):  # its table printed too
+        app.send_task("ops.add", (1, 2), queue="jobs", unique_key="k", unique_scope=60)
