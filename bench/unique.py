@@ -7,7 +7,7 @@
   ``--keys`` keys (task ``n`` takes key ``n % keys``); the table must then hold exactly one
   row per key, and every other publish must have been refused naming its holder;
 * throughput, msg/s, one process, ``--publishes`` each: publishes without a key, with a
-  key each (all land), and with one held key (all refused).
+  key each (all land), with one held key (all refused), and with a timed key each.
 """
 
 from __future__ import annotations
@@ -107,7 +107,9 @@ def throughput(url: str, publishes: int) -> str:
             conn.default_channel.queue_declare(QUEUE)
             producer.publish({}, routing_key=QUEUE, unique_key="held")  # the table ready
             kinds = {"no key": lambda n: {}, "a key each": lambda n: {"unique_key": f"k{n}"},
-                     "held key (refused)": lambda n: {"unique_key": "held"}}
+                     "held key (refused)": lambda n: {"unique_key": "held"},
+                     "a timed key each": lambda n: {"unique_key": f"k{n}",
+                                                    "unique_scope": 3600}}
             for kind, options in kinds.items():
                 started = time.monotonic()
                 for n in range(publishes):
