@@ -31,6 +31,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from weakref import WeakKeyDictionary
 
 from sqlalchemy import Connection, inspect
 from sqlalchemy.exc import DBAPIError
@@ -109,7 +110,8 @@ class UniquePublisher:
         self.keys = self.dialect.key_statements(options.table_prefix)
         self.keys_table = f"{options.table_prefix}unique_keys"
         self.wake = wake
-        self._ready: dict[Any, UniqueStatements] = {}
+        #: by table as this process uses it: a queue deleted and declared again is a new one
+        self._ready: WeakKeyDictionary[QueueTable, UniqueStatements] = WeakKeyDictionary()
         self._keys_ready = False
         self._lock = threading.Lock()
 
@@ -232,7 +234,7 @@ class UniquePublisher:
         transaction of our own, remembered; in the bound caller's where ours would wait
         for it (SQLite's one writer) or not see the table (made in it), remembered only
         once seen outside it (the caller may roll back)."""
-        found = self._ready.get(table.spec)
+        found = self._ready.get(table)
         if found is not None:
             return found
         spec = table.spec
@@ -259,5 +261,5 @@ class UniquePublisher:
             return self.dialect.unique_statements(spec)
         with self._lock:
             self.database.run(ready)
-            found = self._ready[spec] = self.dialect.unique_statements(spec)
+            found = self._ready[table] = self.dialect.unique_statements(spec)
         return found

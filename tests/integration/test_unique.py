@@ -361,3 +361,12 @@ def test_the_timed_keys_table_another_process_makes_at_that_moment_is_used(
     publisher.join(10)
     assert found == [None]
     assert held_by(conn, "k", "u", unique_scope=60) == "t"
+
+
+def test_a_queue_deleted_and_declared_again_gets_its_key_column_again(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    conn = connect()
+    assert held_by(conn, "k", "first") is None
+    conn.default_channel.queue_delete("jobs")  # its table dropped, the key column with it
+    assert held_by(conn, "k", "second") is None
+    assert held_by(conn, "k", "third") == "second"
