@@ -374,6 +374,11 @@ def ddl(ctx: click.Context, names: tuple[str, ...]) -> None:
             spec = ops.broker.spec_for(name)
             click.echo(f"-- queue {name}")
             click.echo(";\n".join(ops.dialect.create_ddl(spec)) + ";")
+            if (spec.publish is None and spec.rows is None and not spec.plain
+                    and ops.dialect.unique_refusal(spec) is None):
+                click.echo("-- unique keys (added by the first send with a key where the "
+                           "transport creates tables):\n-- "
+                           + ";\n-- ".join(ops.dialect.unique_ddl(spec)) + ";")
         if not names:
             routing = ops.dialect.routing_statements(ops.broker.options.table_prefix)
             click.echo("-- routing tables (bindings, queue registry, transient messages)")
@@ -385,6 +390,9 @@ def ddl(ctx: click.Context, names: tuple[str, ...]) -> None:
             timed = ops.dialect.schedule_statements(ops.broker.options.table_prefix)
             click.echo("-- schedule tables (celery beat -S celery_ext.beat:DatabaseScheduler)")
             click.echo(";\n".join(timed.ddl) + ";")
+            keys = ops.dialect.key_statements(ops.broker.options.table_prefix)
+            click.echo("-- timed unique keys (made by the first send with unique_scope=N):")
+            click.echo(";\n".join(keys.ddl) + ";")
 
 
 def result_settings(app: Any, table_prefix: str) -> tuple[str, bool]:

@@ -45,6 +45,7 @@ from .rows import ClaimedRow, Held, Settlement
 from .rows import QueueTable as QueueTable
 from .tables import Role, TableSpec, check_name, default_table, table_name_for_queue
 from .transient import TransientQueues
+from .unique import UniqueKey, UniquePublisher
 from .wakeups import Wakeup
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class Broker:
         self.wakeup = Wakeup(self.database, local=options.notify)
         self.keeper = LeaseKeeper(self.database, wake=self.wakeup.poke)
         self.forms = claim_forms(self.database, self.keeper, self.wakeup)
+        self.unique = UniquePublisher(self.database, options, self.wakeup.published)
         self.routes = Routes(self.database, options.table_prefix, options.create_tables,
                              sweep_interval=options.sweep_interval,
                              sweep_batch=options.sweep_batch)
@@ -361,13 +363,17 @@ class Broker:
         priority: int = 0, eta: float | None = None, group: str | None = None,
         partition_key: str | None = None, ttl: float | None = None,
         task: tuple[str | None, str | None] = (None, None), columns: Sequence[Any] = (),
+        unique: UniqueKey | None = None,
     ) -> None:
         """Publish one encoded message, in the bound caller's transaction when there is
         one; refused (:class:`~.errors.MessageTooLarge`) before the server would refuse
         the statement. ``ttl`` (seconds) bounds a transient message's life; ``task``
         (name, id) is for a declared publish statement, ``columns`` are the row columns'
-        values (row mode)."""
+        values (row mode); ``unique``, a key: see :mod:`.unique`."""
         self.dialect.check_message_size(table.queue, payload, headers)
+        if unique is not None:
+            return self.unique.publish(table, self.dialect.publish_params(
+                table.spec, payload, headers, priority, eta, group, partition_key), unique, task[1])
         if table.transient:
             self.transient.put(table.queue, payload or b"", headers, ttl, priority)
             return

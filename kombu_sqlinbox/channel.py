@@ -38,6 +38,7 @@ from .codec import (
 from .deliveries import Deliveries
 from .keeper import SETTLE_LIMIT
 from .rows import ClaimedRow, Held, Settlement
+from .unique import unique_of
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ class Channel(virtual.Channel):
     # -- publish ---------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         table = self.broker.table(queue)
+        unique = unique_of(message["properties"])  # a key refused before it is encoded
         columns: tuple[Any, ...] = ()
         if stores_plain(table.spec):  # the payload and row columns alone, no envelope
             payload, columns, headers = (*encode_plain(message, table), None)
@@ -159,7 +161,7 @@ class Channel(virtual.Channel):
             table, payload, headers, priority, eta_epoch(message_headers),
             _key(message_headers.get(GROUP_HEADER)), _key(message_headers.get(PARTITION_HEADER)),
             expiration_seconds(message), (message_headers.get("task"), message_headers.get("id")),
-            columns)
+            columns, unique)
 
     def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str,
                       **kwargs: Any) -> None:

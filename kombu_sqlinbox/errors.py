@@ -29,6 +29,16 @@ class MessageTooLarge(SqlInboxError):
     """A message is larger than the database accepts in one statement."""
 
 
+class DuplicateTask(SqlInboxError):
+    """A publish with a unique key another row of the queue holds: nothing was written.
+    ``task_id`` is the holder's (None where its envelope names none); Celery's
+    ``celery_ext.unique.UniqueTask`` returns its ``AsyncResult`` instead of raising."""
+
+    def __init__(self, queue: str, key: str, task_id: str | None) -> None:
+        super().__init__(f"queue {queue!r}: unique key {key[:80]!r} is held by task {task_id}")
+        self.queue, self.key, self.task_id = queue, key, task_id
+
+
 class ResultTooLarge(SqlInboxError, EncodeError):
     """A task's result (with its meta) is larger than the result table's column or the
     server's statement limit accepts. An ``EncodeError``: Celery's worker then stores

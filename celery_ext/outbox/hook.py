@@ -23,6 +23,7 @@ from kombu import Exchange, Queue
 from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.serialization import dumps
 
+from kombu_sqlinbox.errors import DuplicateTask
 from kombu_sqlinbox.transport import Transport as InboxTransport
 
 from .. import binding
@@ -188,6 +189,13 @@ class PublishHook:
                         else:
                             self.send(producer, message, row[0])
                             sent += 1
+                    except DuplicateTask as exc:
+                        # its unique key is held: by its own message, which waits (the
+                        # guard marks it when it runs), or by another task, which runs
+                        # instead of it
+                        if exc.task_id != message.headers.get("id"):
+                            store.discard(row[0])
+                        sent += 1
                     except broker_errors:
                         store.unclaim([later[0] for later in rows[done:]])
                         raise
@@ -253,7 +261,11 @@ class RecordingProducer:
             return None
         # unbound, or the sqlinbox transport, whose publish joins the bound transaction
         self._recorded = (data, kwargs)
-        return self._producer.publish(data, **kwargs)
+        try:
+            return self._producer.publish(data, **kwargs)
+        except DuplicateTask:
+            store.discard(record_id, bound)  # the key's holder runs instead: never sent
+            raise
 
     def _serialize(self, body: Any, kwargs: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
         """Serialize as kombu would, so the recorded body is the exact bytes sent."""

@@ -340,6 +340,15 @@ class RecordStore:
         statement = self.prepared(conn.engine, conn).statements["mark"]
         return bool(conn.execute(statement, {"id": record_id}).rowcount)
 
+    def discard(self, record_id: Any, conn: Connection | None = None) -> None:
+        """Mark a record whose task is never to be sent processed (a unique task whose
+        key another task held): in ``conn``'s transaction, else in one of its own."""
+        if conn is not None:
+            self.mark_processed(conn, record_id)
+            return
+        with self.engine.begin() as own:
+            self.mark_processed(own, record_id)
+
     def processed_in(self, conn: Connection, record_id: Any) -> bool:
         """Whether the record is processed, as ``conn``'s transaction sees it (False when
         there is none)."""

@@ -20,6 +20,7 @@ from .base import (
     ScheduleStatements,
     Statements,
     Tokens,
+    UniqueStatements,
     plain_payload,
 )
 from .mysql import MySQLDialect
@@ -29,8 +30,8 @@ from .sqlite import SQLiteDialect
 __all__ = [
     "SPELLINGS", "Capabilities", "ClaimedRow", "Dialect", "MySQLDialect", "PostgreSQLDialect",
     "ResultStatements", "RoutingStatements", "RowsInsert", "SQLiteDialect",
-    "ScheduleStatements", "Statements",
-    "Tokens", "dialect_class", "dialect_for", "plain_payload", "register", "url_schemes",
+    "ScheduleStatements", "Statements", "Tokens", "UniqueStatements",
+    "dialect_class", "dialect_for", "plain_payload", "register", "url_schemes",
 ]
 
 _REGISTRY: dict[str, type[Dialect]] = {}

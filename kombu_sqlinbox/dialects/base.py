@@ -10,6 +10,8 @@ family, only what differs there:
   claim floor);
 * :mod:`.publish`: the publish statement, for one row and for many;
 * :mod:`.schema`: a queue table's DDL, its checks and its claim's plan;
+* :mod:`.unique`: unique keys: their column and index, the publish that writes nothing
+  when its key is taken;
 * :mod:`.queue`: the hot path, a table's compiled statements and the claims and
   settlements a consumer runs;
 * :mod:`.operations`: the operations commands' figures and dead-letter moves;
@@ -37,16 +39,17 @@ from .results import ResultFamily, ResultStatements
 from .routing import RoutingFamily, RoutingStatements
 from .schedules import ScheduleFamily, ScheduleStatements
 from .selection import FLOOR_REFRESH, FLOOR_STEP
+from .unique import UniqueFamily, UniqueStatements
 from .wakeups import WakeupFamily, no_wakeups
 
 __all__ = [
     "CANDIDATES", "FLOOR_MARGIN", "FLOOR_REFRESH", "FLOOR_STEP", "Capabilities", "ClaimedRow",
     "Dialect", "DriverSql", "ResultStatements", "RoutingStatements", "RowsInsert",
-    "ScheduleStatements", "Statements", "Tokens",
+    "ScheduleStatements", "Statements", "Tokens", "UniqueStatements",
     "json_text", "no_wakeups", "plain_payload",
 ]
 
 
-class Dialect(QueueFamily, OperationsFamily, RoutingFamily, OutboxFamily, ResultFamily,
-              ScheduleFamily, WakeupFamily):
+class Dialect(QueueFamily, UniqueFamily, OperationsFamily, RoutingFamily, OutboxFamily,
+              ResultFamily, ScheduleFamily, WakeupFamily):
     """Base of the per-database dialects. Subclasses supply the SQL text."""

@@ -24,6 +24,7 @@ from ..tables import ColumnSpec, Role, TableSpec
 from .base import Dialect
 from .core import Capabilities
 from .driver import _expanding
+from .mysql_unique import MySQLUniqueKeys
 from .results import FINAL, HISTORY_COLUMNS, RESULT_ID_BYTES, Names
 from .routing import TRANSIENT_ORDER, RoutingStatements
 from .wakeups import no_wakeups
@@ -49,7 +50,7 @@ class Utf8Name(sqltypes.TypeDecorator[str]):
         return None if value is None else value.encode("utf-8")
 
 
-class MySQLDialect(Dialect):
+class MySQLDialect(MySQLUniqueKeys, Dialect):
     # -- core: time, identifiers, capabilities ---------------------------------------------
     names = ("mysql", "mariadb")
     capabilities = Capabilities(row_locks=True, skip_locked=True, key_locks=True)

@@ -13,6 +13,7 @@ from ..tables import Role, TableSpec
 from .base import Dialect
 from .core import Capabilities
 from .driver import NAMED_PARAMETER, PREPARED, _expanding
+from .unique import notified
 
 #: how the wake-up's LISTEN session names itself in ``pg_stat_activity``
 LISTEN_APPLICATION = "sqlinbox listen"
@@ -151,6 +152,11 @@ class PostgreSQLDialect(Dialect):
         return (f"WITH published AS ({head}", row,
                 f"{tail} RETURNING 1) SELECT pg_notify(:channel, '') "
                 "WHERE EXISTS (SELECT 1 FROM published)", {**fixed, "channel": self.channel(spec)})
+
+    def unique_insert(self, spec: TableSpec) -> TextClause:
+        """With wake-ups, the keyed INSERT NOTIFYing the table's channel when it wrote."""
+        statement = super().unique_insert(spec)
+        return notified(statement, self.channel(spec)) if self.notify else statement
 
     def array_insert(self, spec: TableSpec,
                      parts: tuple[str, str, str, dict[str, Any]]) -> str | None:

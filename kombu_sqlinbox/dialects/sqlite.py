@@ -149,6 +149,14 @@ class SQLiteDialect(Dialect):
     def is_transient(self, exc: BaseException) -> bool:
         return "database is locked" in str(exc) or "database is busy" in str(exc)
 
+    key_types = ("TEXT", "TEXT", "TEXT", "REAL")
+
+    def unique_ddl(self, spec: TableSpec) -> list[str]:
+        """No ADD COLUMN IF NOT EXISTS here: one writer at a time, the look for the column
+        and its ALTER share the write lock."""
+        alter, index = super().unique_ddl(spec)
+        return [alter.replace(" IF NOT EXISTS", ""), index]
+
     def is_unique_violation(self, exc: BaseException) -> bool:
         orig = exc.orig if isinstance(exc, DBAPIError) else None
         return str(orig).startswith("UNIQUE constraint failed")

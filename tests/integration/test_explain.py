@@ -198,13 +198,19 @@ def test_fifo_claim_reads_no_backlog_behind_a_head_in_work(
         assert broker.dialect.claim(db, spec, 4, 30.0) == [], "a row behind the head was taken"
 
 
+#: a unique key per row of a big table, computed in SQL
+UNIQUE_KEYS = {"postgresql": "md5(id::text)", "mysql": "SHA2(id, 256)"}
+
+
 @pytest.mark.parametrize("database", ["postgresql", "mysql"], indirect=True)
+@pytest.mark.parametrize("keyed", [False, True], ids=["no keys", "every row keyed"])
 def test_claim_candidates_and_floor_read_a_few_rows_of_a_big_queue(
-        connect: Connect, database: str) -> None:
+        connect: Connect, database: str, keyed: bool) -> None:
     """READY_ROWS ready rows: the claim (PostgreSQL: its bands of priorities merged), the
     advisory form's candidates and the floor read from where it stands each read a few
     rows from the claim index, not the backlog; on PostgreSQL the claim and the
-    settlements, prepared, too."""
+    settlements, prepared, too. The same with a unique key on every row: the key's index
+    takes no claim's place."""
     conn = connect()
     conn.default_channel.queue_declare("jobs")
     broker = broker_of(conn)
@@ -212,6 +218,11 @@ def test_claim_candidates_and_floor_read_a_few_rows_of_a_big_queue(
     table = quoted(broker.engine, spec.table)
     with broker.engine.begin() as db:
         db.execute(text(bulk_insert_sql(database, table)))
+        if keyed:
+            broker.dialect.add_unique(db, spec)
+    if keyed:
+        with broker.engine.begin() as db:
+            db.execute(text(f"UPDATE {table} SET sqlinbox_unique = {UNIQUE_KEYS[database]}"))
     with broker.engine.begin() as db:
         db.execute(text(f"{ANALYZE[database]} {table}"))
         floor = broker.dialect.claim_floor(db, spec)

@@ -10,6 +10,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox.dialects import dialect_for
+from kombu_sqlinbox.errors import DuplicateTask
 from tests.integration.support import earlier_routing_ddl, quoted
 from tests.ops.conftest import Cli
 
@@ -275,3 +276,27 @@ def test_ddl_prints_the_result_tables_and_check_plans_their_statements(
     (problem,) = [line for line in failed.stdout.splitlines() if line.startswith("PROBLEM")]
     assert problem.startswith(
         f"PROBLEM (results) ({table_prefix}group_results): the statement "), problem
+
+
+def test_ddl_prints_the_unique_keys_ddl_as_comments_that_a_migration_may_run(
+        cli: Cli, app: Celery, engine: Engine, table_prefix: str) -> None:
+    """Each queue's unique-key column and index follow its table, commented out: the
+    transport adds them on the first keyed send where it creates tables; a service whose
+    migrations make the tables runs them there, and keyed sends work without
+    ``create_tables`` (timed ones too: their table is printed with the others)."""
+    printed = cli("ddl").stdout
+    assert printed.count("-- unique keys") == 3, printed  # jobs, fifo, jobs.dead
+    unique = [line.removeprefix("-- ") for line in printed.splitlines()
+              if line.startswith(("-- ALTER", "-- CREATE"))]
+    with engine.begin() as conn:
+        for statement in [*statements(printed), *statements("\n".join(unique))]:
+            conn.execute(text(statement.rstrip(";")))
+    app.conf.broker_transport_options = {**app.conf.broker_transport_options,
+                                         "create_tables": False}
+    first = app.send_task("ops.add", (1, 2), queue="jobs", unique_key="k")
+    with pytest.raises(DuplicateTask) as raised:
+        app.send_task("ops.add", (1, 2), queue="jobs", unique_key="k")
+    assert raised.value.task_id == first.id
+    timed = app.send_task("ops.add", (1, 2), queue="jobs", unique_key="k", unique_scope=60)
+    with pytest.raises(DuplicateTask, match=timed.id):  # its table printed too
+        app.send_task("ops.add", (1, 2), queue="jobs", unique_key="k", unique_scope=60)

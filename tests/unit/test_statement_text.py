@@ -119,6 +119,12 @@ def table_statements(dialect: Dialect, drivers: tuple[str, ...], spec: TableSpec
                                                    ("t", "i"), ["c"])
     if dialect.capabilities.wakeups:
         yield "channel", dialect.channel(spec)
+    if spec.publish is None and spec.rows is None:
+        yield "unique_refusal", dialect.unique_refusal(spec)
+        yield "unique_ddl", dialect.unique_ddl(spec)
+        unique = dialect.unique_statements(spec)
+        for field in dataclasses.fields(unique):
+            yield f"unique_statements.{field.name}", getattr(unique, field.name)
 
 
 def outbox_statements(dialect: Dialect) -> Iterator[tuple[str, Any]]:
@@ -208,7 +214,10 @@ def render(database: str) -> str:
             found += [(f"{name}: {what}", item)
                       for what, item in table_statements(dialect, drivers, spec)]
         found += [*outbox_statements(dialect), *routing_statements(dialect),
-                  *result_statements(dialect), *schedule_statements(dialect)]
+                  *result_statements(dialect), *schedule_statements(dialect),
+                  *((f"key_statements.{field.name}", getattr(keys, field.name))
+                    for keys in [dialect.key_statements("sqlinbox_")]
+                    for field in dataclasses.fields(keys))]
         sections += [f"## {variant} | {what}\n{value(item)}\n" for what, item in found]
     return "\n".join(sections)
 
