@@ -37,6 +37,7 @@ from kombu_sqlinbox.urls import client_url, masked
 
 from .ops_render import age_text, render_prometheus, render_text, text_table
 from .outbox_cli import database_failed, outbox, progress
+from .pause_cli import commands as pause_commands
 from .results import backend_options
 from .schedules_cli import schedules
 
@@ -144,7 +145,7 @@ def queues(ctx: click.Context, form: str, as_json: bool, watch: float | None,
             else:
                 if watch is not None:
                     click.echo(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))
-                click.echo(render_text(figures))
+                click.echo(render_text(figures, time.time()))
             printed += 1
             if watch is None or (times is not None and printed >= times):
                 return
@@ -451,6 +452,7 @@ def check(ctx: click.Context) -> None:
 
 
 sqlinbox.add_command(outbox)
+pause_commands(sqlinbox, operations)
 sqlinbox.add_command(schedules)
 
 

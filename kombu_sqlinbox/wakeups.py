@@ -33,6 +33,8 @@ T = TypeVar("T")
 
 #: how old (ns) a directory's modification time must be for its last listing to hold
 SETTLED_NS = 1_000_000_000
+#: the same-host signal's byte of a publish, and of a change consumers watch (a pause)
+PUBLISHED, CHANGED = b"!", b"p"
 
 
 class LocalSignal:
@@ -75,8 +77,9 @@ class LocalSignal:
             self.socket, self.path = bound, path
         return self.socket
 
-    def send(self) -> None:
-        """Wake every consumer of the database on this host (after a commit)."""
+    def send(self, byte: bytes = PUBLISHED) -> None:
+        """Wake every consumer of the database on this host (after a commit); ``byte``
+        says why (:data:`CHANGED`: what :meth:`Wakeup.watch` watches changed)."""
         try:
             names = self._names()
         except OSError:  # no consumer ever bound here
@@ -86,7 +89,7 @@ class LocalSignal:
             if path == self.path:
                 continue  # this process's own consumers are poked through its pipe
             try:
-                self._sender.sendto(b"!", path)
+                self._sender.sendto(byte, path)
             except ConnectionRefusedError:  # nobody reads it: its process died
                 # another publisher removed it first, or it is no socket (a directory)
                 with contextlib.suppress(OSError):
@@ -108,12 +111,15 @@ class LocalSignal:
             self._listing = (modified if settled else -1, names)
         return names
 
-    def take(self) -> None:
-        """Read the bytes that arrived, so that the next wait blocks."""
+    def take(self) -> bool:
+        """Read the bytes that arrived, so that the next wait blocks; whether one was
+        :data:`CHANGED`."""
         assert self.socket is not None
+        changed = False
         with contextlib.suppress(BlockingIOError):
-            while self.socket.recv(4096):
-                pass
+            while data := self.socket.recv(4096):
+                changed = changed or CHANGED in data
+        return changed
 
     def close(self) -> None:
         self._sender.close()
@@ -147,6 +153,8 @@ class Wakeup:
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
         self._channels: set[str] = set()
+        #: what to call when a wake-up says that what it watches changed (:meth:`watch`)
+        self._watchers: dict[str | None, Callable[[], None]] = {}
         #: it only claims, settles and listens: see :class:`OwnSession`
         self._own = OwnSession(database, lambda driver: self.dialect.listen(driver,
                                                                             self._channels))
@@ -192,6 +200,19 @@ class Wakeup:
                 return
         self.poke()  # a consumer waiting in an event loop connects the listener now
 
+    def watch(self, name: str | None, changed: Callable[[], None]) -> None:
+        """Call ``changed`` when a wake-up says so: a NOTIFY on channel ``name`` (None:
+        the database has none), the same-host signal's :data:`CHANGED`, and each time the
+        LISTEN connection is made (what was notified while there was none is lost)."""
+        self._watchers[name] = changed
+        self.listen(name)
+
+    def _changed(self, channels: Collection[str | None]) -> None:
+        for name in channels:
+            changed = self._watchers.get(name)
+            if changed is not None:
+                changed()
+
     @property
     def _listener(self) -> Any:
         """The DBAPI connection that LISTENs, if connected."""
@@ -213,6 +234,8 @@ class Wakeup:
             except Exception as exc:  # the database is away: poll until it is back
                 logger.warning("sqlinbox: LISTEN connection failed (%s); polling until "
                                "it works", exc)
+            else:
+                self._changed(list(self._watchers))
         return self._session
 
     def _drop_listener(self) -> None:
@@ -228,7 +251,9 @@ class Wakeup:
             if session is not None and self.dialect.keeps_notifications(self._listener):
                 try:
                     result = self._own.commit(session, work)
-                    if self.dialect.take_notifications(self._listener):
+                    arrived = self.dialect.take_notifications(self._listener)
+                    if arrived:
+                        self._changed(arrived)
                         self.poke()
                     return result
                 except DBAPIError as exc:
@@ -259,15 +284,27 @@ class Wakeup:
                     pass
             except BlockingIOError:
                 pass
-        if self.signal is not None and self.signal.socket in ready:
-            self.signal.take()
+        if self.signal is not None and self.signal.socket in ready and self.signal.take():
+            self._changed(list(self._watchers))
         with self._lock:
             # the listener waited on: another thread may have dropped it meanwhile
             if self._listener is not None and self._listener in ready:
                 try:
-                    self.dialect.take_notifications(self._listener)
+                    self._changed(self.dialect.take_notifications(self._listener))
                 except Exception:
                     self._drop_listener()
+
+    def check(self) -> None:
+        """Take the wake-ups that arrived already, without waiting (a select, no round
+        trip), so that a watched change told before a claim is acted on before it; they
+        still wake the next wait."""
+        try:
+            ready, _, _ = select.select(self.sources(), [], [], 0)
+        except (OSError, ValueError):  # the listener's socket died: the wait finds out
+            return
+        if ready:
+            self.take(ready)
+            self.poke()
 
     def wait(self, timeout: float) -> None:
         """Return after a wake-up or ``timeout`` seconds, whichever comes first."""
