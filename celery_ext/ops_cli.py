@@ -28,6 +28,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from kombu_sqlinbox.codec import DEATH_HEADER, DELIVERY_PROPERTIES
 from kombu_sqlinbox.dead_letters import EVERY
+from kombu_sqlinbox.dialects.pausing import PLAN_PARAMS as PAUSE_PLAN_PARAMS
 from kombu_sqlinbox.dialects.results import PLAN_PARAMS as RESULT_PLAN_PARAMS
 from kombu_sqlinbox.dialects.schedules import PLAN_PARAMS as SCHEDULE_PLAN_PARAMS
 from kombu_sqlinbox.errors import ConfigurationError
@@ -46,6 +47,7 @@ __all__ = ["main", "sqlinbox"]
 #: how ``check`` names the result tables' problems
 RESULTS = "(results)"
 SCHEDULES = "(schedules)"
+PAUSED = "(paused)"
 
 @contextmanager
 def operations(ctx: click.Context) -> Iterator[Operations]:
@@ -414,6 +416,9 @@ def ddl(ctx: click.Context, names: tuple[str, ...]) -> None:
             timed = ops.dialect.schedule_statements(ops.broker.options.table_prefix)
             click.echo("-- schedule tables (celery beat -S celery_ext.beat:DatabaseScheduler)")
             click.echo(";\n".join(timed.ddl) + ";")
+            paused = ops.broker.pauses.sql
+            click.echo("-- paused queues (sqlinbox pause)")
+            click.echo(";\n".join(paused.ddl) + ";")
 
 
 def result_settings(app: Any, table_prefix: str) -> tuple[str, bool]:
@@ -443,6 +448,10 @@ def check(ctx: click.Context) -> None:
         timed = ops.dialect.schedule_statements(ops.broker.options.table_prefix)
         more, found = ops.tables_check(SCHEDULES, "schedule", timed, SCHEDULE_PLAN_PARAMS,
                                        True, "no schedule can run")
+        planned, problems = planned + more, problems + found
+        more, found = ops.tables_check(PAUSED, "paused queues'", ops.broker.pauses.sql,
+                                       PAUSE_PLAN_PARAMS, ops.options.create_tables,
+                                       "no queue can be paused (sqlinbox pause)")
         planned, problems = planned + more, problems + found
     for problem in problems:
         click.echo(f"PROBLEM {problem.queue} ({problem.table}): {problem.what}")
