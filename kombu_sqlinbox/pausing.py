@@ -95,32 +95,34 @@ class Pauses:
             self._refresh()
         return queue in self._paused
 
+    def seen_paused(self, queue: str) -> bool:
+        """Whether ``queue`` was paused when last read (no look at the database, nor at the
+        wake-ups: for each row about to go out)."""
+        return queue in self._paused
+
     def _refresh(self) -> None:
         with self._lock:
             self._stale = False  # a change told from now on is read next time
             started = time.monotonic()
-            found = self.database.run(self._read_names, read_only=True)
+            found: list[str] = []
+            if self._usable():
+                found = self.database.run(
+                    lambda conn: [row[0] for row in conn.execute(self.sql.listed)],
+                    read_only=True)
             self._paused, self._read_at = frozenset(found), started
 
-    def _read_names(self, conn: Connection) -> list[str]:
-        if not self._available(conn):
-            return []
-        return [row[0] for row in conn.execute(self.sql.listed)]
-
-    def _available(self, conn: Connection) -> bool:
-        """Whether the table is there (looked for until found; created where the
-        transport creates tables). Without it nothing is paused, and consumers say so
-        once: an installation that predates pausing and creates no tables."""
-        if self._ready:
-            return True
-        if inspect(conn).has_table(self.channel):
-            self._ready = True
-        elif not self.create:
+    def _usable(self) -> bool:
+        """Whether the table is there (created where the transport creates tables; else
+        looked for at each read until found). Without it nothing is paused, and consumers
+        say so once: an installation that predates pausing and creates no tables."""
+        try:
+            self.ensure()
+        except SchemaMismatch as exc:
             if not self._warned:
                 self._warned = True
-                logger.warning("sqlinbox: %s", self.missing())
+                logger.warning("sqlinbox: %s", exc)
             return False
-        return self._ready
+        return True
 
     def missing(self) -> str:
         return (f"table {self.channel!r} does not exist (create_tables is off): queues "

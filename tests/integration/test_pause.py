@@ -4,19 +4,24 @@ consumers; names compare exactly; bad names are refused before anything is writt
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kombu import Connection, Consumer, Message, Queue
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
 
+from kombu_sqlinbox import TableBuilder
 from kombu_sqlinbox.errors import ConfigurationError, SchemaMismatch
 from kombu_sqlinbox.operations import Operations
 from kombu_sqlinbox.options import parse_options
 
 from .conftest import Connect
 from .support import broker_of, get, get_within, publish, wait_for
+from .test_advisory import backend_id
 
 
 @pytest.fixture
@@ -145,3 +150,94 @@ def test_without_the_table_and_create_tables_off_nothing_is_paused(
         assert ops.paused() == []
     finally:
         ops.close()
+
+
+def test_rows_claimed_before_the_pause_and_not_handed_out_go_back(
+        connect: Connect, table_prefix: str, ops: Operations) -> None:
+    """Two rows of one partition key: the second waits in the consumer's buffer behind the
+    first. Paused meanwhile, it goes back to the table rather than out after the first."""
+    keyed = (TableBuilder(f"{table_prefix}keyed").id().payload().headers()
+             .partition_key("pkey").available_at().locked_until().attempt().build())
+    conn = connect(pause_check_interval=0.1, queues={"keyed": {"table": keyed}})
+    for n in (1, 2):
+        publish(conn, "keyed", {"n": n}, headers={"partition_key": "k"})
+    got: list[Message] = []
+    consumer = Consumer(conn, [Queue("keyed", routing_key="keyed")],
+                        callbacks=[lambda body, message: got.append(message)],
+                        prefetch_count=2)
+    with consumer:
+        wait_for(lambda: conn.drain_events(timeout=0.2) or got, "the first row")
+        assert got[0].payload == {"n": 1}
+        ops.pause("keyed", force=True)
+        pauses = broker_of(conn).pauses
+        wait_for(lambda: pauses.paused("keyed"), "the consumer told of the pause")
+        got[0].ack()
+        drain(conn, 1.0)
+        assert len(got) == 1
+        assert broker_of(conn).size(broker_of(conn).table("keyed")) == 1  # back, not held
+        ops.resume("keyed")
+        wait_for(lambda: conn.drain_events(timeout=0.2) or len(got) == 2, "the second row")
+        got[1].ack()
+    assert got[1].payload == {"n": 2}
+
+
+@pytest.mark.parametrize("database", ["postgresql", "mysql"], indirect=True)
+def test_a_pause_while_the_consumers_session_is_killed_still_stops_it(
+        connect: Connect, ops: Operations, engine: Engine, database: str) -> None:
+    """The consumer's own session is ended from the server (PostgreSQL: its LISTEN
+    session, whose NOTIFY of the pause is then lost; MariaDB: its pooled session) just
+    before the pause: it reads the paused queues again as it connects anew, long before
+    its minute-long ``pause_check_interval``."""
+    conn = connect(pause_check_interval=60.0)
+    got: list[Any] = []
+    broker = broker_of(conn)
+    with consuming(conn, "jobs", got):
+        publish(conn, "jobs", {"n": 1})
+        wait_for(lambda: conn.drain_events(timeout=0.2) or got, "the first message")
+        if database == "postgresql":
+            with broker.wakeup._lock:
+                listener = broker.wakeup._listener
+                own = (listener.info.backend_pid if hasattr(listener, "info")
+                       else listener.get_backend_pid())
+        else:
+            own = broker.run(lambda session: backend_id(session))
+        with engine.connect() as session:
+            session.execute(text("SELECT pg_terminate_backend(:id)" if database == "postgresql"
+                                 else "KILL :id"), {"id": own})
+        ops.pause("jobs")
+        publish(conn, "jobs", {"n": 2})
+        drain(conn, 2.0)
+        assert got == [{"n": 1}]
+        ops.resume("jobs")
+        wait_for(lambda: conn.drain_events(timeout=0.2) or len(got) == 2, "the second", 10.0)
+
+
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
+def test_a_table_created_by_another_process_at_the_same_moment_is_used(
+        broker_url: str, table_prefix: str, engine: Engine) -> None:
+    """Another session creates the paused queues' table and commits while this process's
+    CREATE waits on it: the CREATE fails (a duplicate type on PostgreSQL), and the second
+    look finds the table."""
+    made = Operations(broker_url, parse_options({"table_prefix": table_prefix}), ["jobs"])
+    pauses = made.broker.pauses
+    try:
+        with engine.connect() as other:
+            other.begin()
+            for statement in pauses.sql.ddl:
+                other.exec_driver_sql(statement)
+            ensured = threading.Thread(target=pauses.ensure)
+            ensured.start()
+
+            def waiting() -> int:
+                with engine.connect() as look:  # a snapshot of the activity per look
+                    return int(look.execute(text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = "
+                        "'Lock' AND query LIKE :ddl"),
+                        {"ddl": f"CREATE TABLE%{pauses.channel}%"}).scalar_one())
+
+            wait_for(lambda: waiting() or None, "the CREATE to wait on the other's")
+            other.commit()
+        ensured.join(10)
+        assert made.pause("jobs")[1]
+    finally:
+        made.close()
