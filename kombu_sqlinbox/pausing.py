@@ -25,7 +25,7 @@ from .database import Database
 from .dialects import PauseStatements
 from .errors import ConfigurationError, SchemaMismatch
 from .tables import check_name
-from .wakeups import CHANGED, Wakeup
+from .wakeups import Wakeup
 
 logger = logging.getLogger(__name__)
 
@@ -204,4 +204,5 @@ class Pauses:
         and this process's own."""
         self._stale = True
         if self.wakeup.signal is not None:
-            self.wakeup.signal.send(CHANGED)
+            self.wakeup.signal.mark()
+            self.wakeup.signal.send()

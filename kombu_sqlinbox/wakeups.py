@@ -33,8 +33,6 @@ T = TypeVar("T")
 
 #: how old (ns) a directory's modification time must be for its last listing to hold
 SETTLED_NS = 1_000_000_000
-#: the same-host signal's byte of a publish, and of a change consumers watch (a pause)
-PUBLISHED, CHANGED = b"!", b"p"
 
 
 class LocalSignal:
@@ -55,6 +53,10 @@ class LocalSignal:
         self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sender.setblocking(False)
         self._pid = os.getpid()
+        #: the file :meth:`mark` stamps (beside the directory: a file in it would be taken
+        #: for a dead socket), and its stamp at the last look
+        self._marks = directory.rstrip(os.sep) + ".changed"
+        self._marked: int | None = None
         #: the names in the directory and its modification time (ns) when they were listed
         #: (-1 when listed too soon after it: see :meth:`_names`)
         self._listing: tuple[int, list[str]] = (-1, [])
@@ -77,9 +79,8 @@ class LocalSignal:
             self.socket, self.path = bound, path
         return self.socket
 
-    def send(self, byte: bytes = PUBLISHED) -> None:
-        """Wake every consumer of the database on this host (after a commit); ``byte``
-        says why (:data:`CHANGED`: what :meth:`Wakeup.watch` watches changed)."""
+    def send(self) -> None:
+        """Wake every consumer of the database on this host (after a commit)."""
         try:
             names = self._names()
         except OSError:  # no consumer ever bound here
@@ -89,7 +90,7 @@ class LocalSignal:
             if path == self.path:
                 continue  # this process's own consumers are poked through its pipe
             try:
-                self._sender.sendto(byte, path)
+                self._sender.sendto(b"!", path)
             except ConnectionRefusedError:  # nobody reads it: its process died
                 # another publisher removed it first, or it is no socket (a directory)
                 with contextlib.suppress(OSError):
@@ -111,15 +112,30 @@ class LocalSignal:
             self._listing = (modified if settled else -1, names)
         return names
 
-    def take(self) -> bool:
-        """Read the bytes that arrived, so that the next wait blocks; whether one was
-        :data:`CHANGED`."""
+    def take(self) -> None:
+        """Read the bytes that arrived, so that the next wait blocks."""
         assert self.socket is not None
-        changed = False
         with contextlib.suppress(BlockingIOError):
-            while data := self.socket.recv(4096):
-                changed = changed or CHANGED in data
-        return changed
+            while self.socket.recv(4096):
+                pass
+
+    def mark(self) -> None:
+        """Say that what consumers watch changed (a pause), before :meth:`send`: a file
+        beside the directory, stamped now. A byte could be lost (a socket's queue is full
+        while its consumer claims); the stamp is there at its next look."""
+        with open(self._marks, "a"):
+            pass
+        now = time.time_ns()
+        os.utime(self._marks, ns=(now, now))
+
+    def changed(self) -> bool:
+        """Whether :meth:`mark` ran since the last look (a ``stat``; not at the first)."""
+        try:
+            stamp = os.stat(self._marks).st_mtime_ns
+        except OSError:  # never marked
+            stamp = 0
+        seen, self._marked = self._marked, stamp
+        return seen is not None and stamp != seen
 
     def close(self) -> None:
         self._sender.close()
@@ -202,8 +218,9 @@ class Wakeup:
 
     def watch(self, name: str | None, changed: Callable[[], None]) -> None:
         """Call ``changed`` when a wake-up says so: a NOTIFY on channel ``name`` (None:
-        the database has none), the same-host signal's :data:`CHANGED`, and each time the
-        LISTEN connection is made (what was notified while there was none is lost)."""
+        the database has none), the same-host signal's mark (:meth:`LocalSignal.mark`),
+        and each time the LISTEN connection is made (what was notified while there was
+        none is lost)."""
         self._watchers[name] = changed
         self.listen(name)
 
@@ -284,8 +301,8 @@ class Wakeup:
                     pass
             except BlockingIOError:
                 pass
-        if self.signal is not None and self.signal.socket in ready and self.signal.take():
-            self._changed(list(self._watchers))
+        if self.signal is not None and self.signal.socket in ready:
+            self.signal.take()
         with self._lock:
             # the listener waited on: another thread may have dropped it meanwhile
             if self._listener is not None and self._listener in ready:
@@ -305,6 +322,8 @@ class Wakeup:
         if ready:
             self.take(ready)
             self.poke()
+        if self._watchers and self.signal is not None and self.signal.changed():
+            self._changed(list(self._watchers))
 
     def wait(self, timeout: float) -> None:
         """Return after a wake-up or ``timeout`` seconds, whichever comes first."""
