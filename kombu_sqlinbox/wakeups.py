@@ -312,30 +312,30 @@ class Wakeup:
                     self._drop_listener()
 
     def check(self) -> None:
-        """Take the wake-ups that arrived already, without waiting (a select, no round
-        trip), so that a watched change told before a claim is acted on before it; they
-        still wake the next wait."""
-        try:
-            ready, _, _ = select.select(self.sources(), [], [], 0)
-        except (OSError, ValueError):  # the listener's socket died: the wait finds out
-            return
-        if ready:
-            self.take(ready)
+        """Take what the LISTEN connection and the same-host signal brought already,
+        without waiting (a select and a ``stat``, no round trip), so that a watched change
+        told before a claim counts for it; what they brought still wakes the next wait.
+        The in-process pipe is left alone: it tells no change."""
+        if self._wait(self.sources()[1:], 0):
             self.poke()
         if self._watchers and self.signal is not None and self.signal.changed():
             self._changed(list(self._watchers))
 
     def wait(self, timeout: float) -> None:
         """Return after a wake-up or ``timeout`` seconds, whichever comes first."""
-        sources = self.sources()
+        self._wait(self.sources(), timeout)
+
+    def _wait(self, sources: list[Any], timeout: float) -> bool:
+        """Wait on ``sources`` and take what arrived; whether anything did."""
         try:
             ready, _, _ = select.select(sources, [], [], timeout)
         except (OSError, ValueError):  # the listener's socket died under us
             with self._lock:
                 if self._listener is not None and self._listener in sources:
                     self._drop_listener()
-            return
+            return False
         self.take(ready)
+        return bool(ready)
 
     def close(self) -> None:
         """Drop the listener, the signal and the pipe; once only (a descriptor closed twice
