@@ -102,7 +102,8 @@ class Pauses:
 
     def _refresh(self) -> None:
         with self._lock:
-            self._stale = False  # a change told from now on is read next time
+            # a change told from now on is read next time; a read that fails is tried again
+            self._stale, self._read_at = False, -float("inf")
             started = time.monotonic()
             found: list[str] = []
             if self._usable():
