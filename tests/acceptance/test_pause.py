@@ -62,8 +62,8 @@ def test_a_paused_queue_starts_nothing_on_any_worker_until_resumed(
     assert [r for r in acceptance.runs.records() if r["key"] != "held"] == []
     assert acceptance.rows() == len(BACKLOG)
 
-    assert ops.resume("celery")
     resumed_at = time.time()
+    assert ops.resume("celery")
     wait_until(lambda: set(acceptance.runs.done()) >= set(BACKLOG), 60, "the backlog",
                alive=[workers[1], restarted])
     first = min(r["at"] for r in acceptance.runs.records() if r["key"] != "held")
