@@ -44,7 +44,8 @@ class Deliveries:
             return None
         claimed = self.broker.claim(table, limit, self._keys_in_work(table.queue))
         buffer.extend(claimed)
-        if claimed and not table.transient and self.broker.pauses.paused(table.queue):
+        if (claimed and not table.transient
+                and self.broker.pauses.paused_after_claim(table.queue)):
             self.release_buffered([table.queue])  # paused while it claimed: none goes out
             return 0
         return len(claimed)

@@ -61,8 +61,9 @@ class TransportOptions:
     sweep_interval: float = 5.0
     #: at most this many expired queues (and as many expired messages) per sweep
     sweep_batch: int = 500
-    #: seconds after which a consumer reads the paused queues again, unless a wake-up
-    #: said they changed first: how long a missed wake-up may delay a pause
+    #: seconds after which a consumer reads the paused queues again (after a claim that
+    #: took rows, or while it holds the queue paused), unless a wake-up said they changed
+    #: first: how long a missed wake-up may delay a pause or a resume
     pause_check_interval: float = 1.0
     #: seconds an auto-delete or exclusive queue without ``x-expires`` outlives its last
     #: consumer (one that crashed cannot delete it)

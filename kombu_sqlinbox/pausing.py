@@ -3,10 +3,12 @@ worker too.
 
 A consumer does not ask the database per claim: it keeps the set of paused queues and
 reads it again when a wake-up says it changed (a NOTIFY on the table's channel, the
-same-host signal's change byte, a LISTEN connection made anew) and whenever it is
-older than ``pause_check_interval``. So claims of a paused queue stop within one wake-up,
-and within ``pause_check_interval`` (plus a claim already running) where the wake-up
-was missed or there is none (another host, on MariaDB/MySQL).
+same-host signal's stamp, a LISTEN connection made anew), and, after a claim that took
+rows (or before one of a queue it holds paused), when the set is older than
+``pause_check_interval``. Rows a claim took of a queue found paused then go back. So
+nothing is delivered once a wake-up told the consumer, and within ``pause_check_interval``
+(plus the claim in flight) where it was missed or there is none (another host, on
+MariaDB/MySQL).
 """
 
 from __future__ import annotations
@@ -88,12 +90,26 @@ class Pauses:
         self.wakeup.watch(self.channel if self.dialect.notify else None, self.changed)
 
     def paused(self, queue: str) -> bool:
-        """Whether ``queue`` is paused, as last read: read again first when a wake-up
-        said it changed or the last read is ``pause_check_interval`` old."""
-        self.wakeup.check()  # a change told already counts for this claim
-        if self._stale or time.monotonic() - self._read_at >= self.interval:
+        """Before a claim: whether ``queue`` is paused, as last read; read again first
+        when a wake-up said the paused queues changed, and, while ``queue`` is paused,
+        when the read is ``pause_check_interval`` old (a resume nobody was told of).
+        Nothing is read for a queue taken to be free: an idle consumer's empty claims
+        cost no more; the claim that takes rows looks (:meth:`paused_after_claim`)."""
+        if self._stale or (queue in self._paused and self._old()):
             self._refresh()
         return queue in self._paused
+
+    def paused_after_claim(self, queue: str) -> bool:
+        """After a claim took rows of ``queue``: whether they must go back, the queue
+        paused as the wake-ups that arrived meanwhile tell (no round trip), or, where
+        none did, as read again when the last read is ``pause_check_interval`` old."""
+        self.wakeup.check()
+        if self._stale or self._old():
+            self._refresh()
+        return queue in self._paused
+
+    def _old(self) -> bool:
+        return time.monotonic() - self._read_at >= self.interval
 
     def seen_paused(self, queue: str) -> bool:
         """Whether ``queue`` was paused when last read (no look at the database, nor at the

@@ -224,6 +224,11 @@ class Wakeup:
         self._watchers[name] = changed
         self.listen(name)
 
+    def _marked(self) -> None:
+        """Tell the watchers when the same-host signal's stamp changed."""
+        if self._watchers and self.signal is not None and self.signal.changed():
+            self._changed(list(self._watchers))
+
     def _changed(self, channels: Collection[str | None]) -> None:
         for name in channels:
             changed = self._watchers.get(name)
@@ -256,7 +261,10 @@ class Wakeup:
         return self._session
 
     def _drop_listener(self) -> None:
+        """Drop the LISTEN connection: what was notified on it may be lost, so the
+        watchers look again."""
         self._own.drop()
+        self._changed(list(self._watchers))
 
     def claim(self, work: Callable[[Connection], T]) -> T:
         """Run a claim (one repeatable statement) on the LISTEN connection when it is up
@@ -303,6 +311,7 @@ class Wakeup:
                 pass
         if self.signal is not None and self.signal.socket in ready:
             self.signal.take()
+            self._marked()
         with self._lock:
             # the listener waited on: another thread may have dropped it meanwhile
             if self._listener is not None and self._listener in ready:
@@ -315,11 +324,15 @@ class Wakeup:
         """Take what the LISTEN connection and the same-host signal brought already,
         without waiting (a select and a ``stat``, no round trip), so that a watched change
         told before a claim counts for it; what they brought still wakes the next wait.
-        The in-process pipe is left alone: it tells no change."""
-        if self._wait(self.sources()[1:], 0):
+        The in-process pipe is left alone (it tells no change), and no listener is
+        connected here."""
+        with self._lock:
+            sources = [] if self._listener is None else [self._listener]
+        if self.signal is not None and self.signal.socket is not None:
+            sources.append(self.signal.socket)
+        if sources and self._wait(sources, 0):
             self.poke()
-        if self._watchers and self.signal is not None and self.signal.changed():
-            self._changed(list(self._watchers))
+        self._marked()  # a mark whose byte was lost (a full queue)
 
     def wait(self, timeout: float) -> None:
         """Return after a wake-up or ``timeout`` seconds, whichever comes first."""

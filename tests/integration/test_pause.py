@@ -67,7 +67,7 @@ def test_a_pause_reaches_a_consumer_by_its_wake_up_and_resume_drains_the_backlog
         kept, made = ops.pause("jobs", reason="incident 42", by="alice")
         assert made and (kept.queue, kept.reason, kept.by) == ("jobs", "incident 42", "alice")
         pauses = broker_of(conn).pauses
-        wait_for(lambda: pauses.paused("jobs"), "the consumer told of the pause", 5.0)
+        wait_for(lambda: pauses.paused_after_claim("jobs"), "the consumer told of the pause", 5.0)
         for n in (2, 3):
             publish(conn, "jobs", {"n": n})  # publishes go on
         drain(conn, 1.5)
@@ -170,7 +170,7 @@ def test_rows_claimed_before_the_pause_and_not_handed_out_go_back(
         assert got[0].payload == {"n": 1}
         ops.pause("keyed", force=True)
         pauses = broker_of(conn).pauses
-        wait_for(lambda: pauses.paused("keyed"), "the consumer told of the pause")
+        wait_for(lambda: pauses.paused_after_claim("keyed"), "the consumer told of the pause")
         got[0].ack()
         drain(conn, 1.0)
         assert len(got) == 1
