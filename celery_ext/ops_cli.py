@@ -29,6 +29,7 @@ from celery.bin.base import CeleryCommand, CeleryOption
 
 from kombu_sqlinbox.codec import DEATH_HEADER, DELIVERY_PROPERTIES
 from kombu_sqlinbox.dead_letters import EVERY
+from kombu_sqlinbox.dialects.pausing import PLAN_PARAMS as PAUSE_PLAN_PARAMS
 from kombu_sqlinbox.dialects.results import PLAN_PARAMS as RESULT_PLAN_PARAMS
 from kombu_sqlinbox.dialects.schedules import PLAN_PARAMS as SCHEDULE_PLAN_PARAMS
 from kombu_sqlinbox.history import history_problems
@@ -38,6 +39,7 @@ from .history_cli import failures, failures_section
 from .ops_context import operations
 from .ops_render import age_text, render_prometheus, render_text, text_table
 from .outbox_cli import outbox, progress
+from .pause_cli import commands as pause_commands
 from .results import backend_options
 from .schedules_cli import schedules
 
@@ -46,6 +48,7 @@ __all__ = ["main", "sqlinbox"]
 #: how ``check`` names the result tables' problems
 RESULTS = "(results)"
 SCHEDULES = "(schedules)"
+PAUSED = "(paused)"
 
 
 def database_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -113,7 +116,7 @@ def queues(ctx: click.Context, form: str, as_json: bool, watch: float | None,
             else:
                 if watch is not None:
                     click.echo(datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))
-                click.echo(render_text(figures))
+                click.echo(render_text(figures, time.time()))
                 section = failures_section(ctx, ops)
                 if section is not None:
                     click.echo("\n" + section)
@@ -393,6 +396,9 @@ def ddl(ctx: click.Context, names: tuple[str, ...]) -> None:
             keys = ops.dialect.key_statements(ops.broker.options.table_prefix)
             click.echo("-- timed unique keys (made by the first send with unique_scope=N):")
             click.echo(";\n".join(keys.ddl) + ";")
+            paused = ops.broker.pauses.sql
+            click.echo("-- paused queues (sqlinbox pause)")
+            click.echo(";\n".join(paused.ddl) + ";")
 
 
 def result_settings(app: Any, table_prefix: str) -> tuple[str, bool]:
@@ -424,6 +430,10 @@ def check(ctx: click.Context) -> None:
         more, found = ops.tables_check(SCHEDULES, "schedule", timed, SCHEDULE_PLAN_PARAMS,
                                        True, "no schedule can run")
         planned, problems = planned + more, problems + found
+        more, found = ops.tables_check(PAUSED, "paused queues'", ops.broker.pauses.sql,
+                                       PAUSE_PLAN_PARAMS, ops.options.create_tables,
+                                       "no queue can be paused (sqlinbox pause)")
+        planned, problems = planned + more, problems + found
     for problem in problems:
         click.echo(f"PROBLEM {problem.queue} ({problem.table}): {problem.what}")
     click.echo(f"checked {planned} statements on {count} queues: {len(problems)} problem(s)")
@@ -433,6 +443,7 @@ def check(ctx: click.Context) -> None:
 
 sqlinbox.add_command(failures)
 sqlinbox.add_command(outbox)
+pause_commands(sqlinbox, operations)
 sqlinbox.add_command(schedules)
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from kombu_sqlinbox.operations import QueueFigures
+from kombu_sqlinbox.operations import Paused, QueueFigures
 
 if TYPE_CHECKING:
     from .beat import Schedule
@@ -23,6 +24,7 @@ METRICS = {
     "oldest_ready_age": "Seconds the oldest claimable message has been ready.",
     "oldest_lease_age": "Seconds since the oldest live lease was taken or last extended.",
     "dead_letters": "Messages in the queue's dead-letter queue.",
+    "paused": "1 while the queue is paused (sqlinbox pause), else 0.",
 }
 SECONDS = ("oldest_ready_age", "oldest_lease_age")
 
@@ -48,14 +50,30 @@ def text_table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str 
     return "\n".join(line(row).rstrip() for row in cells)
 
 
-def render_text(figures: Sequence[QueueFigures]) -> str:
-    return text_table(
+def paused_text(paused: Paused, now: float) -> str:
+    """When, by whom and why a queue was paused, in one line."""
+    at = datetime.fromtimestamp(paused.at, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return (f"since {at} ({age_text(now - paused.at)} ago) by {paused.by or '-'}"
+            + (f": {paused.reason}" if paused.reason else ""))
+
+
+def render_paused(found: Sequence[Paused], now: float) -> str:
+    return "\n".join(f"PAUSED {each.queue} {paused_text(each, now)}" for each in found)
+
+
+def render_text(figures: Sequence[QueueFigures], now: float) -> str:
+    """The figures' table, then a line per paused queue saying who paused it, when and
+    why."""
+    table = text_table(
         ("queue", "ready", "delayed", "in work", "lease age", "blocked", "groups", "lapsed",
-         "oldest ready", "dead letters"),
+         "oldest ready", "dead letters", "state"),
         [(f.queue, f.ready, f.delayed, f.in_work, age_text(f.oldest_lease_age), f.blocked,
           f.blocked_groups, f.lapsed, age_text(f.oldest_ready_age),
-          "-" if f.dead_letters is None else f"{f.dead_letters} ({f.dead_letter_queue})")
+          "-" if f.dead_letters is None else f"{f.dead_letters} ({f.dead_letter_queue})",
+          "PAUSED" if f.paused else "-")
          for f in figures])
+    paused = [f.paused for f in figures if f.paused is not None]
+    return table + ("\n" + render_paused(paused, now) if paused else "")
 
 
 def _label(value: str) -> str:
@@ -72,6 +90,8 @@ def render_prometheus(figures: Sequence[QueueFigures]) -> str:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
         for found in figures:
             value = getattr(found, figure)
+            if figure == "paused":
+                value = int(value is not None)
             if value is None:
                 continue
             labels = f'queue="{_label(found.queue)}",table="{_label(found.table)}"'

@@ -202,13 +202,13 @@ class InboxTask(Task):  # type: ignore[misc]
             return result
         except DBAPIError as exc:
             broker = broker_of(self.app)
-            if exc.connection_invalidated or broker.is_transient(exc):
+            if exc.connection_invalidated or broker.dialect.is_transient(exc):
                 # a lost connection, a deadlock, a serialization failure or busy SQLite:
                 # the row goes back in place and runs again (had the commit landed before
                 # the connection was lost, the row went with it: nothing comes back)
                 what = "connection lost" if exc.connection_invalidated else "transient error"
                 raise Reject(f"database {what}, requeued: {exc.orig}", requeue=True) from exc
-            if not (self.drop_duplicates and broker.is_unique_violation(exc)):
+            if not (self.drop_duplicates and broker.dialect.is_unique_violation(exc)):
                 raise
             logger.warning("sqlinbox: task %s[%s] violated a unique key (%s): the same work "
                            "was done before; dropped with nothing changed",

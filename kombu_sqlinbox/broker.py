@@ -40,6 +40,7 @@ from .errors import ConfigurationError
 from .exact import row_checks
 from .keeper import LeaseKeeper
 from .options import TransportOptions
+from .pausing import Pauses
 from .routing import Declared, Routes
 from .rows import ClaimedRow, Held, Settlement
 from .rows import QueueTable as QueueTable
@@ -77,6 +78,8 @@ class Broker:
                              sweep_interval=options.sweep_interval,
                              sweep_batch=options.sweep_batch)
         self.routes.restore_table = self._restore_table
+        self.pauses = Pauses(self.database, self.wakeup, options.table_prefix,
+                             options.create_tables, options.pause_check_interval)
         self.transient = TransientQueues(self.routes, wake=self.wakeup.published)
         #: how a message for transient queues is encoded (the codec's view of their table)
         self.transient_template = QueueTable("", self.transient.spec, options.defaults, False,
@@ -185,6 +188,8 @@ class Broker:
         """Wake this process's consumers when a message for ``table`` is published
         elsewhere: by NOTIFY where the database has it, else by the same-host signal
         where there is one."""
+        if not table.transient:
+            self.pauses.consuming()  # told when a queue is paused or resumed
         if not self.dialect.notify:
             self.wakeup.listen(None)  # the same-host signal alone, where there is one
         else:
@@ -296,6 +301,8 @@ class Broker:
             f"on {self.engine.url}; a transactional enqueue needs both on one database")
 
     def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
+        if not table.transient and self.pauses.paused(table.queue):
+            return []  # its rows wait (:mod:`.pausing`); remote control never pauses
         return table.claims.claim(table, limit, skip)
 
     def dead_letter(
@@ -480,15 +487,6 @@ class Broker:
         commits with the caller's writes; False when the row is no longer this holder's."""
         statement = self.dialect.statements(table.spec).complete
         return self.dialect.settle(conn, statement, {attempt: [row_id]}) == 1
-
-    def is_transient(self, exc: BaseException) -> bool:
-        """A deadlock, serialization failure or busy database: the same work may succeed
-        when run again."""
-        return self.dialect.is_transient(exc)
-
-    def is_unique_violation(self, exc: BaseException) -> bool:
-        """A unique (or primary) key refused a row."""
-        return self.dialect.is_unique_violation(exc)
 
 
 def _seconds(milliseconds: Any) -> float | None:

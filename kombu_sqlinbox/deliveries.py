@@ -44,6 +44,10 @@ class Deliveries:
             return None
         claimed = self.broker.claim(table, limit, self._keys_in_work(table.queue))
         buffer.extend(claimed)
+        if (claimed and not table.transient
+                and self.broker.pauses.paused_after_claim(table.queue)):
+            self.release_buffered([table.queue])  # paused while it claimed: none goes out
+            return 0
         return len(claimed)
 
     def _claim_size(self, free: int | None, consuming: bool) -> int:
@@ -74,7 +78,12 @@ class Deliveries:
 
     def next_free(self, queue: str, buffer: deque[ClaimedRow]) -> ClaimedRow | None:
         """The first buffered row whose partition key has nothing in work here: rows
-        of one key go out one after another, in claim order; other keys pass them."""
+        of one key go out one after another, in claim order; other keys pass them. None
+        once the queue is seen paused: its rows claimed before (waiting behind their key)
+        go back to the table."""
+        if buffer and self.broker.pauses.seen_paused(queue):
+            self.release_buffered([queue])
+            return None
         for index, row in enumerate(buffer):
             if row.partition_key is None:
                 del buffer[index]

@@ -26,10 +26,11 @@ from .dead_letters import EVERY, DeadFilter, DeadLetter, restored, row_task
 from .dialects.base import json_text, plain_payload
 from .errors import ConfigurationError, SchemaMismatch
 from .options import TransportOptions
+from .pause_operations import Paused, QueuePausing
 from .rows import ClaimedRow
 from .tables import TableSpec, default_table, table_name_for_queue
 
-__all__ = ["DeadFilter", "DeadLetter", "Operations", "Problem", "QueueFigures"]
+__all__ = ["DeadFilter", "DeadLetter", "Operations", "Paused", "Problem", "QueueFigures"]
 
 #: the columns that make a table under the prefix a queue table of the default layout
 #: (other tables sharing the prefix are left alone)
@@ -70,6 +71,7 @@ class QueueFigures:
     oldest_lease_age: float | None = None
     dead_letter_queue: str | None = None
     dead_letters: int | None = None
+    paused: Paused | None = None
 
     @property
     def total(self) -> int:
@@ -93,11 +95,7 @@ Progress = Callable[[int], None]
 Refused = Callable[[DeadLetter, str], None]
 
 
-def _plain_url(url: str) -> str:
-    return url[len("sqlinbox+"):] if url.startswith("sqlinbox+") else url
-
-
-class Operations:
+class Operations(QueuePausing):
     """Operations on one database. ``queues`` are the queue names known from the app
     (its task queues); those of the transport options and their dead-letter queues
     are added, and so are tables of the default layout found under the table prefix."""
@@ -105,7 +103,7 @@ class Operations:
     def __init__(self, url: str, options: TransportOptions, queues: Iterable[str] = (),
                  batch: int = 500) -> None:
         self.options = options
-        self.broker = Broker(_plain_url(url), options)
+        self.broker = Broker(url.removeprefix("sqlinbox+"), options)
         self.dialect = self.broker.dialect
         self.batch = batch
         names = dict.fromkeys([*queues, *options.queues])
@@ -147,12 +145,13 @@ class Operations:
 
         def read(conn: Connection) -> list[QueueFigures]:
             existing = set(inspect(conn).get_table_names())
+            paused = {found.queue: found for found in self.broker.pauses.records(conn)}
             by_name: dict[str, QueueFigures] = {}
             for name, spec in queues:
                 by_name[name] = self._figures(conn, name, spec, spec.table in existing)
             result = []
             for name, _ in queues:
-                figures = by_name[name]
+                figures = dataclasses.replace(by_name[name], paused=paused.get(name))
                 dead = self.options.for_queue(name).dead_letter_queue
                 if dead in by_name:
                     figures = dataclasses.replace(

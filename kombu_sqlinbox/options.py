@@ -61,6 +61,10 @@ class TransportOptions:
     sweep_interval: float = 5.0
     #: at most this many expired queues (and as many expired messages) per sweep
     sweep_batch: int = 500
+    #: seconds after which a consumer reads the paused queues again (after a claim that
+    #: took rows, or while it holds the queue paused), unless a wake-up said they changed
+    #: first: how long a missed wake-up may delay a pause or a resume
+    pause_check_interval: float = 1.0
     #: seconds an auto-delete or exclusive queue without ``x-expires`` outlives its last
     #: consumer (one that crashed cannot delete it)
     idle_queue_expires: float = 600.0
@@ -199,7 +203,7 @@ def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
             result[key] = str(value)
         elif key in ("max_batch", "sweep_batch"):
             result[key] = _number(key, value, 1, integer=True)
-        elif key in ("sweep_interval", "idle_queue_expires"):
+        elif key in ("sweep_interval", "idle_queue_expires", "pause_check_interval"):
             result[key] = float(_number(key, value, 0, above=True))
         elif key == "engine_options":
             if not isinstance(value, Mapping):

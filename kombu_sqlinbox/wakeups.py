@@ -53,6 +53,10 @@ class LocalSignal:
         self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sender.setblocking(False)
         self._pid = os.getpid()
+        #: the file :meth:`mark` stamps (beside the directory: a file in it would be taken
+        #: for a dead socket), and its stamp at the last look
+        self._marks = directory.rstrip(os.sep) + ".changed"
+        self._marked: int | None = None
         #: the names in the directory and its modification time (ns) when they were listed
         #: (-1 when listed too soon after it: see :meth:`_names`)
         self._listing: tuple[int, list[str]] = (-1, [])
@@ -115,6 +119,24 @@ class LocalSignal:
             while self.socket.recv(4096):
                 pass
 
+    def mark(self) -> None:
+        """Say that what consumers watch changed (a pause), before :meth:`send`: a file
+        beside the directory, stamped now. A byte could be lost (a socket's queue is full
+        while its consumer claims); the stamp is there at its next look."""
+        with open(self._marks, "a"):
+            pass
+        now = time.time_ns()
+        os.utime(self._marks, ns=(now, now))
+
+    def changed(self) -> bool:
+        """Whether :meth:`mark` ran since the last look (a ``stat``; not at the first)."""
+        try:
+            stamp = os.stat(self._marks).st_mtime_ns
+        except OSError:  # never marked
+            stamp = 0
+        seen, self._marked = self._marked, stamp
+        return seen is not None and stamp != seen
+
     def close(self) -> None:
         self._sender.close()
         if self.socket is not None:
@@ -147,6 +169,8 @@ class Wakeup:
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
         self._channels: set[str] = set()
+        #: what to call when a wake-up says that what it watches changed (:meth:`watch`)
+        self._watchers: dict[str | None, Callable[[], None]] = {}
         #: it only claims, settles and listens: see :class:`OwnSession`
         self._own = OwnSession(database, lambda driver: self.dialect.listen(driver,
                                                                             self._channels))
@@ -192,6 +216,25 @@ class Wakeup:
                 return
         self.poke()  # a consumer waiting in an event loop connects the listener now
 
+    def watch(self, name: str | None, changed: Callable[[], None]) -> None:
+        """Call ``changed`` when a wake-up says so: a NOTIFY on channel ``name`` (None:
+        the database has none), the same-host signal's mark (:meth:`LocalSignal.mark`),
+        and each time the LISTEN connection is made (what was notified while there was
+        none is lost)."""
+        self._watchers[name] = changed
+        self.listen(name)
+
+    def _marked(self) -> None:
+        """Tell the watchers when the same-host signal's stamp changed."""
+        if self._watchers and self.signal is not None and self.signal.changed():
+            self._changed(list(self._watchers))
+
+    def _changed(self, channels: Collection[str | None]) -> None:
+        for name in channels:
+            changed = self._watchers.get(name)
+            if changed is not None:
+                changed()
+
     @property
     def _listener(self) -> Any:
         """The DBAPI connection that LISTENs, if connected."""
@@ -213,10 +256,15 @@ class Wakeup:
             except Exception as exc:  # the database is away: poll until it is back
                 logger.warning("sqlinbox: LISTEN connection failed (%s); polling until "
                                "it works", exc)
+            else:
+                self._changed(list(self._watchers))
         return self._session
 
     def _drop_listener(self) -> None:
+        """Drop the LISTEN connection: what was notified on it may be lost, so the
+        watchers look again."""
         self._own.drop()
+        self._changed(list(self._watchers))
 
     def claim(self, work: Callable[[Connection], T]) -> T:
         """Run a claim (one repeatable statement) on the LISTEN connection when it is up
@@ -228,7 +276,9 @@ class Wakeup:
             if session is not None and self.dialect.keeps_notifications(self._listener):
                 try:
                     result = self._own.commit(session, work)
-                    if self.dialect.take_notifications(self._listener):
+                    arrived = self.dialect.take_notifications(self._listener)
+                    if arrived:
+                        self._changed(arrived)
                         self.poke()
                     return result
                 except DBAPIError as exc:
@@ -261,25 +311,44 @@ class Wakeup:
                 pass
         if self.signal is not None and self.signal.socket in ready:
             self.signal.take()
+            self._marked()
         with self._lock:
             # the listener waited on: another thread may have dropped it meanwhile
             if self._listener is not None and self._listener in ready:
                 try:
-                    self.dialect.take_notifications(self._listener)
+                    self._changed(self.dialect.take_notifications(self._listener))
                 except Exception:
                     self._drop_listener()
 
+    def check(self) -> None:
+        """Take what the LISTEN connection and the same-host signal brought already,
+        without waiting (a select and a ``stat``, no round trip), so that a watched change
+        told before a claim counts for it; what they brought still wakes the next wait.
+        The in-process pipe is left alone (it tells no change), and no listener is
+        connected here."""
+        with self._lock:
+            sources = [] if self._listener is None else [self._listener]
+        if self.signal is not None and self.signal.socket is not None:
+            sources.append(self.signal.socket)
+        if sources and self._wait(sources, 0):
+            self.poke()
+        self._marked()  # a mark whose byte was lost (a full queue)
+
     def wait(self, timeout: float) -> None:
         """Return after a wake-up or ``timeout`` seconds, whichever comes first."""
-        sources = self.sources()
+        self._wait(self.sources(), timeout)
+
+    def _wait(self, sources: list[Any], timeout: float) -> bool:
+        """Wait on ``sources`` and take what arrived; whether anything did."""
         try:
             ready, _, _ = select.select(sources, [], [], timeout)
         except (OSError, ValueError):  # the listener's socket died under us
             with self._lock:
                 if self._listener is not None and self._listener in sources:
                     self._drop_listener()
-            return
+            return False
         self.take(ready)
+        return bool(ready)
 
     def close(self) -> None:
         """Drop the listener, the signal and the pipe; once only (a descriptor closed twice

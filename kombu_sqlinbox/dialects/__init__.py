@@ -14,6 +14,7 @@ from .base import (
     Capabilities,
     ClaimedRow,
     Dialect,
+    PauseStatements,
     ResultStatements,
     RoutingStatements,
     RowsInsert,
@@ -28,8 +29,8 @@ from .postgresql import PostgreSQLDialect
 from .sqlite import SQLiteDialect
 
 __all__ = [
-    "SPELLINGS", "Capabilities", "ClaimedRow", "Dialect", "MySQLDialect", "PostgreSQLDialect",
-    "ResultStatements", "RoutingStatements", "RowsInsert", "SQLiteDialect",
+    "SPELLINGS", "Capabilities", "ClaimedRow", "Dialect", "MySQLDialect", "PauseStatements",
+    "PostgreSQLDialect", "ResultStatements", "RoutingStatements", "RowsInsert", "SQLiteDialect",
     "ScheduleStatements", "Statements", "Tokens", "UniqueStatements",
     "dialect_class", "dialect_for", "plain_payload", "register", "url_schemes",
 ]

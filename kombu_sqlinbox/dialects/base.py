@@ -16,6 +16,7 @@ family, only what differs there:
   settlements a consumer runs;
 * :mod:`.operations`: the operations commands' figures and dead-letter moves;
 * :mod:`.routing`: bindings, the queue registry, transient queues;
+* :mod:`.pausing`: the paused queues;
 * :mod:`.outbox`: the transactional outbox's statements;
 * :mod:`.results`: the result tables' statements (Celery's result backend);
 * :mod:`.schedules`: the schedule tables' statements (the beat scheduler);
@@ -33,6 +34,7 @@ from .core import Capabilities
 from .driver import DriverSql, json_text, plain_payload
 from .operations import OperationsFamily
 from .outbox import OutboxFamily
+from .pausing import PauseFamily, PauseStatements
 from .publish import RowsInsert
 from .queue import CANDIDATES, FLOOR_MARGIN, QueueFamily, Statements, Tokens
 from .results import ResultFamily, ResultStatements
@@ -44,12 +46,12 @@ from .wakeups import WakeupFamily, no_wakeups
 
 __all__ = [
     "CANDIDATES", "FLOOR_MARGIN", "FLOOR_REFRESH", "FLOOR_STEP", "Capabilities", "ClaimedRow",
-    "Dialect", "DriverSql", "ResultStatements", "RoutingStatements", "RowsInsert",
-    "ScheduleStatements", "Statements", "Tokens", "UniqueStatements",
+    "Dialect", "DriverSql", "PauseStatements", "ResultStatements", "RoutingStatements",
+    "RowsInsert", "ScheduleStatements", "Statements", "Tokens", "UniqueStatements",
     "json_text", "no_wakeups", "plain_payload",
 ]
 
 
-class Dialect(QueueFamily, UniqueFamily, OperationsFamily, RoutingFamily, OutboxFamily,
-              ResultFamily, ScheduleFamily, WakeupFamily):
+class Dialect(QueueFamily, UniqueFamily, OperationsFamily, PauseFamily, RoutingFamily,
+              OutboxFamily, ResultFamily, ScheduleFamily, WakeupFamily):
     """Base of the per-database dialects. Subclasses supply the SQL text."""

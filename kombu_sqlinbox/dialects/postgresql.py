@@ -300,8 +300,7 @@ class PostgreSQLDialect(Dialect):
     result_meta_bytes = (1 << 30) - 1
 
     def result_notify(self, conn: Connection, channel: str) -> None:
-        if self.notify:
-            self.execute(conn, WAKE, {"channel": channel})
+        self.notify_channel(conn, channel)
 
     # -- schedules: the schedule tables (celery_ext.beat) ---------------------------------
     def schedule_guard(self, seconds: int) -> tuple[list[str], list[str]]:
@@ -322,6 +321,10 @@ class PostgreSQLDialect(Dialect):
         if self.notify:
             self.execute(conn, WAKE, {"channel": self.channel(spec)})
 
+    def notify_channel(self, conn: Connection, channel: str) -> None:
+        if self.notify:
+            self.execute(conn, WAKE, {"channel": channel})
+
     def channel(self, spec: TableSpec) -> str:
         """The NOTIFY channel of a table: its (validated) name."""
         return spec.table
@@ -339,14 +342,14 @@ class PostgreSQLDialect(Dialect):
             cursor.execute(f"LISTEN {self.quote(channel)}")
         cursor.close()
 
-    def take_notifications(self, dbapi_connection: Any) -> bool:
+    def take_notifications(self, dbapi_connection: Any) -> set[str]:
         """Read whatever arrived on a LISTEN connection (psycopg2 or psycopg 3)."""
         if hasattr(dbapi_connection, "poll"):  # psycopg2
             dbapi_connection.poll()
-            arrived = bool(dbapi_connection.notifies)
+            arrived = {notify.channel for notify in dbapi_connection.notifies}
             dbapi_connection.notifies.clear()
             return arrived
-        return bool(list(dbapi_connection.notifies(timeout=0)))
+        return {notify.channel for notify in dbapi_connection.notifies(timeout=0)}
 
     def keeps_notifications(self, dbapi_connection: Any) -> bool:
         """psycopg2 (its ``notifies`` list) and psycopg from 3.2 (its backlog) keep what

@@ -5,7 +5,7 @@ server."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import Connection
@@ -48,7 +48,8 @@ class WakeupFamily(DialectCore):
         unusable, which :func:`no_wakeups` says)."""
         return None
 
-    def take_notifications(self, dbapi_connection: Any) -> bool:
+    def take_notifications(self, dbapi_connection: Any) -> Collection[str]:
+        """Read what arrived on a LISTEN connection: the channels notified (empty: none)."""
         raise NotImplementedError
 
     def try_key_locks(self, conn: Connection, space: int, keys: Sequence[str]) -> list[bool]:

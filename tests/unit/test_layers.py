@@ -15,17 +15,17 @@ import kombu_sqlinbox
 PACKAGE = Path(kombu_sqlinbox.__file__).parent
 #: from the top down
 LAYERS = (
-    ("transport", "channel", "operations"),
+    ("transport", "channel", "operations", "pause_operations"),
     ("deliveries", "polling", "brokers"),
     ("broker",),
-    ("claims", "routing", "transient", "results", "unique"),
+    ("claims", "routing", "transient", "results", "unique", "pausing"),
     ("keeper", "wakeups"),
     ("own_session", "retries"),
     ("database",),
     ("dialects", "dialects.base", "dialects.core", "dialects.driver", "dialects.selection",
      "dialects.publish", "dialects.schema", "dialects.queue", "dialects.operations",
-     "dialects.routing", "dialects.outbox", "dialects.results", "dialects.wakeups",
-     "dialects.unique", "dialects.mysql_unique",
+     "dialects.routing", "dialects.pausing", "dialects.outbox", "dialects.results",
+     "dialects.wakeups", "dialects.unique", "dialects.mysql_unique",
      "dialects.mysql", "dialects.postgresql", "dialects.sqlite", "dialects.conformance",
      "dialects.conformance.suite", "dialects.conformance.schema", "dialects.conformance.queue",
      "dialects.conformance.capabilities", "dialects.conformance.outbox",
