@@ -6,6 +6,7 @@ with its writes (a result too large rolls them back)."""
 from __future__ import annotations
 
 import os
+import time
 import signal
 from collections import Counter
 
@@ -199,3 +200,40 @@ def test_a_result_whose_database_is_away_as_the_task_ends_is_written_once_it_ans
         assert acceptance.runs.starts()["away"] == 1
     finally:
         proxy.close()
+
+
+def claim_and_give_back(caller: Celery) -> None:
+    """Claim the queue's next row in this process and release it (as a worker shutting
+    down gives back a row it had reserved): its next delivery is a redelivery."""
+    with caller.connection_for_write() as conn:
+        channel = conn.default_channel
+        message = None
+        deadline = time.monotonic() + 30
+        while message is None and time.monotonic() < deadline:
+            message = channel.basic_get("celery", no_ack=False)
+        assert message is not None, "no row to claim"
+        message.requeue()
+
+
+def test_a_redelivered_task_celery_deduplicates_completes_its_row(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """With worker_deduplicate_successful_tasks, a redelivered task whose id already has a
+    SUCCESS (its id sent twice) is not run: Celery reports a success and no result is
+    written, so nothing completed its row but the worker's ack."""
+    acceptance.configure(visibility_timeout=LEASE)
+    conf = results_conf(db_url, worker_deduplicate_successful_tasks=True)
+    first = acceptance.worker("prefork", 1, name="first", **conf)
+    sent = caller.send_task("acc.run_late", args=("dup",))
+    token = sent.get(timeout=RESULT_LIMIT)
+    assert first.stop() == 0, first.tail()
+    caller.send_task("acc.run_late", args=("dup",), task_id=sent.id)
+    claim_and_give_back(caller)
+    second = acceptance.worker("prefork", 1, name="second", **conf)
+    wait_until(lambda: "Task already completed successfully" in second.output(), 30,
+               "the redelivery to be deduplicated", alive=[second])
+    wait_until(lambda: acceptance.rows() == 0, 4 * LEASE + 10,
+               "the deduplicated row to be completed", alive=[second])
+    assert second.stop() == 0, second.tail()
+    assert second.output().count("Task already completed successfully") == 1
+    assert acceptance.runs.starts()["dup"] == 1
+    assert sent.get(timeout=RESULT_LIMIT) == token
