@@ -6,8 +6,8 @@ with its writes (a result too large rolls them back)."""
 from __future__ import annotations
 
 import os
-import time
 import signal
+import time
 from collections import Counter
 
 import pytest
@@ -237,3 +237,30 @@ def test_a_redelivered_task_celery_deduplicates_completes_its_row(
     assert second.output().count("Task already completed successfully") == 1
     assert acceptance.runs.starts()["dup"] == 1
     assert sent.get(timeout=RESULT_LIMIT) == token
+
+
+@pytest.mark.slow
+def test_a_row_its_worker_claimed_again_keeps_its_lease_after_the_first_run_ends(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """The worker's main process is stopped past the lease while its pool process runs
+    the task (10 s); the row is claimed and given back meanwhile, and the worker, resumed,
+    claims it again: two runs of one row in one worker. The first run ends (its write
+    refused) with more than a lease of the second to go: the second delivery's lease is
+    still extended, so the task runs twice, not again after every lease."""
+    acceptance.configure(visibility_timeout=LEASE)
+    worker = acceptance.worker("prefork", 2, **results_conf(db_url))
+    sent = caller.send_task("acc.run_late", args=("twice", 10.0))
+    wait_until(lambda: acceptance.runs.starts()["twice"] >= 1, 30, "the first run",
+               alive=[worker])
+    os.kill(worker.popen.pid, signal.SIGSTOP)
+    claim_and_give_back(caller)
+    stopped_until = time.monotonic() + 2 * LEASE  # the second run ends 2 leases after the first
+    wait_until(lambda: time.monotonic() > stopped_until, 10, "two more leases")
+    os.kill(worker.popen.pid, signal.SIGCONT)
+    wait_until(lambda: acceptance.runs.starts()["twice"] >= 2, 30,
+               "the worker to claim the row again", alive=[worker])
+    wait_until(lambda: acceptance.runs.done()["twice"] >= 2, 30, "both runs to end",
+               alive=[worker])
+    assert acceptance.runs.starts()["twice"] == 2
+    assert sent.get(timeout=RESULT_LIMIT) == acceptance.runs.records("twice")[1]["token"]
+    wait_until(lambda: acceptance.rows() == 0, 30, "the row to be completed", alive=[worker])
