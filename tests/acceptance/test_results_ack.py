@@ -264,3 +264,29 @@ def test_a_row_its_worker_claimed_again_keeps_its_lease_after_the_first_run_ends
     assert acceptance.runs.starts()["twice"] == 2
     assert sent.get(timeout=RESULT_LIMIT) == acceptance.runs.records("twice")[1]["token"]
     wait_until(lambda: acceptance.rows() == 0, 30, "the row to be completed", alive=[worker])
+
+
+def test_a_success_whose_result_was_not_written_with_its_row_is_acked_once(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """Late-acked tasks that return but whose results did not complete their rows: one
+    too large and one not encodable (Celery stores their failures instead), one whose
+    caller ignores its result. Each row is completed by the worker and runs once; none
+    comes back after its lease."""
+    acceptance.configure(visibility_timeout=LEASE)
+    worker = acceptance.worker("prefork", 2, **results_conf(db_url))
+    failed = [caller.send_task("acc.sized_late", args=(2 * MAX_RESULT_BYTES,)),
+              caller.send_task("acc.unencodable_late")]
+    ignored = caller.send_task("acc.run_late", args=("ignored",), ignore_result=True)
+    for result in failed:
+        with pytest.raises(Exception, match=r"more than the result table|serializ|JSON"):
+            result.get(timeout=RESULT_LIMIT)
+    wait_until(lambda: acceptance.runs.done()["ignored"] == 1, 30, "the ignored run",
+               alive=[worker])
+    wait_until(lambda: acceptance.rows() == 0, 30, "every row to be completed",
+               alive=[worker])
+    lapsed = time.monotonic() + 2 * LEASE  # a row left to its lease would be back by then
+    wait_until(lambda: time.monotonic() > lapsed, 10, "two leases")
+    assert worker.stop() == 0, worker.tail()
+    for task_id in [result.id for result in failed] + [ignored.id]:
+        assert worker.output().count(f"[{task_id}] received") == 1, worker.tail()
+    assert acceptance.runs.starts()["ignored"] == 1
