@@ -207,12 +207,8 @@ def claim_and_give_back(caller: Celery) -> None:
     down gives back a row it had reserved): its next delivery is a redelivery."""
     with caller.connection_for_write() as conn:
         channel = conn.default_channel
-        message = None
-        deadline = time.monotonic() + 30
-        while message is None and time.monotonic() < deadline:
-            message = channel.basic_get("celery", no_ack=False)
-        assert message is not None, "no row to claim"
-        message.requeue()
+        wait_until(lambda: channel.basic_get("celery", no_ack=False), 30,
+                   "a row to claim").requeue()
 
 
 def test_a_redelivered_task_celery_deduplicates_completes_its_row(
