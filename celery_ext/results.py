@@ -263,16 +263,16 @@ class SqlInboxBackend(BaseBackend):
             broker.engine, self.store.database.engine)
 
     def completed_by_success(self, request: Any) -> bool:
-        """In the worker's main process: whether a late-acked task's success was written
-        with its row's completion, leaving its ack nothing to do (a write refused as the
-        row was claimed again: the fence would refuse the ack too). ``request.task`` is
-        the task itself; the message has the transport's whole delivery_info."""
-        task, row = request.task, request.message.delivery_info.get(ROW_KEY)
-        if row is None or get_actual_ignore_result(task, request) or not _completing(
-                task, states.SUCCESS, None):
+        """In the worker's main process: whether a late-acked task's success was written with
+        its row's completion (or refused, the row claimed again), leaving its ack nothing to
+        do; not a redelivery Celery may deduplicate (its skipped run wrote nothing)."""
+        task, info = request.task, request.message.delivery_info
+        if (info.get(ROW_KEY) is None or get_actual_ignore_result(task, request)
+                or not _completing(task, states.SUCCESS, None) or (info.get("redelivered")
+                and self.app.conf.worker_deduplicate_successful_tasks)):
             return False
         broker = broker_of(self.app)
-        return self._writes_with(broker, broker.table(row["queue"]))
+        return self._writes_with(broker, broker.table(info[ROW_KEY]["queue"]))
 
     def _until_answered(self, task_id: str, write: Callable[[], None]) -> None:
         """Write a late-acked task's final state until the database answers: giving up

@@ -143,9 +143,13 @@ class LeaseKeeper:
             self._settle_wake.set()
 
     def forget(self, held: Held) -> None:
-        """Stop extending a row that left by another path (moved to a dead-letter queue)."""
+        """Stop extending a row that left by another path (moved to a dead-letter queue,
+        completed by its task). Only this delivery of it: a row claimed again into this
+        process, under a later attempt, is still extended."""
         with self._lock:
-            self._held[held.table].pop(held.id, None)
+            rows = self._held[held.table]
+            if rows.get(held.id) == held.attempt:
+                del rows[held.id]
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every settlement queued so far is committed (or dropped with its

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections import Counter
 
 import pytest
@@ -199,3 +200,89 @@ def test_a_result_whose_database_is_away_as_the_task_ends_is_written_once_it_ans
         assert acceptance.runs.starts()["away"] == 1
     finally:
         proxy.close()
+
+
+def claim_and_give_back(caller: Celery) -> None:
+    """Claim the queue's next row in this process and release it (as a worker shutting
+    down gives back a row it had reserved): its next delivery is a redelivery."""
+    with caller.connection_for_write() as conn:
+        channel = conn.default_channel
+        wait_until(lambda: channel.basic_get("celery", no_ack=False), 30,
+                   "a row to claim").requeue()
+
+
+def test_a_redelivered_task_celery_deduplicates_completes_its_row(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """With worker_deduplicate_successful_tasks, a redelivered task whose id already has a
+    SUCCESS (its id sent twice) is not run: Celery reports a success and no result is
+    written, so nothing completed its row but the worker's ack."""
+    acceptance.configure(visibility_timeout=LEASE)
+    conf = results_conf(db_url, worker_deduplicate_successful_tasks=True)
+    first = acceptance.worker("prefork", 1, name="first", **conf)
+    sent = caller.send_task("acc.run_late", args=("dup",))
+    token = sent.get(timeout=RESULT_LIMIT)
+    assert first.stop() == 0, first.tail()
+    caller.send_task("acc.run_late", args=("dup",), task_id=sent.id)
+    claim_and_give_back(caller)
+    second = acceptance.worker("prefork", 1, name="second", **conf)
+    wait_until(lambda: "Task already completed successfully" in second.output(), 30,
+               "the redelivery to be deduplicated", alive=[second])
+    wait_until(lambda: acceptance.rows() == 0, 4 * LEASE + 10,
+               "the deduplicated row to be completed", alive=[second])
+    assert second.stop() == 0, second.tail()
+    assert second.output().count("Task already completed successfully") == 1
+    assert acceptance.runs.starts()["dup"] == 1
+    assert sent.get(timeout=RESULT_LIMIT) == token
+
+
+@pytest.mark.slow
+def test_a_row_its_worker_claimed_again_keeps_its_lease_after_the_first_run_ends(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """The worker's main process is stopped past the lease while its pool process runs
+    the task (10 s); the row is claimed and given back meanwhile, and the worker, resumed,
+    claims it again: two runs of one row in one worker. The first run ends (its write
+    refused) with more than a lease of the second to go: the second delivery's lease is
+    still extended, so the task runs twice, not again after every lease."""
+    acceptance.configure(visibility_timeout=LEASE)
+    worker = acceptance.worker("prefork", 2, **results_conf(db_url))
+    sent = caller.send_task("acc.run_late", args=("twice", 10.0))
+    wait_until(lambda: acceptance.runs.starts()["twice"] >= 1, 30, "the first run",
+               alive=[worker])
+    os.kill(worker.popen.pid, signal.SIGSTOP)
+    claim_and_give_back(caller)
+    stopped_until = time.monotonic() + 2 * LEASE  # the second run ends 2 leases after the first
+    wait_until(lambda: time.monotonic() > stopped_until, 10, "two more leases")
+    os.kill(worker.popen.pid, signal.SIGCONT)
+    wait_until(lambda: acceptance.runs.starts()["twice"] >= 2, 30,
+               "the worker to claim the row again", alive=[worker])
+    wait_until(lambda: acceptance.runs.done()["twice"] >= 2, 30, "both runs to end",
+               alive=[worker])
+    assert acceptance.runs.starts()["twice"] == 2
+    assert sent.get(timeout=RESULT_LIMIT) == acceptance.runs.records("twice")[1]["token"]
+    wait_until(lambda: acceptance.rows() == 0, 30, "the row to be completed", alive=[worker])
+
+
+def test_a_success_whose_result_was_not_written_with_its_row_is_acked_once(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """Late-acked tasks that return but whose results did not complete their rows: one
+    too large and one not encodable (Celery stores their failures instead), one whose
+    caller ignores its result. Each row is completed by the worker and runs once; none
+    comes back after its lease."""
+    acceptance.configure(visibility_timeout=LEASE)
+    worker = acceptance.worker("prefork", 2, **results_conf(db_url))
+    failed = [caller.send_task("acc.sized_late", args=(2 * MAX_RESULT_BYTES,)),
+              caller.send_task("acc.unencodable_late")]
+    ignored = caller.send_task("acc.run_late", args=("ignored",), ignore_result=True)
+    for result in failed:
+        with pytest.raises(Exception, match=r"more than the result table|serializ|JSON"):
+            result.get(timeout=RESULT_LIMIT)
+    wait_until(lambda: acceptance.runs.done()["ignored"] == 1, 30, "the ignored run",
+               alive=[worker])
+    wait_until(lambda: acceptance.rows() == 0, 30, "every row to be completed",
+               alive=[worker])
+    lapsed = time.monotonic() + 2 * LEASE  # a row left to its lease would be back by then
+    wait_until(lambda: time.monotonic() > lapsed, 10, "two leases")
+    assert worker.stop() == 0, worker.tail()
+    for task_id in [result.id for result in failed] + [ignored.id]:
+        assert worker.output().count(f"[{task_id}] received") == 1, worker.tail()
+    assert acceptance.runs.starts()["ignored"] == 1

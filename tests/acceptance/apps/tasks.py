@@ -134,6 +134,13 @@ def sized(size: int) -> str:
 
 
 app.task(name="acc.fail_late", acks_late=True)(fail.run)
+#: late-acked successes whose result cannot be stored: too large, or not encodable
+app.task(name="acc.sized_late", acks_late=True)(sized.run)
+
+
+@app.task(name="acc.unencodable_late", acks_late=True)
+def unencodable() -> object:
+    return object()
 
 
 #: a failure the worker rejects (to the dead-letter queue) instead of acknowledging
