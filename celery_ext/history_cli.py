@@ -10,6 +10,7 @@ decode is shown as undecodable, never a failure of the command.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -38,6 +39,9 @@ SECTION_WINDOW, SECTION_TASKS = 3600.0, 5
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 #: the longest exception a table shows (``--json`` shows them whole)
 SHOWN = 120
+#: the most ``--limit`` takes: a LIMIT every database binds (a larger number is refused
+#: by click, not by the driver with a traceback)
+MOST_LISTED = 2**31 - 1
 NO_NAMES = ("task names are not stored: result_extended is off (every failure is "
             "counted under -)")
 
@@ -53,7 +57,10 @@ class Duration(click.ParamType[float]):
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(value))
         if match is None:
             self.fail(f"{value!r} is not a duration (90s, 30m, 1h, 2d)", param, ctx)
-        return float(match[1]) * UNITS[match[2] or "s"]
+        seconds = float(match[1]) * UNITS[match[2] or "s"]
+        if not math.isfinite(seconds):  # too many digits for a float: inf, not JSON
+            self.fail(f"{value!r} is longer than any window", param, ctx)
+        return seconds
 
 
 @dataclass(frozen=True)
@@ -161,7 +168,8 @@ def unnamed(found: Source, names: Sequence[str | None]) -> bool:
               help="only failures of this task (needs result_extended)")
 @click.option("--since", type=Duration(), default="1h", cls=CeleryOption,
               help_group="Filters", help="the window: 90s, 30m, 1h (the default), 2d")
-@click.option("--limit", type=click.IntRange(min=1), default=20, cls=CeleryOption,
+@click.option("--limit", type=click.IntRange(min=1, max=MOST_LISTED),
+              default=20, cls=CeleryOption,
               help_group="Output", help="at most this many failures listed (default 20)")
 @click.option("--json", "as_json", is_flag=True, cls=CeleryOption, help_group="Output",
               help="print JSON")

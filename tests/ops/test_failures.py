@@ -175,3 +175,13 @@ def test_check_names_the_history_index_a_kept_table_lacks(
     with engine.begin() as conn:
         conn.exec_driver_sql(sql.history_index[1])
     assert cli("check").returncode == 0
+
+
+@pytest.mark.parametrize("given", [["--limit", "9" * 30], ["--since", "9" * 400]])
+def test_out_of_range_limits_and_windows_are_usage_errors(cli: Cli, with_results: Results,
+                                                          given: list[str]) -> None:
+    fail(with_results(extended=True), "f-1", "shop.pay", ValueError("card declined"))
+    done = cli("failures", *given, "--json", check=False)
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr and "Invalid value" in done.stderr, done.stderr
+
