@@ -189,11 +189,9 @@ def failures(ctx: click.Context, task: str | None, since: float, limit: int,
         with reading(found, ctx.obj.traceback):
             try:
                 listed = found.history.failures(since, limit, task)
-                per_task = found.history.summary(since, 1000)
+                per_task = found.history.summary(since, 1000, task)
             except ResultsMissing as exc:
                 raise click.ClickException(str(exc)) from None
-    if task is not None:
-        per_task = [each for each in per_task if each.task_name == task]
     names = [each.task_name for each in per_task]
     if as_json:
         click.echo(json.dumps({

@@ -73,25 +73,35 @@ class History:
     def failures(self, since: float, limit: int, task: str | None = None) -> list[Failure]:
         """The last ``limit`` failures of the last ``since`` seconds (of ``task`` only
         when given), the latest first."""
-        params = {"since": float(since), "limit": int(limit)}
-        if task is None:
-            return [_failure(row) for row in self._read(self.sql.failures, params)]
-        rows = self._read(self.sql.task_failures, {**params, "task_name": task})
-        return [_failure(row) for row in rows]
+        statement, params = self._of(self.sql.failures, self.sql.task_failures, since,
+                                     limit, task)
+        return [_failure(row) for row in self._read(statement, params)]
 
-    def summary(self, since: float, limit: int) -> list[TaskFailures]:
-        """Per task (at most ``limit``, the latest failing first): its failures in the
-        last ``since`` seconds, the last one's time, and the last one (read at that time:
-        one index lookup per task)."""
+    def summary(self, since: float, limit: int, task: str | None = None
+                ) -> list[TaskFailures]:
+        """Per task (at most ``limit``, the latest failing first; ``task`` only when
+        given): its failures in the last ``since`` seconds, the last one's time, and the
+        last one (read at that time: one index lookup per task)."""
         found = []
-        for name, count, last in self._read(self.sql.failure_summary,
-                                            {"since": float(since), "limit": int(limit)}):
+        for name, count, last in self._read(*self._of(
+                self.sql.failure_summary, self.sql.task_summary, since, limit, task)):
             name = _text(name)
             at = [_failure(row) for row in self._read(self.sql.failures_at,
                                                       {"last": float(last)})]
             found.append(TaskFailures(name, int(count), float(last), next(
                 (each for each in at if each.task_name == name), None)))
         return found
+
+
+    def _of(self, every: Any, one: Any, since: float, limit: int, task: str | None
+            ) -> tuple[Any, dict[str, Any]]:
+        """``every`` task's statement, or ``one``'s for ``task``, as its column holds
+        the name (cut where the column is shorter: MariaDB/MySQL's 255), and its
+        parameters."""
+        params: dict[str, Any] = {"since": float(since), "limit": int(limit)}
+        if task is None:
+            return every, params
+        return one, {**params, "task_name": self.database.dialect.result_label(task)}
 
 
 def _text(value: str | bytes | None) -> str | None:

@@ -185,3 +185,22 @@ def test_out_of_range_limits_and_windows_are_usage_errors(cli: Cli, with_results
     assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
     assert "Traceback" not in done.stderr and "Invalid value" in done.stderr, done.stderr
 
+
+def test_task_names_are_matched_exactly_and_as_stored(cli: Cli, with_results: Results) -> None:
+    """A name differing in case only is another task (MariaDB's collation ignores case);
+    a name longer than the column holds (MariaDB: 255) is found by its whole name."""
+    app = with_results(extended=True)
+    long = "shop." + "x" * 300
+    fail(app, "f-lower", "shop.pay", ValueError("lower"))
+    fail(app, "f-upper", "Shop.Pay", ValueError("upper"))
+    fail(app, "f-long", long, ValueError("long"))
+    found = json.loads(cli("failures", "--task", "shop.pay", "--json").stdout)
+    assert [f["task_id"] for f in found["failures"]] == ["f-lower"], found
+    assert [(t["task"], t["failures"]) for t in found["tasks"]] == [("shop.pay", 1)], found
+    everything = json.loads(cli("failures", "--json").stdout)
+    assert sorted((t["task"], t["failures"]) for t in everything["tasks"])[:2] == [
+        ("Shop.Pay", 1), ("shop.pay", 1)], everything
+    found = json.loads(cli("failures", "--task", long, "--json").stdout)
+    assert [f["task_id"] for f in found["failures"]] == ["f-long"], found
+    assert [t["failures"] for t in found["tasks"]] == [1], found
+    assert found["tasks"][0]["last_exception"] == "ValueError: long"
