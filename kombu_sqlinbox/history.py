@@ -18,7 +18,7 @@ from sqlalchemy.exc import DBAPIError
 
 from .database import Database
 from .dialects import ResultStatements
-from .errors import ConfigurationError
+from .errors import ConfigurationError, reason_of
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,8 @@ def history_index_missing(conn: Connection, sql: ResultStatements) -> bool:
 def add_history_index(database: Database, sql: ResultStatements, create: bool) -> None:
     """Give a task table made before the history index its index: created here where the
     tables are (``create``), else a warning with the statement (the failure history then
-    reads each window's rows of every state)."""
+    reads each window's rows of every state); so is a creation the database refuses (a
+    worker's user may write rows, not indexes): results are stored without it."""
     name, statement = sql.history_index
     if not database.run(lambda conn: history_index_missing(conn, sql), read_only=True):
         return
@@ -138,9 +139,12 @@ def add_history_index(database: Database, sql: ResultStatements, create: bool) -
                 name, sql.names[0])
     try:
         database.run(lambda conn: conn.exec_driver_sql(statement))
-    except DBAPIError:  # another process created it at the same moment
+    except DBAPIError as exc:  # another process created it at the same moment, or may not
         if database.run(lambda conn: history_index_missing(conn, sql), read_only=True):
-            raise
+            logger.warning("sqlinbox: the index %s could not be created on %s (%s): the "
+                           "failure history reads every result of its window; results "
+                           "are stored as before; create it with:\n%s;", name,
+                           sql.names[0], reason_of(exc), statement)
 
 
 def history_problems(sql: ResultStatements, create: bool,
