@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 from celery.bin.base import CeleryCommand, CeleryOption
+from celery.utils.serialization import UnpickleableExceptionWrapper
 from kombu.serialization import loads
 from sqlalchemy.exc import InterfaceError, OperationalError
 
@@ -119,7 +120,9 @@ def exception_text(failure: Failure, decode: Callable[[bytes], Any]) -> str:
         raised = meta["result"]
     except Exception as exc:  # a row this app's serializer does not read
         return f"undecodable: {type(exc).__name__}: {exc}".replace("\n", " ")
-    if isinstance(raised, BaseException):
+    if isinstance(raised, UnpickleableExceptionWrapper):  # its class did not pickle
+        kind, args = raised.exc_cls_name, tuple(raised.exc_args)
+    elif isinstance(raised, BaseException):
         kind, args = type(raised).__name__, raised.args
     elif isinstance(raised, dict) and "exc_type" in raised:
         kind, args = str(raised["exc_type"]), raised.get("exc_message") or ()

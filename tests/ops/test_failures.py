@@ -204,3 +204,15 @@ def test_task_names_are_matched_exactly_and_as_stored(cli: Cli, with_results: Re
     assert [f["task_id"] for f in found["failures"]] == ["f-long"], found
     assert [t["failures"] for t in found["tasks"]] == [1], found
     assert found["tasks"][0]["last_exception"] == "ValueError: long"
+
+
+def test_a_pickled_exception_of_a_class_not_importable_shows_its_class_and_message(
+        cli: Cli, with_results: Results) -> None:
+    """Celery stores such an exception (pickle cannot find its class) in a wrapper that
+    names it: the wrapper's own name and its fields would hide it."""
+    app = with_results(extended=True, serializer="pickle")
+    gone = type("InvoiceMissing", (Exception,), {"__module__": "billing.errors"})
+    fail(app, "f-1", "shop.pay", gone("order 7", 3))
+    found = json.loads(cli("failures", "--json").stdout)
+    assert found["failures"][0]["exception"] == "InvoiceMissing: order 7, 3", found
+    assert "InvoiceMissing: order 7, 3" in cli("queues").stdout
