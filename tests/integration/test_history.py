@@ -174,6 +174,21 @@ def writer_url(database: str, db_url: str, table_prefix: str) -> Iterator[str]:
         admin.dispose()
 
 
+def test_a_task_table_kept_beside_a_missing_table_gets_the_history_index(
+        make_app: MakeApp, engine: Engine) -> None:
+    """Tables made before the chords' counters and the history index: the missing table
+    is made, and the kept task table gets its index (MariaDB's CREATE TABLE IF NOT EXISTS
+    carries it, and leaves a kept table as it is)."""
+    first = store_of(make_app())
+    first.ensure()
+    drop_history_index(engine, first)
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP TABLE {quoted(engine, first.sql.names[2])}"))
+    store_of(make_app(options={"max_result_bytes": 10_000_000})).ensure()  # another store
+    assert first.sql.history_index[0] in indexes(engine, first.sql.names[0])
+    assert inspect(engine).has_table(first.sql.names[2])
+
+
 def store_of_url(db_url: str, prefix: str) -> ResultStore:
     from kombu_sqlinbox.results import store_for
 
