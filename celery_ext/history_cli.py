@@ -27,6 +27,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from kombu_sqlinbox.database import same_database
 from kombu_sqlinbox.history import Failure, History, ResultsMissing, TaskFailures
 from kombu_sqlinbox.operations import Operations
+from kombu_sqlinbox.urls import masked
 
 from .ops_context import operations
 from .ops_render import text_table
@@ -187,7 +188,8 @@ def failures(ctx: click.Context, task: str | None, since: float, limit: int,
         found = source(app, ops, results_only=False)
         if found is None:
             raise click.UsageError(
-                f"the app's result backend is not sqlinbox ({app.conf.result_backend!r}): "
+                "the app's result backend is not sqlinbox "
+                f"({masked(str(app.conf.result_backend))!r}): "
                 "its failures are not in this database")
         with reading(found, ctx.obj.traceback):
             try:

@@ -216,3 +216,13 @@ def test_a_pickled_exception_of_a_class_not_importable_shows_its_class_and_messa
     found = json.loads(cli("failures", "--json").stdout)
     assert found["failures"][0]["exception"] == "InvoiceMissing: order 7, 3", found
     assert "InvoiceMissing: order 7, 3" in cli("queues").stdout
+
+
+def test_another_result_backend_is_named_without_its_password(cli: Cli,
+                                                               with_results: Results) -> None:
+    with_results(url="redis://:s3cret@127.0.0.1:6379/7")
+    done = cli("failures", check=False)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert "redis://:***@127.0.0.1:6379/7" in done.stderr and "s3cret" not in done.stderr
+    queues = cli("queues")
+    assert "recent failures" not in queues.stdout and "s3cret" not in queues.stderr
