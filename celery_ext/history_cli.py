@@ -10,6 +10,7 @@ decode is shown as undecodable, never a failure of the command.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -19,12 +20,14 @@ from typing import Any
 
 import click
 from celery.bin.base import CeleryCommand, CeleryOption
+from celery.utils.serialization import UnpickleableExceptionWrapper
 from kombu.serialization import loads
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from kombu_sqlinbox.database import same_database
 from kombu_sqlinbox.history import Failure, History, ResultsMissing, TaskFailures
 from kombu_sqlinbox.operations import Operations
+from kombu_sqlinbox.urls import masked
 
 from .ops_context import operations
 from .ops_render import text_table
@@ -38,6 +41,9 @@ SECTION_WINDOW, SECTION_TASKS = 3600.0, 5
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 #: the longest exception a table shows (``--json`` shows them whole)
 SHOWN = 120
+#: the most ``--limit`` takes: a LIMIT every database binds (a larger number is refused
+#: by click, not by the driver with a traceback)
+MOST_LISTED = 2**31 - 1
 NO_NAMES = ("task names are not stored: result_extended is off (every failure is "
             "counted under -)")
 
@@ -53,7 +59,10 @@ class Duration(click.ParamType[float]):
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(value))
         if match is None:
             self.fail(f"{value!r} is not a duration (90s, 30m, 1h, 2d)", param, ctx)
-        return float(match[1]) * UNITS[match[2] or "s"]
+        seconds = float(match[1]) * UNITS[match[2] or "s"]
+        if not math.isfinite(seconds):  # too many digits for a float: inf, not JSON
+            self.fail(f"{value!r} is longer than any window", param, ctx)
+        return seconds
 
 
 @dataclass(frozen=True)
@@ -112,7 +121,9 @@ def exception_text(failure: Failure, decode: Callable[[bytes], Any]) -> str:
         raised = meta["result"]
     except Exception as exc:  # a row this app's serializer does not read
         return f"undecodable: {type(exc).__name__}: {exc}".replace("\n", " ")
-    if isinstance(raised, BaseException):
+    if isinstance(raised, UnpickleableExceptionWrapper):  # its class did not pickle
+        kind, args = raised.exc_cls_name, tuple(raised.exc_args)
+    elif isinstance(raised, BaseException):
         kind, args = type(raised).__name__, raised.args
     elif isinstance(raised, dict) and "exc_type" in raised:
         kind, args = str(raised["exc_type"]), raised.get("exc_message") or ()
@@ -161,7 +172,8 @@ def unnamed(found: Source, names: Sequence[str | None]) -> bool:
               help="only failures of this task (needs result_extended)")
 @click.option("--since", type=Duration(), default="1h", cls=CeleryOption,
               help_group="Filters", help="the window: 90s, 30m, 1h (the default), 2d")
-@click.option("--limit", type=click.IntRange(min=1), default=20, cls=CeleryOption,
+@click.option("--limit", type=click.IntRange(min=1, max=MOST_LISTED),
+              default=20, cls=CeleryOption,
               help_group="Output", help="at most this many failures listed (default 20)")
 @click.option("--json", "as_json", is_flag=True, cls=CeleryOption, help_group="Output",
               help="print JSON")
@@ -176,16 +188,15 @@ def failures(ctx: click.Context, task: str | None, since: float, limit: int,
         found = source(app, ops, results_only=False)
         if found is None:
             raise click.UsageError(
-                f"the app's result backend is not sqlinbox ({app.conf.result_backend!r}): "
+                "the app's result backend is not sqlinbox "
+                f"({masked(str(app.conf.result_backend))!r}): "
                 "its failures are not in this database")
         with reading(found, ctx.obj.traceback):
             try:
                 listed = found.history.failures(since, limit, task)
-                per_task = found.history.summary(since, 1000)
+                per_task = found.history.summary(since, 1000, task)
             except ResultsMissing as exc:
                 raise click.ClickException(str(exc)) from None
-    if task is not None:
-        per_task = [each for each in per_task if each.task_name == task]
     names = [each.task_name for each in per_task]
     if as_json:
         click.echo(json.dumps({

@@ -18,7 +18,7 @@ from sqlalchemy.exc import DBAPIError
 
 from .database import Database
 from .dialects import ResultStatements
-from .errors import ConfigurationError
+from .errors import ConfigurationError, reason_of
 
 logger = logging.getLogger(__name__)
 
@@ -73,25 +73,35 @@ class History:
     def failures(self, since: float, limit: int, task: str | None = None) -> list[Failure]:
         """The last ``limit`` failures of the last ``since`` seconds (of ``task`` only
         when given), the latest first."""
-        params = {"since": float(since), "limit": int(limit)}
-        if task is None:
-            return [_failure(row) for row in self._read(self.sql.failures, params)]
-        rows = self._read(self.sql.task_failures, {**params, "task_name": task})
-        return [_failure(row) for row in rows]
+        statement, params = self._of(self.sql.failures, self.sql.task_failures, since,
+                                     limit, task)
+        return [_failure(row) for row in self._read(statement, params)]
 
-    def summary(self, since: float, limit: int) -> list[TaskFailures]:
-        """Per task (at most ``limit``, the latest failing first): its failures in the
-        last ``since`` seconds, the last one's time, and the last one (read at that time:
-        one index lookup per task)."""
+    def summary(self, since: float, limit: int, task: str | None = None
+                ) -> list[TaskFailures]:
+        """Per task (at most ``limit``, the latest failing first; ``task`` only when
+        given): its failures in the last ``since`` seconds, the last one's time, and the
+        last one (read at that time: one index lookup per task)."""
         found = []
-        for name, count, last in self._read(self.sql.failure_summary,
-                                            {"since": float(since), "limit": int(limit)}):
+        for name, count, last in self._read(*self._of(
+                self.sql.failure_summary, self.sql.task_summary, since, limit, task)):
             name = _text(name)
             at = [_failure(row) for row in self._read(self.sql.failures_at,
                                                       {"last": float(last)})]
             found.append(TaskFailures(name, int(count), float(last), next(
                 (each for each in at if each.task_name == name), None)))
         return found
+
+
+    def _of(self, every: Any, one: Any, since: float, limit: int, task: str | None
+            ) -> tuple[Any, dict[str, Any]]:
+        """``every`` task's statement, or ``one``'s for ``task``, as its column holds
+        the name (cut where the column is shorter: MariaDB/MySQL's 255), and its
+        parameters."""
+        params: dict[str, Any] = {"since": float(since), "limit": int(limit)}
+        if task is None:
+            return every, params
+        return one, {**params, "task_name": self.database.dialect.result_label(task)}
 
 
 def _text(value: str | bytes | None) -> str | None:
@@ -115,7 +125,8 @@ def history_index_missing(conn: Connection, sql: ResultStatements) -> bool:
 def add_history_index(database: Database, sql: ResultStatements, create: bool) -> None:
     """Give a task table made before the history index its index: created here where the
     tables are (``create``), else a warning with the statement (the failure history then
-    reads each window's rows of every state)."""
+    reads each window's rows of every state); so is a creation the database refuses (a
+    worker's user may write rows, not indexes): results are stored without it."""
     name, statement = sql.history_index
     if not database.run(lambda conn: history_index_missing(conn, sql), read_only=True):
         return
@@ -128,9 +139,12 @@ def add_history_index(database: Database, sql: ResultStatements, create: bool) -
                 name, sql.names[0])
     try:
         database.run(lambda conn: conn.exec_driver_sql(statement))
-    except DBAPIError:  # another process created it at the same moment
+    except DBAPIError as exc:  # another process created it at the same moment, or may not
         if database.run(lambda conn: history_index_missing(conn, sql), read_only=True):
-            raise
+            logger.warning("sqlinbox: the index %s could not be created on %s (%s): the "
+                           "failure history reads every result of its window; results "
+                           "are stored as before; create it with:\n%s;", name,
+                           sql.names[0], reason_of(exc), statement)
 
 
 def history_problems(sql: ResultStatements, create: bool,

@@ -101,8 +101,9 @@ class ResultStore:
                     self.database.run(self._create)
                 except DBAPIError:  # another process created them at the same moment
                     self.database.run(self._create)
-            else:  # made by an earlier release: what it lacks
-                add_history_index(self.database, self.sql, self.create_tables)
+            # a kept task table (made by an earlier release) lacks it: MariaDB/MySQL's
+            # CREATE TABLE IF NOT EXISTS, which carries it, leaves a kept table as it is
+            add_history_index(self.database, self.sql, self.create_tables)
             self._ready = True
 
     def _create(self, conn: Connection) -> None:

@@ -347,6 +347,11 @@ class MySQLDialect(MySQLUniqueKeys, Dialect):
     def result_ddl(self, quoted: Names, names: Names) -> list[str]:
         return _indexes_inside(super().result_ddl(quoted, names))
 
+    def result_name(self, value: str) -> str:
+        """Compared and grouped byte for byte: the column's collation ignores case and
+        trailing spaces, which would count ``Shop.Pay`` as ``shop.pay``."""
+        return f"CAST({value} AS BINARY)"
+
     def history_index(self, tasks: str, name: str) -> str:
         """MySQL has no CREATE INDEX IF NOT EXISTS (the store looks for it first)."""
         return f"CREATE INDEX {self.quote(name)} ON {tasks} {HISTORY_COLUMNS}"

@@ -83,6 +83,8 @@ class ResultStatements:
     #: ``task_name, failures, last date_done`` per task of the failures done in the last
     #: ``:since`` seconds, the latest first (at most ``:limit`` tasks)
     failure_summary: TextClause
+    #: :attr:`failure_summary` of task ``:task_name`` only
+    task_summary: TextClause
     #: :attr:`failures`' columns of the failures done at ``:last``
     #: (a task's last one: :attr:`failure_summary` gives the time)
     failures_at: TextClause
@@ -151,6 +153,10 @@ class ResultFamily(DriverFamily):
         """Announce a stored result on ``channel`` when ``conn`` commits, where the
         database has NOTIFY (nothing elsewhere: waiters there are woken otherwise)."""
 
+    def result_name(self, value: str) -> str:
+        """A task name as the history compares and groups names: as stored."""
+        return value
+
     def result_upsert(self, table: str, key: str, values: Sequence[tuple[str, str]],
                       guarded: bool) -> str:
         """INSERT of (column, SQL value) pairs; on a conflict on ``key`` the other columns
@@ -210,8 +216,12 @@ class ResultFamily(DriverFamily):
         saved = [("group_id", ":group_id"), ("date_done", now), ("meta", ":meta")]
         counted = [*saved, ("size", "NULL"), ("done", "0")]
         history = "task_id, task_name, worker, date_done, meta"
-        failed = (f"SELECT {history} FROM {tasks} "
-                  f"WHERE status = '{FAILED}' AND date_done >= {now} - :since")
+        window = f"WHERE status = '{FAILED}' AND date_done >= {now} - :since"
+        failed = f"SELECT {history} FROM {tasks} {window}"
+        name = self.result_name("task_name")
+        of_task = f" AND {name} = {self.result_name(':task_name')}"
+        per_task = f"SELECT {name}, COUNT(*), MAX(date_done) FROM {tasks} {window}"
+        grouped = f"GROUP BY {name} ORDER BY MAX(date_done) DESC LIMIT :limit"
 
         def sql(statement: str) -> TextClause:
             return self.clocked(text(statement))
@@ -239,12 +249,9 @@ class ResultFamily(DriverFamily):
                     sql(self.result_expire_sql(groups, "group_id")),
                     sql(self.result_expire_sql(chords, "group_id"))),
             failures=sql(f"{failed} ORDER BY date_done DESC LIMIT :limit"),
-            task_failures=sql(f"{failed} AND task_name = :task_name "
-                              "ORDER BY date_done DESC LIMIT :limit"),
-            failure_summary=sql(
-                f"SELECT task_name, COUNT(*), MAX(date_done) FROM {tasks} "
-                f"WHERE status = '{FAILED}' AND date_done >= {now} - :since "
-                "GROUP BY task_name ORDER BY MAX(date_done) DESC LIMIT :limit"),
+            task_failures=sql(f"{failed}{of_task} ORDER BY date_done DESC LIMIT :limit"),
+            failure_summary=sql(f"{per_task} {grouped}"),
+            task_summary=sql(f"{per_task}{of_task} {grouped}"),
             failures_at=sql(f"SELECT {history} FROM {tasks} "
                             f"WHERE status = '{FAILED}' AND date_done = :last"),
             history_index=(history_index_name(names),

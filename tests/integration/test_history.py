@@ -6,11 +6,13 @@ big table: a listing reads a range of the index, never the whole table, and so d
 from __future__ import annotations
 
 import logging
+import uuid
+from collections.abc import Iterator
 
 import pytest
 from celery import Celery
 from celery.app.task import Context
-from sqlalchemy import inspect, text
+from sqlalchemy import create_engine, inspect, make_url, text
 from sqlalchemy.engine import Engine
 
 from celery_ext.results import SqlInboxBackend
@@ -137,6 +139,75 @@ def test_tables_made_before_the_history_index_get_it(
 
     store_of(make_app(options={"max_result_bytes": 10_000_000})).ensure()  # another store
     assert name in indexes(engine, table)
+
+
+@pytest.fixture
+def writer_url(database: str, db_url: str, table_prefix: str) -> Iterator[str]:
+    """A user of this test's own that reads and writes this prefix's result tables (made
+    before the history index) but may not change them, as a deployment's worker."""
+    admin = create_engine(db_url, isolation_level="AUTOCOMMIT")
+    user = f"rw_{uuid.uuid4().hex[:8]}"
+    tables = [table_prefix + name for name in ("task_results", "group_results", "chords")]
+    mysql = database == "mysql"
+    who = f"'{user}'@'%%'" if mysql else user
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"CREATE USER {who}" if mysql else f"CREATE ROLE {user} LOGIN")
+    store = store_of_url(db_url, table_prefix)
+    store.ensure()
+    drop_history_index(admin, store)
+    with admin.connect() as conn:
+        for table in tables:
+            conn.exec_driver_sql(f"GRANT SELECT, INSERT, UPDATE, DELETE ON "
+                                 f"{quoted(admin, table)} TO {who}")
+    try:
+        yield make_url(db_url).set(username=user).render_as_string(hide_password=False)
+    finally:
+        from kombu_sqlinbox import results
+
+        results.close_all()
+        with admin.connect() as conn:
+            if not mysql:
+                conn.exec_driver_sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                                     f" WHERE usename = '{user}'")
+                conn.exec_driver_sql(f"DROP OWNED BY {user}")
+            conn.exec_driver_sql(f"DROP USER {who}" if mysql else f"DROP ROLE {user}")
+        admin.dispose()
+
+
+def test_a_task_table_kept_beside_a_missing_table_gets_the_history_index(
+        make_app: MakeApp, engine: Engine) -> None:
+    """Tables made before the chords' counters and the history index: the missing table
+    is made, and the kept task table gets its index (MariaDB's CREATE TABLE IF NOT EXISTS
+    carries it, and leaves a kept table as it is)."""
+    first = store_of(make_app())
+    first.ensure()
+    drop_history_index(engine, first)
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP TABLE {quoted(engine, first.sql.names[2])}"))
+    store_of(make_app(options={"max_result_bytes": 10_000_000})).ensure()  # another store
+    assert first.sql.history_index[0] in indexes(engine, first.sql.names[0])
+    assert inspect(engine).has_table(first.sql.names[2])
+
+
+def store_of_url(db_url: str, prefix: str) -> ResultStore:
+    from kombu_sqlinbox.results import store_for
+
+    return store_for("sqlinbox+" + db_url, prefix)
+
+
+@pytest.mark.parametrize("database", ["postgresql", "mysql"], indirect=True)
+def test_a_worker_that_may_not_add_the_history_index_still_stores_results(
+        make_app: MakeApp, writer_url: str, engine: Engine,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Upgrading a deployment whose workers' user may write results but not create
+    indexes: the index is logged as missing (its statement given), results are kept."""
+    app = make_app(url="sqlinbox+" + writer_url)
+    with caplog.at_level(logging.WARNING, logger="kombu_sqlinbox.history"):
+        app.backend.mark_as_done("t-1", 42)
+    assert app.AsyncResult("t-1").get(timeout=5) == 42
+    store = store_of(app)
+    assert store.sql.history_index[1] in caplog.text, caplog.text
+    assert store.sql.history_index[0] not in indexes(engine, store.sql.names[0])
 
 
 def big_insert(database: str, table: str) -> str:

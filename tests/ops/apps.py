@@ -25,7 +25,8 @@ RUNS_ENV = "SQLINBOX_OPS_RUNS"
 #: Celery's ``broker_password`` setting, where a test gives one
 PASSWORD_ENV = "SQLINBOX_OPS_PASSWORD"
 #: the sqlinbox result backend, where a test gives one: JSON ``{"extended": bool,
-#: "create_tables": bool, "url": "sqlinbox+..."}`` (the URL defaults to the broker's)
+#: "create_tables": bool, "url": "sqlinbox+...", "serializer": "json"}`` (the URL
+#: defaults to the broker's, the serializer to Celery's)
 RESULTS_ENV = "SQLINBOX_OPS_RESULTS"
 
 
@@ -96,6 +97,9 @@ def make_app(broker_url: str, prefix: str, results: str | None = None) -> Celery
                          result_extended=given.get("extended", False),
                          result_backend_transport_options={
                              "create_tables": given.get("create_tables", True)})
+        if "serializer" in given:
+            made.conf.update(result_serializer=given["serializer"],
+                             result_accept_content=["json", given["serializer"]])
     made.task(name="ops.add")(add)
     made.task(name="ops.fail")(fail)
     made.task(name="ops.record")(record)

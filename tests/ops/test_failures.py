@@ -175,3 +175,54 @@ def test_check_names_the_history_index_a_kept_table_lacks(
     with engine.begin() as conn:
         conn.exec_driver_sql(sql.history_index[1])
     assert cli("check").returncode == 0
+
+
+@pytest.mark.parametrize("given", [["--limit", "9" * 30], ["--since", "9" * 400]])
+def test_out_of_range_limits_and_windows_are_usage_errors(cli: Cli, with_results: Results,
+                                                          given: list[str]) -> None:
+    fail(with_results(extended=True), "f-1", "shop.pay", ValueError("card declined"))
+    done = cli("failures", *given, "--json", check=False)
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr and "Invalid value" in done.stderr, done.stderr
+
+
+def test_task_names_are_matched_exactly_and_as_stored(cli: Cli, with_results: Results) -> None:
+    """A name differing in case only is another task (MariaDB's collation ignores case);
+    a name longer than the column holds (MariaDB: 255) is found by its whole name."""
+    app = with_results(extended=True)
+    long = "shop." + "x" * 300
+    fail(app, "f-lower", "shop.pay", ValueError("lower"))
+    fail(app, "f-upper", "Shop.Pay", ValueError("upper"))
+    fail(app, "f-long", long, ValueError("long"))
+    found = json.loads(cli("failures", "--task", "shop.pay", "--json").stdout)
+    assert [f["task_id"] for f in found["failures"]] == ["f-lower"], found
+    assert [(t["task"], t["failures"]) for t in found["tasks"]] == [("shop.pay", 1)], found
+    everything = json.loads(cli("failures", "--json").stdout)
+    assert sorted((t["task"], t["failures"]) for t in everything["tasks"])[:2] == [
+        ("Shop.Pay", 1), ("shop.pay", 1)], everything
+    found = json.loads(cli("failures", "--task", long, "--json").stdout)
+    assert [f["task_id"] for f in found["failures"]] == ["f-long"], found
+    assert [t["failures"] for t in found["tasks"]] == [1], found
+    assert found["tasks"][0]["last_exception"] == "ValueError: long"
+
+
+def test_a_pickled_exception_of_a_class_not_importable_shows_its_class_and_message(
+        cli: Cli, with_results: Results) -> None:
+    """Celery stores such an exception (pickle cannot find its class) in a wrapper that
+    names it: the wrapper's own name and its fields would hide it."""
+    app = with_results(extended=True, serializer="pickle")
+    gone = type("InvoiceMissing", (Exception,), {"__module__": "billing.errors"})
+    fail(app, "f-1", "shop.pay", gone("order 7", 3))
+    found = json.loads(cli("failures", "--json").stdout)
+    assert found["failures"][0]["exception"] == "InvoiceMissing: order 7, 3", found
+    assert "InvoiceMissing: order 7, 3" in cli("queues").stdout
+
+
+def test_another_result_backend_is_named_without_its_password(cli: Cli,
+                                                               with_results: Results) -> None:
+    with_results(url="redis://:s3cret@127.0.0.1:6379/7")
+    done = cli("failures", check=False)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert "redis://:***@127.0.0.1:6379/7" in done.stderr and "s3cret" not in done.stderr
+    queues = cli("queues")
+    assert "recent failures" not in queues.stdout and "s3cret" not in queues.stderr
