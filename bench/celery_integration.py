@@ -53,9 +53,12 @@ RUNS = {
     "redis-on-sqlite": ("sqlite:///{sqlite}", REDIS),
     "redis": (None, REDIS),  # Redis broker and backend: Celery's reference set-up
 }
-#: the suite, less the Azure backend's tests: they import Azure's SDK, and skip without its
-#: service (``AZUREBLOCKBLOB_URL``)
-TESTS = ("t/integration", "--ignore=t/integration/test_backend.py")
+#: the suite, less the Azure backend's tests (they import Azure's SDK, and skip without its
+#: service, ``AZUREBLOCKBLOB_URL``) and the Redis backend's socket leak test (twenty
+#: worker start-stop cycles: past the timeout on a shared machine, and the timeout leaves
+#: its worker's pool blocking the session; other backends skip it)
+TESTS = ("t/integration", "--ignore=t/integration/test_backend.py",
+         "--ignore=t/integration/test_backend_leak_in_fixture_teardown.py")
 OUTCOMES = ("passed", "failed", "errors", "skipped", "timeouts")
 CONFIG = "integration-tests-config.json"
 OUTCOMES_ENV = "CELERY_SUITE_OUTCOMES"
