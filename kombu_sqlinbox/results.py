@@ -238,7 +238,8 @@ class ResultStore:
     def wait(self, task_id: str, ready: Callable[[], T | None], timeout: float | None,
              ceiling: float, on_round: Callable[[], object] | None = None) -> T | None:
         """``ready()``'s first value that is not None, read once at first and again after
-        each wake-up for ``task_id`` (or each wait of at most ``ceiling`` seconds); None
+        each wake-up for ``task_id`` (or each wait of at most ``ceiling`` seconds), with
+        ``on_round()`` after each read, the one finding the value too; None
         once ``timeout`` seconds passed without one. A read the database does not answer
         (a server restarting, a connection cut) is read again at the next round: the
         driver's error is raised at the timeout, not before."""
@@ -255,10 +256,10 @@ class ResultStore:
                                        "reading again until get()'s timeout", task_id,
                                        reason_of(exc))
                     found, lost = None, exc
+                if on_round is not None:  # after every read, as Celery's async backends:
+                    on_round()  # get() checks the parents there, so a parent's error wins
                 if found is not None:
                     return found
-                if on_round is not None:
-                    on_round()
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     if lost is not None:

@@ -91,6 +91,21 @@ def test_a_failed_header_task_a_missing_counter_row_or_result_fail_the_body(
     assert chord_rows(acceptance, engine) == 0
 
 
+def test_get_on_the_body_raises_the_failed_header_tasks_own_error(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """``get()`` follows the body's parents (its default), as with Celery's Redis backend:
+    the header task that failed raises its own error, whatever round of the wait found
+    the body's ChordError."""
+    body = chord([caller.signature("acc.add_late", args=(1, 1)),
+                  caller.signature("acc.fail_late", args=("card declined",))])(
+        caller.signature("acc.collect"))
+    worker = acceptance.worker("prefork", 1, **results_conf(db_url))
+    with pytest.raises(ValueError, match="card declined"):
+        body.get(timeout=RESULT_LIMIT)
+    assert worker.stop() == 0, worker.tail()
+    assert acceptance.runs.starts()["body"] == 0
+
+
 @pytest.mark.slow
 def test_a_worker_killed_mid_chord_leaves_the_body_run_once_with_every_result(
         acceptance: Acceptance, caller: Celery, db_url: str) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from celery import Celery, states
 from celery.app.task import Context
+from celery.exceptions import ChordError
 from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import AsyncResult, GroupResult
 from kombu.utils.encoding import ensure_bytes
@@ -266,6 +267,22 @@ def test_get_returns_soon_after_the_result_is_stored_not_at_its_interval(app: Ce
 
     assert app.AsyncResult("t-8").get(timeout=20, interval=30, on_interval=store_once) == "woken"
     assert time.monotonic() - stored[0] < 2.0
+
+
+def test_get_raises_a_parents_failure_stored_in_the_round_its_own_result_came(
+        app: Celery) -> None:
+    """A chord's body failed with a ChordError just after its header task failed, both
+    in one round of ``get()``: ``get()`` checks the parents after the read finding the
+    body's result too (as with Celery's Redis backend), so it raises the header task's
+    own error, not the ChordError."""
+    def fail_both(*_: Any) -> None:
+        if app.backend.get_state("t-13") == states.PENDING:
+            app.backend.mark_as_failure("t-12", ValueError("card declined"))
+            app.backend.mark_as_failure("t-13", ChordError("Dependency t-12 raised"))
+
+    body = AsyncResult("t-13", app=app, parent=AsyncResult("t-12", app=app))
+    with pytest.raises(ValueError, match="card declined"):
+        body.get(timeout=20, interval=30, on_interval=fail_both)
 
 
 def test_get_gives_up_at_its_timeout(app: Celery) -> None:
