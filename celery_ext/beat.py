@@ -321,13 +321,22 @@ class Schedules:
         """Seconds until a scheduler should tick again (None: no schedule is enabled):
         until the next enabled schedule falls due, or :data:`BUSY_WAIT` for one still due
         (held by another scheduler, or unreadable) unless another falls due before."""
+        return self.sleep(*self.pending())
+
+    def pending(self) -> tuple[float | None, float | None]:
+        """Seconds until the first enabled schedule is due (negative: one is due; None:
+        none is enabled), and until the first due after now (None: none)."""
         due, coming = self._run(lambda conn: conn.execute(self.sql.wait).one(),
                                 read_only=True)
-        if due is None:
-            return None
-        if due > 0:
-            return float(due)
-        return BUSY_WAIT if coming is None else min(float(coming), BUSY_WAIT)
+        return (None if due is None else float(due),
+                None if coming is None else float(coming))
+
+    @staticmethod
+    def sleep(due: float | None, coming: float | None) -> float | None:
+        """:meth:`wait` from :meth:`pending`'s figures."""
+        if due is None or due > 0:
+            return due
+        return BUSY_WAIT if coming is None else min(coming, BUSY_WAIT)
 
     def prune(self, older_than: float = TICK_RETENTION) -> int:
         """Delete ticks due more than ``older_than`` seconds ago; returns how many."""
@@ -361,11 +370,19 @@ class DatabaseScheduler(Scheduler):
         try:
             for name in self.store.run_due():
                 logger.info("Scheduler: sent due task %s", name)
+            pending = self.store.pending()
+            if pending[0] is not None and pending[0] <= 0:
+                # one fell due after the tick read the time (PostgreSQL's is its
+                # transaction's start), or another scheduler holds it: a second pass
+                # sends the first now, rather than a busy wait later
+                for name in self.store.run_due():
+                    logger.info("Scheduler: sent due task %s", name)
+                pending = self.store.pending()
             now = self.store.now()
             if now - self._pruned_at > PRUNE_EVERY:
                 self.store.prune()
                 self._pruned_at = now
-            wait = self.store.wait()
+            wait = self.store.sleep(*pending)
         except DBAPIError as exc:
             logger.error("Scheduler: the database failed (%s); trying again in %ss",
                          exc.orig, self.max_interval)

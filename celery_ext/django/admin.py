@@ -21,9 +21,10 @@ from celery import current_app
 from django import forms
 from django.conf import settings
 from django.contrib import admin, messages
-from django.db import connections
-from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.db import connections, transaction
+from django.db.models import QuerySet, TextField
+from django.db.models.functions import Cast
+from django.http import HttpRequest, HttpResponse
 
 from kombu_sqlinbox.database import open_database
 from kombu_sqlinbox.options import parse_options
@@ -32,14 +33,10 @@ from ..beat import Schedules
 from ..django_db import broker_url, sqlalchemy_connection
 from ..ops_render import timing_text
 from ..schedule_times import DEFAULT_GRACE, MISFIRE, ScheduleError, parse
-from .models import Schedule
+from .models import Schedule, database_alias
 
 _lock = threading.Lock()
 _stores: dict[str, Schedules] = {}
-
-
-def database_alias() -> str:
-    return str(getattr(settings, "SQLINBOX_SCHEDULES_DATABASE", "default"))
 
 
 def schedules() -> Schedules:
@@ -65,6 +62,23 @@ def changing() -> Iterator[Schedules]:
         conn.close()
 
 
+@contextmanager
+def writing_first(request: HttpRequest) -> Iterator[None]:
+    """A form posted on SQLite: its transaction takes the write lock before the admin
+    reads the schedule. One that read first could not write once a scheduler's tick
+    committed meanwhile (its snapshot stale: "database is locked" at once, no wait);
+    one that waits for the lock first reads after the tick."""
+    alias = database_alias()
+    if request.method != "POST" or connections[alias].vendor != "sqlite":
+        yield
+        return
+    table = schedules().dialect.quote(schedules().sql.names[0])
+    with transaction.atomic(using=alias):
+        with connections[alias].cursor() as cursor:  # writes nothing; locks
+            cursor.execute(f"UPDATE {table} SET name = name WHERE 0 = 1")
+        yield
+
+
 def _json(value: str, kind: type, what: str) -> Any:
     try:
         loaded = json.loads(value or ("[]" if kind is list else "{}"))
@@ -73,6 +87,25 @@ def _json(value: str, kind: type, what: str) -> Any:
     if not isinstance(loaded, kind):
         raise forms.ValidationError(f"{what}: a JSON {kind.__name__} is needed")
     return loaded
+
+
+def _timing(kind: str, spec: str) -> str:
+    """A row's timing as ``schedules add`` takes it; one the scheduler cannot read (JSON
+    edited by hand, a kind it does not know) as stored, so that the list and the form to
+    fix it still show."""
+    try:
+        return timing_text(kind, spec)
+    except (ValueError, TypeError, AttributeError, KeyError):
+        return f"unreadable: {kind} {spec}"
+
+
+def _options(stored: str) -> dict[str, Any]:
+    """A row's options (none when they are not a JSON object: a fix replaces them)."""
+    try:
+        loaded = json.loads(stored)
+    except ValueError:
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
 
 
 class ScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
@@ -100,9 +133,9 @@ class ScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
         stored = self.instance
         if stored.pk and stored.spec:
             self.initial.update(
-                when=timing_text(stored.kind, stored.spec), arguments=stored.args,
+                when=_timing(stored.kind, stored.spec), arguments=stored.args,
                 keyword_arguments=stored.kwargs,
-                queue=json.loads(stored.options).get("queue") or "")
+                queue=_options(stored.options).get("queue") or "")
 
     def clean_when(self) -> Any:
         try:
@@ -127,18 +160,32 @@ class ScheduleAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     list_display = ("name", "task", "timing", "enabled", "misfire", "last_run", "next_run",
                     "total_run_count")
     list_filter = ("enabled", "kind")
-    search_fields = ("name", "task")
+    #: the name as text: MariaDB and MySQL keep it as bytes, which LIKE compares case by case
+    search_fields = ("name_text", "task")
     actions = ["pause", "resume"]
 
-    def get_queryset(self, request: HttpRequest) -> QuerySet[Schedule]:
-        return super().get_queryset(request).using(database_alias())
+    def changeform_view(self, request: HttpRequest, *args: Any, **kwargs: Any
+                        ) -> HttpResponse:
+        with writing_first(request):
+            return super().changeform_view(request, *args, **kwargs)
+
+    def delete_view(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        with writing_first(request):
+            return super().delete_view(request, *args, **kwargs)
+
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet[Schedule],
+                           search_term: str) -> tuple[QuerySet[Schedule], bool]:
+        named = queryset.annotate(name_text=Cast("name", TextField()))
+        found: tuple[QuerySet[Schedule], bool] = super().get_search_results(
+            request, named, search_term)
+        return found
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
         return ("name",) if obj is not None else ()
 
     @admin.display(description="schedule")
     def timing(self, obj: Schedule) -> str:
-        return timing_text(obj.kind, obj.spec)
+        return _timing(obj.kind, obj.spec)
 
     @admin.display(description="last run", ordering="last_run_at")
     def last_run(self, obj: Schedule) -> datetime | None:
@@ -152,7 +199,7 @@ class ScheduleAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         """Through the scheduler's API: its next run by the database's clock; on a change,
         the options the admin does not show (from ``beat_schedule``, say) kept."""
         data = form.cleaned_data
-        options = json.loads(obj.options) if change else {}
+        options = _options(obj.options) if change else {}
         options.pop("queue", None)
         if data["queue"]:
             options["queue"] = data["queue"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.db import models
 
 from .schema import schedules_table
@@ -25,6 +26,19 @@ class ScheduleName(models.CharField):  # type: ignore[type-arg]
 
     def from_db_value(self, value: Any, expression: Any, connection: Any) -> Any:
         return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+def database_alias() -> str:
+    """The schedules' database: ``SQLINBOX_SCHEDULES_DATABASE``, else ``default``."""
+    return str(getattr(settings, "SQLINBOX_SCHEDULES_DATABASE", "default"))
+
+
+class ScheduleManager(models.Manager["Schedule"]):
+    """Rows read on the schedules' database: the admin's list and form, and the form's
+    check that a new name is not taken (Django's, through the default manager)."""
+
+    def get_queryset(self) -> models.QuerySet[Schedule]:
+        return super().get_queryset().using(database_alias())
 
 
 class Schedule(models.Model):
@@ -43,6 +57,8 @@ class Schedule(models.Model):
     last_run_at = models.FloatField(null=True)
     next_run_at = models.FloatField()
     total_run_count = models.IntegerField()
+
+    objects = ScheduleManager()
 
     class Meta:
         managed = False

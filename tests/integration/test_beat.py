@@ -10,10 +10,12 @@ import signal
 from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import pytest
 from celery import Celery
 from celery.schedules import crontab
+from sqlalchemy import event
 
 from celery_ext.beat import TICK_RETENTION, DatabaseScheduler, Schedules
 from celery_ext.schedule_times import ScheduleError
@@ -221,7 +223,7 @@ def test_beat_survives_a_database_it_cannot_reach_and_a_lost_commit_reply(
         broker_url: str, caplog: pytest.LogCaptureFixture) -> None:
     app = make_app("sqlinbox+" + proxy.url(db_url), table_prefix)
     scheduler = DatabaseScheduler(app)
-    due = store.add("ping", "beat.ping", 0.2).next_run_at
+    due = store.add("ping", "beat.ping", 2.0).next_run_at
     try:
         with proxy.refuse():
             wait_until(lambda: store.now() > due, 10, "the schedule to fall due")
@@ -246,5 +248,28 @@ def test_beat_survives_a_database_it_cannot_reach_and_a_lost_commit_reply(
         assert [t.due for t in ticks] == [first.due, following.next_run_at, later.next_run_at]
         assert sorted(sent_ids(broker_url, table_prefix)) == sorted(
             str(t.task_id) for t in ticks)
+    finally:
+        scheduler.close()
+
+
+def test_a_schedule_falling_due_during_a_tick_is_sent_by_it_not_a_second_later(
+        pinned: tuple[Schedules, clock.Clock], broker_url: str, table_prefix: str) -> None:
+    store, moment = pinned
+    scheduler = DatabaseScheduler(make_app(broker_url, table_prefix))
+    assert scheduler.store is not None
+    try:
+        store.add("first", "beat.first", 10.0)
+        moment.advance(0.004)  # due 4 ms after it: the tick reads the time before
+        store.add("second", "beat.second", 10.0)
+        moment.advance(10.0 - 0.002)
+        moved = []
+
+        def fall_due(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            if "SET next_run_at" in statement and not moved:  # as the tick sends first
+                moved.append(moment.advance(0.01))
+
+        event.listen(scheduler.store.database.engine, "after_cursor_execute", fall_due)
+        scheduler.tick()
+        assert [len(store.ticks(name)) for name in ("first", "second")] == [1, 1]
     finally:
         scheduler.close()
