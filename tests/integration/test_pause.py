@@ -241,3 +241,33 @@ def test_a_table_created_by_another_process_at_the_same_moment_is_used(
         assert made.pause("jobs")[1]
     finally:
         made.close()
+
+
+def test_rows_given_back_for_a_pause_resumed_before_the_next_claim_all_go_out(
+        connect: Connect, table_prefix: str, ops: Operations) -> None:
+    """Rows 2 and 3 wait behind row 1's partition key when the consumer reads the pause;
+    it is resumed before the next round. That round gives them back for the pause, reads
+    the resume, and claims them again: each must go out, none stay held in a buffer the
+    channel no longer looks at (their lease extended as long as the worker lives). The
+    consumer takes a second queue, so each round goes through a claim."""
+    keyed = (TableBuilder(f"{table_prefix}keyed").id().payload().headers()
+             .partition_key("pkey").available_at().locked_until().attempt().build())
+    conn = connect(pause_check_interval=0.2, queues={"keyed": {"table": keyed}})
+    for n in (1, 2, 3):
+        publish(conn, "keyed", {"n": n}, headers={"partition_key": "k"})
+    got: list[Message] = []
+    consumer = Consumer(conn, [Queue(name, routing_key=name) for name in ("keyed", "jobs")],
+                        callbacks=[lambda body, message: got.append(message)],
+                        prefetch_count=3)
+    with consumer:
+        wait_for(lambda: drain(conn, 0.2) or got, "the first row")
+        pauses = broker_of(conn).pauses
+        ops.pause("keyed", force=True)
+        wait_for(lambda: pauses.paused_after_claim("keyed"), "the consumer told of the pause")
+        ops.resume("keyed")
+        wait_for(pauses._old, "the paused queues' read to age")
+        for n in (2, 3):
+            got[-1].ack()
+            wait_for(lambda: drain(conn, 0.2) or len(got) == n, f"row {n}", 5.0)
+        got[-1].ack()
+    assert [message.payload["n"] for message in got] == [1, 2, 3]
