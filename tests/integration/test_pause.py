@@ -271,3 +271,34 @@ def test_rows_given_back_for_a_pause_resumed_before_the_next_claim_all_go_out(
             wait_for(lambda: drain(conn, 0.2) or len(got) == n, f"row {n}", 5.0)
         got[-1].ack()
     assert [message.payload["n"] for message in got] == [1, 2, 3]
+
+
+@pytest.mark.databases("postgresql", "mysql")  # SQLite has neither row nor advisory locks
+@pytest.mark.parametrize("form", ["lease", "row_lock", "advisory"])
+def test_a_fifo_head_claimed_as_its_queue_was_paused_goes_back_uncounted_and_first(
+        connect: Connect, table_prefix: str, ops: Operations, form: str) -> None:
+    """Without a wake-up, the consumer learns of the pause after a claim took the group's
+    head: the head goes back (its attempt returned, its key lock let go), the group waits,
+    and on resume the head comes first, not as a redelivery, then the next."""
+    spec = (TableBuilder(f"{table_prefix}fifo").id().payload().headers()
+            .group("grp", fifo=True).partition_key("pkey").available_at().locked_until()
+            .attempt().build())
+    conn = connect(notify=False, pause_check_interval=0.05,
+                   queues={"fifo": {"table": spec, "claim": form}})
+    for n in (1, 2):
+        publish(conn, "fifo", {"n": n}, headers={"group_key": "g", "partition_key": "g"})
+    publish(conn, "jobs", {"n": 0})
+    get_within(conn, "jobs").ack()  # the paused queues read: none
+    ops.pause("fifo", force=True)
+    pauses = broker_of(conn).pauses
+    wait_for(pauses._old, "the paused queues' read to age")
+    assert get(conn, "fifo") is None  # claimed, then found paused: given back
+    assert get(conn, "fifo") is None
+    broker_of(conn).keeper.flush(10.0)
+    ops.resume("fifo")
+    first = get_within(conn, "fifo")
+    assert (first.payload, first.delivery_info.get("redelivered")) == ({"n": 1}, False)
+    first.ack()
+    second = get_within(conn, "fifo")
+    assert second.payload == {"n": 2}
+    second.ack()
