@@ -302,3 +302,22 @@ def test_a_fifo_head_claimed_as_its_queue_was_paused_goes_back_uncounted_and_fir
     second = get_within(conn, "fifo")
     assert second.payload == {"n": 2}
     second.ack()
+
+
+def test_a_queue_known_by_its_tables_name_alone_is_not_paused_under_that_name(
+        connect: Connect, ops: Operations) -> None:
+    """A worker's queue ``orders.eu``, unknown to the app: ``queues`` lists it by its
+    table's name, which is no queue's name. Pausing that name would stop no worker, so it
+    is refused (naming the table); the queue paused by its own name shows as paused."""
+    conn = connect(pause_check_interval=0.1)
+    publish(conn, "orders.eu", {"n": 1})
+    (listed,) = [f.queue for f in ops.figures() if f.queue not in ("jobs", "Jobs")]
+    assert listed != "orders.eu"
+    with pytest.raises(ConfigurationError, match="its queue's own name"):
+        ops.pause(listed)
+    with pytest.raises(ConfigurationError, match="its queue's own name"):
+        ops.pause(listed, force=True)
+    assert ops.paused() == []
+    ops.pause("orders.eu", force=True)
+    assert [f.paused is not None for f in ops.figures() if f.queue == listed] == [True]
+    assert get(conn, "orders.eu") is None
