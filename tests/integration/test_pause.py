@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from kombu import Connection, Consumer, Message, Queue
-from sqlalchemy import text
+from sqlalchemy import event, text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox import TableBuilder
@@ -268,7 +268,7 @@ def test_rows_given_back_for_a_pause_resumed_before_the_next_claim_all_go_out(
         wait_for(pauses._old, "the paused queues' read to age")
         for n in (2, 3):
             got[-1].ack()
-            wait_for(lambda: drain(conn, 0.2) or len(got) == n, f"row {n}", 5.0)
+            wait_for(lambda n=n: drain(conn, 0.2) or len(got) == n, f"row {n}", 5.0)
         got[-1].ack()
     assert [message.payload["n"] for message in got] == [1, 2, 3]
 
@@ -321,3 +321,24 @@ def test_a_queue_known_by_its_tables_name_alone_is_not_paused_under_that_name(
     ops.pause("orders.eu", force=True)
     assert [f.paused is not None for f in ops.figures() if f.queue == listed] == [True]
     assert get(conn, "orders.eu") is None
+
+
+def test_an_idle_consumer_reads_the_paused_queues_only_while_it_holds_its_queue_paused(
+        connect: Connect, ops: Operations) -> None:
+    """Counted on the consumer's engine over two idle seconds: its empty claims of a free
+    queue add no statement on the paused queues' table; a paused queue costs one read per
+    ``pause_check_interval`` (a resume nobody was told of)."""
+    conn = connect(pause_check_interval=0.5)
+    publish(conn, "jobs", {"n": 1})
+    ops.pause("Jobs")
+    reads: list[str] = []
+    event.listen(broker_of(conn).database.engine, "before_cursor_execute",
+                 lambda *args: reads.append(args[2]) if "paused_queues" in args[2] else None)
+    for name, most in (("jobs", 0), ("Jobs", 2.0 / 0.5 + 1)):
+        got: list[Any] = []
+        with consuming(conn, name, got):
+            drain(conn, 0.5)
+            reads.clear()
+            drain(conn, 2.0)
+            assert len(reads) <= most, (name, reads)
+    assert got == []
