@@ -121,10 +121,12 @@ class Deliveries:
 
     def release_buffered(self, queues: list[str]) -> int:
         """Rows claimed but never handed to kombu go back with their attempt returned;
-        how many."""
+        how many. Each buffer is emptied in place: a round that gave rows back for a pause
+        may read the resume and claim again into the buffer it holds, whose rows must stay
+        where the next rounds look."""
         released = 0
         for queue in queues:
-            buffer = self.buffers.pop(queue, None)
+            buffer = self.buffers.get(queue)
             if not buffer:  # nothing to give back: the queue may be gone meanwhile
                 continue
             table = self.broker.table(queue)

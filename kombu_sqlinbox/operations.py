@@ -145,13 +145,15 @@ class Operations(QueuePausing):
 
         def read(conn: Connection) -> list[QueueFigures]:
             existing = set(inspect(conn).get_table_names())
-            paused = {found.queue: found for found in self.broker.pauses.records(conn)}
+            # by table: a queue listed by its table's name shows its own name's pause
+            paused = {self.broker.spec_for(found.queue).table: found
+                      for found in self.broker.pauses.records(conn)}
             by_name: dict[str, QueueFigures] = {}
             for name, spec in queues:
                 by_name[name] = self._figures(conn, name, spec, spec.table in existing)
             result = []
-            for name, _ in queues:
-                figures = dataclasses.replace(by_name[name], paused=paused.get(name))
+            for name, spec in queues:
+                figures = dataclasses.replace(by_name[name], paused=paused.get(spec.table))
                 dead = self.options.for_queue(name).dead_letter_queue
                 if dead in by_name:
                     figures = dataclasses.replace(

@@ -8,7 +8,7 @@ from difflib import get_close_matches
 from .broker import Broker
 from .errors import ConfigurationError
 from .pausing import Paused
-from .tables import TableSpec, check_name
+from .tables import HASHED_TABLE, TableSpec, check_name
 
 __all__ = ["Paused", "QueuePausing"]
 
@@ -44,8 +44,17 @@ class QueuePausing:
             raise ConfigurationError(
                 f"{queue!r} is a transient queue (remote control, replies, events): it "
                 "cannot be paused")
+        listed = dict(self.queues())
+        table = listed[queue].table if queue in listed else ""
+        if (queue in (table, table.removeprefix(self.broker.options.table_prefix))
+                and HASHED_TABLE.search(table)):
+            raise ConfigurationError(
+                f"{queue!r} is the name of table {table!r}, whose queue has another name "
+                "(folded and hashed into it): no worker consumes a queue of that name. "
+                "Pause its queue's own name (as the worker's -Q gives it, with --force "
+                "where this app does not know it)")
         if not force:
-            known = [name for name, _ in self.queues()]
+            known = list(listed)
             if queue not in known:
                 raise unknown_queue(queue, known, "a queue of this app or database (pass "
                                     "force=True, --force, to pause one not declared yet)")

@@ -310,6 +310,10 @@ def check_name(name: str, what: str = "queue name", empty: bool = False) -> str:
     return name
 
 
+#: the end :func:`table_name_for_queue` gives a table whose name is not its queue's
+HASHED_TABLE = re.compile(r"_[0-9a-f]{10}$")
+
+
 def table_name_for_queue(queue: str, prefix: str = "sqlinbox_") -> str:
     """Map any kombu queue name onto a safe, stable table name.
 

@@ -69,3 +69,26 @@ def test_a_paused_queue_starts_nothing_on_any_worker_until_resumed(
     first = min(r["at"] for r in acceptance.runs.records() if r["key"] != "held")
     print(f"first task {first - resumed_at:.3f}s after the resume")
     check_exactly_once(acceptance.runs.starts() - Counter(["held"]), BACKLOG)
+
+
+def test_pause_and_resume_flapping_under_a_consuming_worker_loses_and_repeats_nothing(
+        acceptance: Acceptance, ops: Operations) -> None:
+    """Twenty pauses and resumes within about a second while a worker takes a backlog:
+    every task runs exactly once, and none comes as redelivered (rows given back for a
+    pause keep their attempt)."""
+    acceptance.configure(pause_check_interval=CHECK_INTERVAL)
+    keys = [f"f{n}" for n in range(150)]
+    acceptance.send("acc.run", keys, kwargs={"seconds": 0.04})
+    worker = acceptance.worker("prefork", 2)
+    wait_until(lambda: acceptance.runs.starts(), 30, "the first task", alive=[worker])
+    for _ in range(20):
+        ops.pause("celery")
+        time.sleep(0.025)
+        ops.resume("celery")
+        time.sleep(0.025)
+    assert len(acceptance.runs.done()) < len(keys), "the backlog was gone before the flapping"
+    wait_until(lambda: set(acceptance.runs.done()) >= set(keys), 90, "the backlog",
+               alive=[worker])
+    check_exactly_once(acceptance.runs.starts(), keys)
+    again = [r["key"] for r in acceptance.runs.records() if r["redelivered"]]
+    assert not again, f"{len(again)} redelivered: {again[:5]}"

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from kombu import Connection, Consumer, Message, Queue
-from sqlalchemy import text
+from sqlalchemy import event, text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox import TableBuilder
@@ -241,3 +241,104 @@ def test_a_table_created_by_another_process_at_the_same_moment_is_used(
         assert made.pause("jobs")[1]
     finally:
         made.close()
+
+
+def test_rows_given_back_for_a_pause_resumed_before_the_next_claim_all_go_out(
+        connect: Connect, table_prefix: str, ops: Operations) -> None:
+    """Rows 2 and 3 wait behind row 1's partition key when the consumer reads the pause;
+    it is resumed before the next round. That round gives them back for the pause, reads
+    the resume, and claims them again: each must go out, none stay held in a buffer the
+    channel no longer looks at (their lease extended as long as the worker lives). The
+    consumer takes a second queue, so each round goes through a claim."""
+    keyed = (TableBuilder(f"{table_prefix}keyed").id().payload().headers()
+             .partition_key("pkey").available_at().locked_until().attempt().build())
+    conn = connect(pause_check_interval=0.2, queues={"keyed": {"table": keyed}})
+    for n in (1, 2, 3):
+        publish(conn, "keyed", {"n": n}, headers={"partition_key": "k"})
+    got: list[Message] = []
+    consumer = Consumer(conn, [Queue(name, routing_key=name) for name in ("keyed", "jobs")],
+                        callbacks=[lambda body, message: got.append(message)],
+                        prefetch_count=3)
+    with consumer:
+        wait_for(lambda: drain(conn, 0.2) or got, "the first row")
+        pauses = broker_of(conn).pauses
+        ops.pause("keyed", force=True)
+        wait_for(lambda: pauses.paused_after_claim("keyed"), "the consumer told of the pause")
+        ops.resume("keyed")
+        wait_for(pauses._old, "the paused queues' read to age")
+        for n in (2, 3):
+            got[-1].ack()
+            wait_for(lambda n=n: drain(conn, 0.2) or len(got) == n, f"row {n}", 5.0)
+        got[-1].ack()
+    assert [message.payload["n"] for message in got] == [1, 2, 3]
+
+
+@pytest.mark.databases("postgresql", "mysql")  # SQLite has neither row nor advisory locks
+@pytest.mark.parametrize("form", ["lease", "row_lock", "advisory"])
+def test_a_fifo_head_claimed_as_its_queue_was_paused_goes_back_uncounted_and_first(
+        connect: Connect, table_prefix: str, ops: Operations, form: str) -> None:
+    """Without a wake-up, the consumer learns of the pause after a claim took the group's
+    head: the head goes back (its attempt returned, its key lock let go), the group waits,
+    and on resume the head comes first, not as a redelivery, then the next."""
+    spec = (TableBuilder(f"{table_prefix}fifo").id().payload().headers()
+            .group("grp", fifo=True).partition_key("pkey").available_at().locked_until()
+            .attempt().build())
+    conn = connect(notify=False, pause_check_interval=0.05,
+                   queues={"fifo": {"table": spec, "claim": form}})
+    for n in (1, 2):
+        publish(conn, "fifo", {"n": n}, headers={"group_key": "g", "partition_key": "g"})
+    publish(conn, "jobs", {"n": 0})
+    get_within(conn, "jobs").ack()  # the paused queues read: none
+    ops.pause("fifo", force=True)
+    pauses = broker_of(conn).pauses
+    wait_for(pauses._old, "the paused queues' read to age")
+    assert get(conn, "fifo") is None  # claimed, then found paused: given back
+    assert get(conn, "fifo") is None
+    broker_of(conn).keeper.flush(10.0)
+    ops.resume("fifo")
+    first = get_within(conn, "fifo")
+    assert (first.payload, first.delivery_info.get("redelivered")) == ({"n": 1}, False)
+    first.ack()
+    second = get_within(conn, "fifo")
+    assert second.payload == {"n": 2}
+    second.ack()
+
+
+def test_a_queue_known_by_its_tables_name_alone_is_not_paused_under_that_name(
+        connect: Connect, ops: Operations) -> None:
+    """A worker's queue ``orders.eu``, unknown to the app: ``queues`` lists it by its
+    table's name, which is no queue's name. Pausing that name would stop no worker, so it
+    is refused (naming the table); the queue paused by its own name shows as paused."""
+    conn = connect(pause_check_interval=0.1)
+    publish(conn, "orders.eu", {"n": 1})
+    (listed,) = [f.queue for f in ops.figures() if f.queue not in ("jobs", "Jobs")]
+    assert listed != "orders.eu"
+    with pytest.raises(ConfigurationError, match="its queue's own name"):
+        ops.pause(listed)
+    with pytest.raises(ConfigurationError, match="its queue's own name"):
+        ops.pause(listed, force=True)
+    assert ops.paused() == []
+    ops.pause("orders.eu", force=True)
+    assert [f.paused is not None for f in ops.figures() if f.queue == listed] == [True]
+    assert get(conn, "orders.eu") is None
+
+
+def test_an_idle_consumer_reads_the_paused_queues_only_while_it_holds_its_queue_paused(
+        connect: Connect, ops: Operations) -> None:
+    """Counted on the consumer's engine over two idle seconds: its empty claims of a free
+    queue add no statement on the paused queues' table; a paused queue costs one read per
+    ``pause_check_interval`` (a resume nobody was told of)."""
+    conn = connect(pause_check_interval=0.5)
+    publish(conn, "jobs", {"n": 1})
+    ops.pause("Jobs")
+    reads: list[str] = []
+    event.listen(broker_of(conn).database.engine, "before_cursor_execute",
+                 lambda *args: reads.append(args[2]) if "paused_queues" in args[2] else None)
+    for name, most in (("jobs", 0), ("Jobs", 2.0 / 0.5 + 1)):
+        got: list[Any] = []
+        with consuming(conn, name, got):
+            drain(conn, 0.5)
+            reads.clear()
+            drain(conn, 2.0)
+            assert len(reads) <= most, (name, reads)
+    assert got == []
