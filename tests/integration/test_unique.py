@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from celery import Celery, group
 from kombu import Connection
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 
@@ -370,3 +371,23 @@ def test_a_queue_deleted_and_declared_again_gets_its_key_column_again(
     conn.default_channel.queue_delete("jobs")  # its table dropped, the key column with it
     assert held_by(conn, "k", "second") is None
     assert held_by(conn, "k", "third") == "second"
+
+
+def test_a_bound_publish_on_another_database_is_refused_as_an_unkeyed_one_is(
+        connect: Connect, engine: Engine, table_prefix: str, tmp_path: Path) -> None:
+    conn = connect()
+    assert held_by(conn, "other", "first") is None
+    elsewhere = create_engine(f"sqlite:///{tmp_path / 'app.db'}")
+    try:
+        with elsewhere.connect() as caller:
+            caller.begin()
+            with bind(caller):
+                with pytest.raises(ConfigurationError, match="one database"):
+                    conn.Producer().publish({"n": 0}, routing_key="jobs")
+                with pytest.raises(ConfigurationError, match="one database"):
+                    send(conn, "k", "elsewhere")
+            caller.rollback()
+    finally:
+        elsewhere.dispose()
+    assert held_by(conn, "k", "here") is None
+    assert count_rows(engine, table_of("jobs", table_prefix)) == 2
