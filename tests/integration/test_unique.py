@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from celery import Celery, group
+from celery.worker.request import Request
 from kombu import Connection
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
@@ -391,3 +392,27 @@ def test_a_bound_publish_on_another_database_is_refused_as_an_unkeyed_one_is(
         elsewhere.dispose()
     assert held_by(conn, "k", "here") is None
     assert count_rows(engine, table_of("jobs", table_prefix)) == 2
+
+
+@pytest.mark.parametrize("unique", [None, "active"])
+def test_a_retried_task_keeps_the_key_it_was_sent_with(
+        app: Celery, connect: Connect, unique: str | None) -> None:
+    """Celery republishes a retry from the request's execution options, which carry no
+    message property: the retry must still hold the key it was sent with."""
+    @app.task(base=UniqueTask, bind=True, unique=unique, shared=False)
+    def sync(self: UniqueTask, account: int) -> None: ...
+
+    sent = sync.apply_async((1,), unique_key="account-1", unique_scope="waiting")
+    conn = connect()
+    message = get_within(conn, "jobs")
+    sync.push_request(Request(message, app=app, task=sync).request_dict, called_directly=False)
+    try:
+        sync.retry(countdown=60, throw=False)  # as a worker running it does
+    finally:
+        sync.pop_request()
+    message.ack()
+    settled(conn)
+    with pytest.raises(DuplicateTask) as raised:
+        sync.apply_async((1,), unique_key="account-1", unique_scope="waiting",
+                         unique_raise=True)
+    assert raised.value.task_id == sent.id, "the waiting retry holds the key"
