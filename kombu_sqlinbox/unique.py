@@ -139,7 +139,8 @@ class UniquePublisher:
                     continue  # the holder went since the INSERT: try again
                 row_id, stored, held = found
                 holder = task_id_of(stored)
-                if held and (unique.scope == "waiting" or holder == task_id):
+                if held and (unique.scope == "waiting" or (
+                        task_id is not None and holder == task_id)):
                     conn.execute(statements.release, {"id": row_id,
                                                       "unique_key": unique.digest})
                     continue

@@ -416,3 +416,17 @@ def test_a_retried_task_keeps_the_key_it_was_sent_with(
         sync.apply_async((1,), unique_key="account-1", unique_scope="waiting",
                          unique_raise=True)
     assert raised.value.task_id == sent.id, "the waiting retry holds the key"
+
+
+def test_a_running_message_of_no_task_keeps_its_key_from_another_of_no_task(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """Plain kombu messages name no task: two of them are no task and its retry."""
+    conn = connect()
+    conn.default_channel.queue_declare("jobs")
+    conn.Producer().publish({"n": 1}, routing_key="jobs", unique_key="plain")
+    running = get_within(conn, "jobs")
+    with pytest.raises(DuplicateTask):
+        conn.Producer().publish({"n": 2}, routing_key="jobs", unique_key="plain")
+    running.ack()
+    settled(conn)
+    assert count_rows(engine, table_of("jobs", table_prefix)) == 0
