@@ -430,3 +430,22 @@ def test_a_running_message_of_no_task_keeps_its_key_from_another_of_no_task(
     running.ack()
     settled(conn)
     assert count_rows(engine, table_of("jobs", table_prefix)) == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.databases("postgresql", "mysql")  # SQLite adds it in the caller's transaction
+def test_a_first_keyed_send_bound_to_a_transaction_holding_the_table_is_refused_in_time(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """The column is added in a transaction of the transport's own, which waits for the
+    caller's lock on the table while the caller waits for it: bounded, and named."""
+    conn = connect()
+    conn.default_channel.queue_declare("jobs")
+    table = quoted(engine, table_of("jobs", table_prefix))
+    with engine.connect() as caller:
+        caller.begin()
+        caller.execute(text(f"SELECT COUNT(*) FROM {table}")).scalar_one()
+        with bind(caller), pytest.raises(SchemaMismatch, match=r"(?s)within 10 s.*ADD"):
+            send(conn, "k", "first")
+        caller.rollback()
+    assert held_by(conn, "k", "second") is None
+    assert held_by(conn, "k", "third") == "second"
