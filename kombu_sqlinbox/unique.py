@@ -37,7 +37,6 @@ from sqlalchemy import Connection, inspect
 from sqlalchemy.exc import DBAPIError
 
 from . import binding
-from .codec import stores_plain
 from .database import Database
 from .dialects import UniqueStatements
 from .errors import ConfigurationError, DuplicateTask, SchemaMismatch
@@ -224,7 +223,7 @@ class UniquePublisher:
     def _check(self, table: QueueTable) -> None:
         """Refuse a queue whose rows are no Celery messages the transport writes."""
         spec = table.spec
-        if table.transient or spec.publish is not None or stores_plain(spec):
+        if table.transient or spec.publish is not None or spec.plain or spec.rows is not None:
             raise ConfigurationError(
                 f"queue {table.queue!r}: unique keys need a queue table storing Celery's "
                 "messages with the transport's publish statement (not a transient queue, "

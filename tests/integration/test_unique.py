@@ -449,3 +449,15 @@ def test_a_first_keyed_send_bound_to_a_transaction_holding_the_table_is_refused_
         caller.rollback()
     assert held_by(conn, "k", "second") is None
     assert held_by(conn, "k", "third") == "second"
+
+
+def test_a_row_mode_table_refuses_a_key_even_with_a_headers_column(
+        connect: Connect, table_prefix: str) -> None:
+    """Row mode's rows are written by any code: a key on the few sent through the
+    transport would hold nothing against the rest (and ``sqlinbox ddl`` gives no DDL)."""
+    spec = (TableBuilder(f"{table_prefix}events").id().payload().headers().attempt()
+            .locked_until().available_at().task("ev.handle").build())
+    conn = connect(queues={"events": {"table": spec}})
+    conn.default_channel.queue_declare("events")
+    with pytest.raises(ConfigurationError, match="unique keys need a queue table"):
+        send(conn, "k", "a", queue="events")
