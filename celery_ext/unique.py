@@ -63,6 +63,19 @@ class UniqueTask(InboxTask):
                 raise
             return self.AsyncResult(exc.task_id)
 
+    def signature_from_request(self, request: Any = None, args: Any = None,
+                               kwargs: Any = None, queue: str | None = None,
+                               **extra_options: Any) -> Any:
+        """Celery's, with the key and scope the request was sent with: Celery republishes a
+        retry from the request's execution options, which carry no message property, so
+        the retry would otherwise hold another key (or none) than the task it continues."""
+        request = self.request if request is None else request
+        properties = getattr(request, "properties", None) or {}
+        for name in (KEY_PROPERTY, SCOPE_PROPERTY):
+            if properties.get(name) is not None:
+                extra_options.setdefault(name, properties[name])
+        return super().signature_from_request(request, args, kwargs, queue, **extra_options)
+
     def _key(self, args: Any, kwargs: Any) -> str:
         """The key of a send: the declared function's (a plain function set on the class,
         not bound to the task), else :func:`default_key`."""

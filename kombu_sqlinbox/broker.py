@@ -379,6 +379,9 @@ class Broker:
         values (row mode); ``unique``, a key: see :mod:`.unique`."""
         self.dialect.check_message_size(table.queue, payload, headers)
         if unique is not None:
+            caller = binding.current()
+            if caller is not None:
+                self.check_same_database(caller, table.queue)
             return self.unique.publish(table, self.dialect.publish_params(
                 table.spec, payload, headers, priority, eta, group, partition_key), unique, task[1])
         if table.transient:

@@ -37,7 +37,6 @@ from sqlalchemy import Connection, inspect
 from sqlalchemy.exc import DBAPIError
 
 from . import binding
-from .codec import stores_plain
 from .database import Database
 from .dialects import UniqueStatements
 from .errors import ConfigurationError, DuplicateTask, SchemaMismatch
@@ -139,7 +138,8 @@ class UniquePublisher:
                     continue  # the holder went since the INSERT: try again
                 row_id, stored, held = found
                 holder = task_id_of(stored)
-                if held and (unique.scope == "waiting" or holder == task_id):
+                if held and (unique.scope == "waiting" or (
+                        task_id is not None and holder == task_id)):
                     conn.execute(statements.release, {"id": row_id,
                                                       "unique_key": unique.digest})
                     continue
@@ -223,7 +223,7 @@ class UniquePublisher:
     def _check(self, table: QueueTable) -> None:
         """Refuse a queue whose rows are no Celery messages the transport writes."""
         spec = table.spec
-        if table.transient or spec.publish is not None or stores_plain(spec):
+        if table.transient or spec.publish is not None or spec.plain or spec.rows is not None:
             raise ConfigurationError(
                 f"queue {table.queue!r}: unique keys need a queue table storing Celery's "
                 "messages with the transport's publish statement (not a transient queue, "
@@ -242,22 +242,32 @@ class UniquePublisher:
         refusal = self.dialect.unique_refusal(spec)
         if refusal is not None:
             raise ConfigurationError(f"queue {table.queue!r}: {refusal}")
-        create = self.create and table.created_by_transport
+        create, queue = self.create and table.created_by_transport, table.queue
+        ddl = ";\n".join(self.dialect.unique_ddl(spec)) + ";"
 
-        def ready(conn: Connection) -> None:
+        def ready(conn: Connection, bounded: bool = True) -> None:
             if self.dialect.has_unique(conn, spec):
                 return
             if not create:
                 raise SchemaMismatch(
-                    f"queue {table.queue!r}: table {spec.table!r} has no unique key column "
+                    f"queue {queue!r}: table {spec.table!r} has no unique key column "
                     "and index (made by this version on a keyed publish where the transport "
-                    "creates its tables); add them with:\n"
-                    + ";\n".join(self.dialect.unique_ddl(spec)) + ";")
-            self.dialect.add_unique(conn, spec)
+                    f"creates its tables); add them with:\n{ddl}")
+            try:
+                self.dialect.add_unique(conn, spec, bounded)
+            except DBAPIError as exc:
+                if not self.dialect.is_lock_timeout(exc):
+                    raise
+                raise SchemaMismatch(
+                    f"queue {queue!r}: table {spec.table!r} got no unique key column within "
+                    f"{self.dialect.unique_ddl_wait} s: a transaction holds the table (a "
+                    "bound caller that used it before its first keyed send waits for this "
+                    f"in turn); send a keyed message outside it first, or add them with:\n{ddl}"
+                ) from exc
 
         if caller is not None and self.dialect.transactional_ddl and (
                 not self.dialect.capabilities.row_locks or not self.database.has_table(spec)):
-            ready(caller)
+            ready(caller, bounded=False)  # its own lock waits are its own
             return self.dialect.unique_statements(spec)
         with self._lock:
             self.database.run(ready)

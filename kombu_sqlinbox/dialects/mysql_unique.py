@@ -36,6 +36,14 @@ class MySQLUniqueKeys(UniqueFamily):
         return [f"ALTER TABLE {self.table_ref(spec)} ADD COLUMN {column} {self.unique_type}, "
                 f"ADD UNIQUE INDEX {self.unique_index(spec)} ({column})"]
 
+    def ddl_wait_statements(self, seconds: int) -> tuple[list[str], list[str]]:
+        """The session's metadata lock wait (a day by default), reset after the DDL."""
+        return ([f"SET SESSION lock_wait_timeout = {int(seconds)}"],
+                ["SET SESSION lock_wait_timeout = DEFAULT"])
+
+    def is_lock_timeout(self, exc: BaseException) -> bool:
+        return bool(self.driver_error_code(exc) == 1205)  # ER_LOCK_WAIT_TIMEOUT
+
     def unique_insert(self, spec: TableSpec) -> TextClause:
         """A plain INSERT: a taken key is the unique index's duplicate-key error (never
         INSERT IGNORE, which would hide every other error as a warning)."""

@@ -153,6 +153,12 @@ class PostgreSQLDialect(Dialect):
                 f"{tail} RETURNING 1) SELECT pg_notify(:channel, '') "
                 "WHERE EXISTS (SELECT 1 FROM published)", {**fixed, "channel": self.channel(spec)})
 
+    def ddl_wait_statements(self, seconds: int) -> tuple[list[str], list[str]]:
+        return [f"SET LOCAL lock_timeout = '{int(seconds)}s'"], []
+
+    def is_lock_timeout(self, exc: BaseException) -> bool:
+        return bool(self.driver_error_code(exc) == "55P03")  # lock_not_available
+
     def unique_insert(self, spec: TableSpec) -> TextClause:
         """With wake-ups, the keyed INSERT NOTIFYing the table's channel when it wrote."""
         statement = super().unique_insert(spec)

@@ -56,6 +56,9 @@ class UniqueFamily(SchemaFamily):
     #: how the look-up of a key's holder reads the latest committed row, where a caller's
     #: snapshot (REPEATABLE READ) could hide the row the unique index found
     unique_find_lock: ClassVar[str] = ""
+    #: how long (seconds) the key column's DDL waits for a lock on the table: a bound
+    #: caller whose transaction read the table holds one until it ends, after the DDL
+    unique_ddl_wait: ClassVar[int] = 10
 
     def unique_index(self, spec: TableSpec) -> str:
         return self.index_name(spec, "unique")
@@ -93,16 +96,39 @@ class UniqueFamily(SchemaFamily):
         return any(found["name"] == index and found["unique"]
                    for found in inspector.get_indexes(spec.table, schema=spec.schema))
 
-    def add_unique(self, conn: Connection, spec: TableSpec) -> None:
-        """Run :meth:`unique_ddl`; a statement that fails because another process added the
-        same at that moment (a duplicate column) is fine once the table is found ready."""
+    def add_unique(self, conn: Connection, spec: TableSpec, bounded: bool = True) -> None:
+        """Run :meth:`unique_ddl`, waiting at most :attr:`unique_ddl_wait` for the table
+        (``bounded``: in a transaction of the transport's own); a
+        statement that fails because another process added the same at that moment (a
+        duplicate column) is fine once the table is found ready. The statement's own error
+        is raised, not the savepoint's (MariaDB's DDL ends it)."""
+        bound, undo = self.ddl_wait_statements(self.unique_ddl_wait) if bounded else ([], [])
+        for statement in bound:
+            conn.exec_driver_sql(statement)
+        failed: list[DBAPIError] = []
         try:
             with conn.begin_nested():
                 for statement in self.unique_ddl(spec):
-                    conn.exec_driver_sql(statement)
-        except DBAPIError:
+                    try:
+                        conn.exec_driver_sql(statement)
+                    except DBAPIError as exc:
+                        failed.append(exc)
+                        raise
+        except DBAPIError as exc:
             if not self.has_unique(conn, spec):
-                raise
+                raise (failed or [exc])[0] from None
+        finally:
+            for statement in undo:
+                conn.exec_driver_sql(statement)
+
+    def ddl_wait_statements(self, seconds: int) -> tuple[list[str], list[str]]:
+        """What bounds the wait of DDL in this transaction for a table's lock, and what
+        undoes that after it (none where a writer waits for no other)."""
+        return [], []
+
+    def is_lock_timeout(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the end of the wait :meth:`ddl_wait_statements` bounds."""
+        return False
 
     def unique_statements(self, spec: TableSpec) -> UniqueStatements:
         f = self.fields(spec)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from celery import Celery, group
+from celery.worker.request import Request
 from kombu import Connection
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 
@@ -370,3 +372,92 @@ def test_a_queue_deleted_and_declared_again_gets_its_key_column_again(
     conn.default_channel.queue_delete("jobs")  # its table dropped, the key column with it
     assert held_by(conn, "k", "second") is None
     assert held_by(conn, "k", "third") == "second"
+
+
+def test_a_bound_publish_on_another_database_is_refused_as_an_unkeyed_one_is(
+        connect: Connect, engine: Engine, table_prefix: str, tmp_path: Path) -> None:
+    conn = connect()
+    assert held_by(conn, "other", "first") is None
+    elsewhere = create_engine(f"sqlite:///{tmp_path / 'app.db'}")
+    try:
+        with elsewhere.connect() as caller:
+            caller.begin()
+            with bind(caller):
+                with pytest.raises(ConfigurationError, match="one database"):
+                    conn.Producer().publish({"n": 0}, routing_key="jobs")
+                with pytest.raises(ConfigurationError, match="one database"):
+                    send(conn, "k", "elsewhere")
+            caller.rollback()
+    finally:
+        elsewhere.dispose()
+    assert held_by(conn, "k", "here") is None
+    assert count_rows(engine, table_of("jobs", table_prefix)) == 2
+
+
+@pytest.mark.parametrize("unique", [None, "active"])
+def test_a_retried_task_keeps_the_key_it_was_sent_with(
+        app: Celery, connect: Connect, unique: str | None) -> None:
+    """Celery republishes a retry from the request's execution options, which carry no
+    message property: the retry must still hold the key it was sent with."""
+    @app.task(base=UniqueTask, bind=True, unique=unique, shared=False)
+    def sync(self: UniqueTask, account: int) -> None: ...
+
+    sent = sync.apply_async((1,), unique_key="account-1", unique_scope="waiting")
+    conn = connect()
+    message = get_within(conn, "jobs")
+    sync.push_request(Request(message, app=app, task=sync).request_dict, called_directly=False)
+    try:
+        sync.retry(countdown=60, throw=False)  # as a worker running it does
+    finally:
+        sync.pop_request()
+    message.ack()
+    settled(conn)
+    with pytest.raises(DuplicateTask) as raised:
+        sync.apply_async((1,), unique_key="account-1", unique_scope="waiting",
+                         unique_raise=True)
+    assert raised.value.task_id == sent.id, "the waiting retry holds the key"
+
+
+def test_a_running_message_of_no_task_keeps_its_key_from_another_of_no_task(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """Plain kombu messages name no task: two of them are no task and its retry."""
+    conn = connect()
+    conn.default_channel.queue_declare("jobs")
+    conn.Producer().publish({"n": 1}, routing_key="jobs", unique_key="plain")
+    running = get_within(conn, "jobs")
+    with pytest.raises(DuplicateTask):
+        conn.Producer().publish({"n": 2}, routing_key="jobs", unique_key="plain")
+    running.ack()
+    settled(conn)
+    assert count_rows(engine, table_of("jobs", table_prefix)) == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.databases("postgresql", "mysql")  # SQLite adds it in the caller's transaction
+def test_a_first_keyed_send_bound_to_a_transaction_holding_the_table_is_refused_in_time(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """The column is added in a transaction of the transport's own, which waits for the
+    caller's lock on the table while the caller waits for it: bounded, and named."""
+    conn = connect()
+    conn.default_channel.queue_declare("jobs")
+    table = quoted(engine, table_of("jobs", table_prefix))
+    with engine.connect() as caller:
+        caller.begin()
+        caller.execute(text(f"SELECT COUNT(*) FROM {table}")).scalar_one()
+        with bind(caller), pytest.raises(SchemaMismatch, match=r"(?s)within 10 s.*ADD"):
+            send(conn, "k", "first")
+        caller.rollback()
+    assert held_by(conn, "k", "second") is None
+    assert held_by(conn, "k", "third") == "second"
+
+
+def test_a_row_mode_table_refuses_a_key_even_with_a_headers_column(
+        connect: Connect, table_prefix: str) -> None:
+    """Row mode's rows are written by any code: a key on the few sent through the
+    transport would hold nothing against the rest (and ``sqlinbox ddl`` gives no DDL)."""
+    spec = (TableBuilder(f"{table_prefix}events").id().payload().headers().attempt()
+            .locked_until().available_at().task("ev.handle").build())
+    conn = connect(queues={"events": {"table": spec}})
+    conn.default_channel.queue_declare("events")
+    with pytest.raises(ConfigurationError, match="unique keys need a queue table"):
+        send(conn, "k", "a", queue="events")
