@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine
 
 from tests.acceptance.apps import tasks
 from tests.acceptance.conftest import MAX_RESULT_BYTES, RESULT_LIMIT, Acceptance, results_conf
-from tests.processes import wait_until
+from tests.processes import Proc, wait_until
 
 LEASE = 2
 #: tasks of the kill test; its workers, the last of them never killed
@@ -70,6 +70,20 @@ def test_a_worker_killed_mid_run_leaves_each_task_one_result_from_its_last_run(
 LEFT = "settled rows had already left this process"
 
 
+def claimed_again_behind_a_stopped_worker(acceptance: Acceptance, db_url: str
+                                         ) -> tuple[Proc, Proc]:
+    """The held task run by a first worker whose main process is then stopped (nothing
+    extends the lease), and its row claimed again by a second worker."""
+    first = acceptance.worker("prefork", 1, name="first", **results_conf(db_url))
+    wait_until(lambda: acceptance.runs.starts()["held"] >= 1, 30, "the first run",
+               alive=[first])
+    os.kill(first.popen.pid, signal.SIGSTOP)
+    second = acceptance.worker("prefork", 1, name="second", **results_conf(db_url))
+    wait_until(lambda: acceptance.runs.starts()["held"] >= 2, 30,
+               "the row to be claimed again", alive=[second])
+    return first, second
+
+
 def test_a_success_whose_result_completed_its_row_needs_no_ack_a_row_claimed_again_is_reported(
         acceptance: Acceptance, caller: Celery, db_url: str) -> None:
     """Late-acked tasks whose results complete their rows: the worker's acks of them have
@@ -83,14 +97,8 @@ def test_a_success_whose_result_completed_its_row_needs_no_ack_a_row_claimed_aga
     assert plain.stop() == 0, plain.tail()  # its keeper writes what is queued first
     assert "Task acc.add_late" in plain.output() and LEFT not in plain.output()
 
-    first = acceptance.worker("prefork", 1, name="first", **results_conf(db_url))
     caller.send_task("acc.run_late", args=("held",), kwargs={"hold": True}, ignore_result=True)
-    wait_until(lambda: acceptance.runs.starts()["held"] >= 1, 30, "the first run",
-               alive=[first])
-    os.kill(first.popen.pid, signal.SIGSTOP)
-    second = acceptance.worker("prefork", 1, name="second", **results_conf(db_url))
-    wait_until(lambda: acceptance.runs.starts()["held"] >= 2, 30,
-               "the row to be claimed again", alive=[second])
+    first, second = claimed_again_behind_a_stopped_worker(acceptance, db_url)
     acceptance.runs.release("held")
     wait_until(lambda: acceptance.runs.done()["held"] == 2, 30, "both runs to end")
     os.kill(first.popen.pid, signal.SIGCONT)
@@ -110,13 +118,7 @@ def test_a_delivery_whose_row_was_claimed_again_stores_no_result_and_counts_noth
     body = chord([caller.signature("acc.run_late", args=("held",), kwargs={"hold": True})])(
         caller.signature("acc.collect").on_error(caller.signature("acc.errback")))
     result = body.parent.results[0]
-    first = acceptance.worker("prefork", 1, name="first", **results_conf(db_url))
-    wait_until(lambda: acceptance.runs.starts()["held"] >= 1, 30, "the first run",
-               alive=[first])
-    os.kill(first.popen.pid, signal.SIGSTOP)
-    second = acceptance.worker("prefork", 1, name="second", **results_conf(db_url))
-    wait_until(lambda: acceptance.runs.starts()["held"] >= 2, 30,
-               "the row to be claimed again", alive=[second])
+    first, _ = claimed_again_behind_a_stopped_worker(acceptance, db_url)
     acceptance.runs.release("held")
     token = result.get(timeout=RESULT_LIMIT)
     wait_until(lambda: "is no longer this delivery's; its SUCCESS is not stored"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from sqlalchemy import bindparam, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
+from bench.chaos_faults import group_ports
 from celery_ext.beat import BUSY_WAIT, TICK_IDLE_LIMIT, DatabaseScheduler, Schedules
 from celery_ext.schedule_times import ScheduleError
 from tests.acceptance.apps import tasks
@@ -120,25 +120,6 @@ def test_arguments_of_any_size_are_stored_whole(store: Schedules) -> None:
     assert store.add("big", "beat.big", 30.0, kwargs={"blob": blob}).kwargs == {"blob": blob}
 
 
-def client_ports(pid: int) -> set[int]:
-    """The local TCP ports of ``pid``'s sockets (its sessions' ports as the server sees
-    them)."""
-    fds = Path(f"/proc/{pid}/fd")
-    inodes = set()
-    for fd in fds.iterdir():
-        with contextlib.suppress(OSError):  # closed meanwhile
-            target = os.readlink(fd)
-            if target.startswith("socket:["):
-                inodes.add(target[len("socket:["):-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[9] in inodes:
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
-
-
 #: a server's sessions from these client ports, and how to end one
 SESSIONS = {"postgresql": ("SELECT pid FROM pg_stat_activity WHERE client_port IN :ports",
                            "SELECT pg_terminate_backend({})"),
@@ -155,7 +136,7 @@ def test_a_running_beat_whose_sessions_the_server_ends_sends_on_once(
     wait_until(lambda: len(store.ticks("ping")) >= 3, 60, "three ticks", alive=[beat])
     find, end = SESSIONS[database]
     for _ in range(3):  # as a server restart would, between and during ticks
-        ports = [str(port) for port in client_ports(beat.popen.pid)]
+        ports = [str(port) for port in group_ports(beat.popen.pid)]
         with engine.connect() as conn:
             ended = conn.execute(text(find).bindparams(bindparam("ports", expanding=True)),
                                  {"ports": ports}).scalars().all()
