@@ -69,11 +69,16 @@ def drop_inbox_table(declaration: Declaration) -> None:
 
 
 def create_routing_tables(prefix: str = "sqlinbox_") -> None:
-    """Create the routing tables under the transport's ``table_prefix``."""
-    for statement in _dialect().routing_statements(prefix).ddl:
+    """Create the routing tables under the transport's ``table_prefix``, and the table
+    of paused queues every worker reads (``sqlinbox pause``)."""
+    dialect = _dialect()
+    for statement in [*dialect.routing_statements(prefix).ddl,
+                      *dialect.pause_statements(prefix).ddl]:
         op.execute(statement)
 
 
 def drop_routing_tables(prefix: str = "sqlinbox_") -> None:
-    for statement in _dialect().routing_statements(prefix).drop:
+    dialect = _dialect()
+    for statement in [*dialect.pause_statements(prefix).drop,
+                      *dialect.routing_statements(prefix).drop]:
         op.execute(statement)

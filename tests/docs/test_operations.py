@@ -47,7 +47,7 @@ def test_migration_applied_checked_used_and_rolled_back(
     shown = run(env, "celery", "-A", "proj", "sqlinbox", "queues")
     heading, emails, _ = shown.splitlines()
     assert heading in GUIDE
-    assert re.match(r"emails +1 +0 +0 +- +0 +0 +0 +\d+\.\ds +0 \(emails.dead\)$", emails), shown
+    assert re.match(r"emails +1 +0 +0 +- +0 +0 +0 +\d+\.\ds +0 \(emails.dead\) +-$", emails), shown
 
     run(env, "alembic", "-c", "alembic.ini", "downgrade", "base")
     found = inspect(engine)

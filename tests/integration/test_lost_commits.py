@@ -84,6 +84,7 @@ def test_claim_whose_commit_reply_is_lost_loses_nothing(
     publish(conn, "jobs", {"n": 0})
     publish(conn, "jobs", {"n": 1})
     settled(conn)
+    broker_of(conn).pauses.paused("jobs")  # the paused queues read: the next commit is the claim's
     proxy.cut_after_commit()
     second = get_within(conn, "jobs")
     assert proxy.commits_cut == 1
