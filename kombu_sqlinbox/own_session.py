@@ -67,8 +67,11 @@ class OwnSession:
     def drop(self) -> None:
         """Close the session without the pool's reset: in autocommit it has nothing to roll
         back, and dropped because it failed, it is often dead already (a reset would log
-        an ERROR with a traceback, "connection already closed", for what is recovered)."""
-        session = self.current()
+        an ERROR with a traceback, "connection already closed", for what is recovered).
+        The driver's connection is closed here: invalidating a detached connection only
+        forgets it, and a failing claim dropped once a round left one open each time."""
+        session, driver = self.current(), self.driver
         if session is not None:
             session.invalidate()
+            driver.close()  # the drivers' close() of a dead connection does not raise
         self.driver = self.session = None

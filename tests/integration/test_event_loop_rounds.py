@@ -55,6 +55,8 @@ TRAFFIC_FOR = 3.0
 #: failed rounds a back-off of 0.2 s doubling allows in TRAFFIC_FOR (0.2, 0.4, 0.8, 1.6),
 #: plus the first
 BACKED_OFF_ROUNDS = 6
+#: a consumer's sessions: the pool's, the LISTEN connection and the keeper's own
+SESSIONS_OF_A_CONSUMER = 8
 
 
 @pytest.mark.databases("postgresql")  # the wake-ups that come as readers: LISTEN
@@ -62,7 +64,8 @@ def test_wake_ups_do_not_run_failing_rounds_ahead_of_their_back_off(
         broker_url: str, table_prefix: str, engine: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     options = {"table_prefix": table_prefix, "event_loop": True, "polling_interval": 0.05}
-    conn = Connection(broker_url, transport_options=options)
+    conn = Connection(f"{broker_url}?application_name={table_prefix}",
+                      transport_options=options)
     sender = Connection(broker_url, transport_options=options)
     hub = Hub()
     received: list[Any] = []
@@ -92,6 +95,11 @@ def test_wake_ups_do_not_run_failing_rounds_ahead_of_their_back_off(
         while len(received) < sent and time.monotonic() < deadline:
             hub.run_once()
         assert len(received) == sent  # the healthy queue is served as its messages come
+        with engine.begin() as db:  # each failed claim's LISTEN connection was closed
+            sessions = db.execute(text("SELECT count(*) FROM pg_stat_activity"
+                                       " WHERE application_name = :name"),
+                                  {"name": table_prefix}).scalar_one()
+        assert sessions <= SESSIONS_OF_A_CONSUMER, f"{sessions} sessions left open"
         for message in received:
             message.ack()
         with engine.begin() as db:
