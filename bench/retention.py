@@ -112,7 +112,7 @@ class Writer(threading.Thread):
         try:
             while not self.stop.is_set():
                 began = time.perf_counter()
-                self.store.store(uuid.uuid4().hex, "SUCCESS", meta, True, "bench.write", "w@h")
+                self.store.store(uuid.uuid4().hex, "SUCCESS", meta, "bench.write", "w@h")
                 self.took.append((began, time.perf_counter() - began))
         except BaseException as exc:  # reported in the figures
             self.failed = exc

@@ -87,8 +87,8 @@ STORED = "sqlinbox_result_stored"
 COUNTED = "sqlinbox_chord_counted"
 #: what runs once a chord's counting transaction committed (its error callbacks)
 After = Callable[[], Any] | None
-#: a stored row's arguments after its task id: state, meta, ready, task name, worker
-Row = tuple[str, bytes, bool, Any, Any]
+#: a stored row's arguments after its task id: state, meta, task name, worker
+Row = tuple[str, bytes, Any, Any]
 
 
 class NotThisDelivery(Exception):
@@ -189,8 +189,7 @@ class SqlInboxBackend(BaseBackend):
         worker holds the result rather than losing it."""
         return isinstance(exc, (OperationalError, InterfaceError, DatabaseUnreachable))
 
-    def _row(self, task_id: str, result: Any, state: str, traceback: Any,
-             request: Any) -> Row:
+    def _row(self, task_id: str, result: Any, state: str, traceback: Any, request: Any) -> Row:
         meta = self._get_result_meta(result=result, state=state, traceback=traceback,
                                      request=request, format_date=False)
         meta.pop("date_done", None)  # the database's clock sets it, in its own column
@@ -205,7 +204,7 @@ class SqlInboxBackend(BaseBackend):
                 meta["args"] = meta["kwargs"] = None
                 encoded = ensure_bytes(self.encode(meta))
         self.store.check_size(task_id, encoded)
-        return state, encoded, state in states.READY_STATES, meta.get("name"), meta.get("worker")
+        return state, encoded, meta.get("name"), meta.get("worker")
 
     def _store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,
                       request: Any = None, completes: dict[str, Any] | None = None,
@@ -314,7 +313,8 @@ class SqlInboxBackend(BaseBackend):
 
     def _meta(self, found: StoredResult) -> dict[str, Any]:
         meta: dict[str, Any] = self.decode_result(found.meta)
-        meta["date_done"] = _date_done(found.date_done)
+        finished = found.status in states.READY_STATES  # each write stamps it: for expiry
+        meta["date_done"] = _date_done(found.date_done) if finished else None
         return meta
 
     def get_many(self, task_ids: Any, timeout: float | None = None, interval: float = 0.5,

@@ -49,8 +49,8 @@ IDLE_WAITERS = 4
 
 @dataclass(frozen=True)
 class StoredResult:
-    """A task's row: its state, its encoded meta and when it finished (epoch seconds,
-    None while not ready)."""
+    """A task's row: its state, its encoded meta and when it was last written (epoch
+    seconds: when it finished, once it has)."""
 
     status: str
     meta: bytes
@@ -132,21 +132,21 @@ class ResultStore:
                 f"result table {self.sql.names[0]} stores ({limit} bytes: {why}); return "
                 "a smaller result (a reference to where the data is kept)")
 
-    def store(self, task_id: str, status: str, meta: bytes, ready: bool,
+    def store(self, task_id: str, status: str, meta: bytes,
               task_name: str | None = None, worker: str | None = None) -> None:
         """Write a task's state (a row already in SUCCESS stays), and announce it."""
         self.check_size(task_id, meta)
-        self._run(partial(self.write, task_id, status, meta, ready, task_name, worker))
+        self._run(partial(self.write, task_id, status, meta, task_name, worker))
         self.announce()
 
-    def write(self, task_id: str, status: str, meta: bytes, ready: bool,
-              task_name: str | None, worker: str | None, conn: Connection) -> None:
+    def write(self, task_id: str, status: str, meta: bytes, task_name: str | None,
+              worker: str | None, conn: Connection) -> None:
         """:meth:`store`'s write in the caller's transaction on this database (its NOTIFY
         sent as that commits); the caller checks the size first and calls
         :meth:`announce` after its commit."""
         label = self.dialect.result_label
         conn.execute(self.sql.store, {"task_id": task_id, "status": status, "meta": meta,
-                                      "ready": int(ready), "task_name": label(task_name),
+                                      "task_name": label(task_name),
                                       "worker": label(worker)})
         self.dialect.result_notify(conn, self.dialect.result_channel(self.prefix, task_id))
 

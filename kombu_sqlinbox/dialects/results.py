@@ -32,7 +32,7 @@ FINAL = "SUCCESS"
 FAILED = "FAILURE"
 #: values the schema check binds to every statement it plans
 PLAN_PARAMS = {"task_id": "-", "group_id": "-", "status": "PENDING", "task_name": None,
-               "worker": None, "meta": b"", "ready": 0, "expires": 0.0, "limit": 1,
+               "worker": None, "meta": b"", "expires": 0.0, "limit": 1,
                "size": 1, "task_ids": ["-"], "since": 3600.0, "last": 0.0}
 Names = tuple[str, str, str]
 #: the history index's columns: a task table's failures by time, each listing a range of it
@@ -211,7 +211,7 @@ class ResultFamily(DriverFamily):
         now = self.epoch(self.now)
         # status last: MySQL's guard reads it as each assignment leaves it
         stored = [("task_id", ":task_id"), ("task_name", ":task_name"), ("worker", ":worker"),
-                  ("date_done", f"CASE WHEN :ready = 1 THEN {now} END"), ("meta", ":meta"),
+                  ("date_done", now), ("meta", ":meta"),
                   ("status", ":status")]
         saved = [("group_id", ":group_id"), ("date_done", now), ("meta", ":meta")]
         counted = [*saved, ("size", "NULL"), ("done", "0")]

@@ -184,17 +184,24 @@ def test_cleanup_deletes_what_expired_in_batches(
 def test_backend_cleanup_runs_the_backends_cleanup(
         make_app: MakeApp, engine: Engine, table_prefix: str) -> None:
     """Celery's ``celery.backend_cleanup`` task (which beat runs daily) deletes what
-    ``result_expires`` let expire."""
+    ``result_expires`` let expire: a finished task's result, and the last state of a task
+    that never finished (its worker died while it was started or waiting to retry)."""
     app = make_app(result_expires=60)
     app.backend.mark_as_done("expired", 1)
+    app.backend.store_result("started", None, states.STARTED)
+    app.backend.store_result("retrying", None, states.RETRY)
     app.backend.mark_as_done("recent", 2)
+    app.backend.store_result("running", None, states.STARTED)
     with engine.begin() as conn:
         conn.execute(text(f"UPDATE {tasks_table(engine, table_prefix)} "
-                          "SET date_done = date_done - 3600 WHERE task_id = :id"),
-                     {"id": "expired"})
+                          "SET date_done = date_done - 3600 WHERE task_id IN "
+                          "('expired', 'started', 'retrying')"))
     app.tasks["celery.backend_cleanup"]()
-    assert app.AsyncResult("expired").state == states.PENDING
+    for task_id in ("expired", "started", "retrying"):
+        assert app.AsyncResult(task_id).state == states.PENDING
     assert app.AsyncResult("recent").state == states.SUCCESS
+    assert app.AsyncResult("running").state == states.STARTED
+    assert app.AsyncResult("running").date_done is None  # shown once it has finished
 
 
 def test_a_result_over_the_size_limit_is_refused_saying_so(make_app: MakeApp) -> None:
