@@ -215,39 +215,48 @@ class Limiter:
     def _take(self, conn: Connection, table: QueueTable,
               plans: dict[int, list[tuple[str, int, tuple[int, int] | None]]]
               ) -> list[ClaimedRow]:
-        """Lease the planned rows and take their slots (in one order for every claimer, so
-        two never wait on each other); a row that lost a slot goes back uncounted, with
-        the slots it took."""
-        spec, sql = table.spec, self.sql
-        rows = self.dialect.claim(conn, spec, len(plans), table.options.visibility_timeout,
-                                  ids=sorted(plans))
+        """Lease the planned rows and take their slots: one INSERT of the slots never
+        taken, one compare-and-set UPDATE of those seen free, each in one order for every
+        claimer; when they wrote fewer, read which are this claim's. A row that lost a
+        slot goes back uncounted, with the slots it took."""
+        spec, name, dialect = table.spec, spec_name(table), self.dialect
+        rows = dialect.claim(conn, spec, len(plans), table.options.visibility_timeout,
+                             ids=sorted(plans))
         by_id = {row.id: row for row in rows}
         steps = sorted((key, slot, seen, row_id) for row_id in by_id
                        for key, slot, seen in plans[row_id])
-        took: dict[int, list[dict[str, Any]]] = defaultdict(list)
-        lost: set[int] = set()
-        name = spec_name(table)
-        for key, slot, seen, row_id in steps:
-            if row_id in lost:
+        if not steps:
+            return rows
+        written = 0
+        for stealing in (False, True):
+            batch = [step for step in steps if (step[2] is not None) is stealing]
+            if not batch:
                 continue
-            params = {"queue_table": name, "limit_key": key, "slot": slot,
-                      "holder_id": row_id, "holder_attempt": by_id[row_id].attempt}
-            if seen is None:
-                done = conn.execute(sql.take, params).rowcount == 1
-            else:
-                done = conn.execute(sql.steal, {**params, "seen_id": seen[0],
-                                                "seen_attempt": seen[1]}).rowcount == 1
-            if done:
-                took[row_id].append(params)
-            else:
-                lost.add(row_id)
+            params: dict[str, Any] = {"queue_table": name}
+            for n, (key, slot, seen, row_id) in enumerate(batch):
+                params.update({f"k{n}": key, f"s{n}": slot, f"h{n}": row_id,
+                               f"a{n}": by_id[row_id].attempt})
+                if seen is not None:
+                    params.update({f"e{n}": seen[0], f"f{n}": seen[1]})
+            build = dialect.steal_slots if stealing else dialect.take_slots
+            written += conn.execute(build(self.prefix, len(batch)), params).rowcount
+        if written == len(steps):
+            return rows  # every slot written: each is this claim's
+        holders = {(key, slot): (holder, attempt) for key, slot, holder, attempt in
+                   conn.execute(self.sql.held, {"queue_table": name,
+                                                "keys": sorted({step[0] for step in steps})})}
+        mine = {(key, slot) for key, slot, _, row_id in steps
+                if holders.get((key, slot)) == (row_id, by_id[row_id].attempt)}
+        lost = {row_id for key, slot, _, row_id in steps if (key, slot) not in mine}
+        for key, slot, _, row_id in steps:
+            if row_id in lost and (key, slot) in mine:
+                conn.execute(self.sql.forget, {
+                    "queue_table": name, "limit_key": key, "slot": slot,
+                    "seen_id": row_id, "seen_attempt": by_id[row_id].attempt})
+        tokens: dict[int, list[int]] = defaultdict(list)
         for row_id in lost:
-            for params in took[row_id]:
-                conn.execute(sql.forget, {**params, "seen_id": row_id,
-                                          "seen_attempt": params["holder_attempt"]})
-            row = by_id[row_id]
-            self.dialect.settle(conn, self.dialect.statements(spec).release_uncounted,
-                                {row.attempt: [row.id]})
+            tokens[by_id[row_id].attempt].append(row_id)
+        dialect.settle(conn, dialect.statements(spec).release_uncounted, tokens)
         return [row for row in rows if row.id not in lost]
 
     def _sweep(self, table: QueueTable) -> None:
