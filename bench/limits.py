@@ -37,7 +37,8 @@ if __name__ == "__main__":  # run alone: the bench package, not its modules
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from kombu import Connection, Consumer, Message, Queue
-from sqlalchemy import create_engine, text
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.exc import OperationalError
 
 from bench.kombu_bench import publish_many
 from bench.ledger import most_at_once
@@ -55,7 +56,7 @@ POOL = 3
 TARGET = 0.9
 
 
-def worker(url: str, options: dict[str, Any], work: float, ready: Event, stop: Event,
+def worker(url: str, options: dict[str, Any], work: float, stop: Event,
            results: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     """One worker process: consume until ``stop``, run each task on a thread, then report
     its ledger."""
@@ -70,21 +71,21 @@ def worker(url: str, options: dict[str, Any], work: float, ready: Event, stop: E
 
         with Consumer(conn, [Queue(QUEUE, routing_key=QUEUE)], prefetch_count=PREFETCH,
                       callbacks=[lambda _, message: pool.submit(task, message)]):
-            ready.set()
             while not stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     conn.drain_events(timeout=0.2)
     results.put(runs)
 
 
-def waiting(url: str, prefix: str) -> int:
-    engine = create_engine(url.removeprefix("sqlinbox+"))
+def waiting(engine: Engine, prefix: str) -> int | None:
+    """The rows left, or None when the server refused the look (its connections are
+    shared: the look is tried again)."""
+    table = engine.dialect.identifier_preparer.quote(f"{prefix}{QUEUE}")
     try:
         with engine.connect() as conn:
-            table = engine.dialect.identifier_preparer.quote(f"{prefix}{QUEUE}")
             return int(conn.execute(text(f"SELECT COUNT(*) FROM {table}")).scalar_one())
-    finally:
-        engine.dispose()
+    except OperationalError:
+        return None
 
 
 def one_run(plain: str, limited: bool, messages: int, work: float) -> tuple[int, float]:
@@ -100,16 +101,17 @@ def one_run(plain: str, limited: bool, messages: int, work: float) -> tuple[int,
         with Connection(url, transport_options=options) as conn:
             publish_many(conn, Queue(QUEUE, routing_key=QUEUE), range(messages),
                          lambda i: {"limit_key": f"key-{i // RUN % KEYS}"})
-        readies = [spawn.Event() for _ in range(PROCESSES)]
-        workers = [spawn.Process(target=worker, args=(url, options, work, ready, stop,
-                                                      results)) for ready in readies]
+        workers = [spawn.Process(target=worker, args=(url, options, work, stop, results))
+                   for _ in range(PROCESSES)]
         for process in workers:
             process.start()
+        engine = create_engine(plain, pool_size=1, max_overflow=0)
         try:
             deadline = time.monotonic() + 600
-            while waiting(url, prefix) and time.monotonic() < deadline:
+            while waiting(engine, prefix) != 0 and time.monotonic() < deadline:
                 time.sleep(0.5)  # a progress look, not a synchronisation
         finally:
+            engine.dispose()
             stop.set()
             runs = [run for _ in workers for run in results.get(timeout=120)]
             for process in workers:

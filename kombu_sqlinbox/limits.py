@@ -116,6 +116,8 @@ class Limiter:
         self.name = self.sql.names[0]
         self._ready = False
         self._swept: dict[str, float] = {}
+        #: tables whose last claim took rows: the next claims without a read first
+        self._busy: set[QueueTable] = set()
         self._lock = threading.Lock()
 
     def check(self, table: QueueTable) -> None:
@@ -133,12 +135,16 @@ class Limiter:
         self.check(table)
         self.ensure()
         probe = self.dialect.statements(table.spec).any_ready
-        if probe is not None and self.database.run(
+        if probe is not None and table not in self._busy and self.database.run(
                 lambda conn: conn.execute(probe).first(), read_only=True) is None:
-            return []
+            return []  # as the lease claim does after a claim that took nothing
         self._sweep(table)
         rows = self.database.run(lambda conn: self._claim(conn, table, limit, set(skip)),
                                  durable=False, repeatable=True)
+        if rows:
+            self._busy.add(table)
+        else:
+            self._busy.discard(table)
         self.keeper.hold(table, rows)
         return rows
 
