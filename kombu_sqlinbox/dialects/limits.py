@@ -23,8 +23,8 @@ from .unique import UniqueFamily
 #: the slots' table under a table prefix
 LIMIT_TABLE = "limit_slots"
 #: values the schema check binds to every statement it plans
-PLAN_PARAMS = {"queue_table": "-", "limit_key": "-", "slot": 0, "holder_id": 0,
-               "holder_attempt": 0, "seen_id": 0, "seen_attempt": 0}
+PLAN_PARAMS = {"queue_table": "-", "limit_key": "-", "keys": ["-"], "slot": 0,
+               "seen_id": 0, "seen_attempt": 0}
 
 
 @dataclass(frozen=True)
