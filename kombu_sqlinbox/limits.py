@@ -131,7 +131,10 @@ class Limiter:
                 "statement, row mode or plain rows)")
 
     def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
-        """Lease up to ``limit`` rows of ``table`` within its limits (see the module)."""
+        """Lease up to ``limit`` rows of ``table`` within its limits (see the module). A
+        transient queue (replies, remote control) has none, whatever the defaults say."""
+        if table.transient:
+            return table.claims.claim(table, limit, skip)
         self.check(table)
         self.ensure()
         probe = self.dialect.statements(table.spec).any_ready

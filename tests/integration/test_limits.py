@@ -22,7 +22,16 @@ from bench.ledger import most_at_once
 from kombu_sqlinbox.errors import ConfigurationError
 
 from .conftest import Connect
-from .support import get, get_within, never_delivered, publish, quoted, table_of, wait_for
+from .support import (
+    broker_of,
+    get,
+    get_within,
+    never_delivered,
+    publish,
+    quoted,
+    table_of,
+    wait_for,
+)
 
 QUEUE = "limited"
 PROCESSES, KEYS, PER_KEY, ROUNDS = 5, 4, 6, 3
@@ -197,3 +206,20 @@ def test_keys_compare_exactly(connect: Connect) -> None:
     assert get(conn, QUEUE) is None
     for message in got:
         message.ack()
+
+
+def test_limits_for_every_queue_leave_transient_queues_alone(connect: Connect) -> None:
+    """``max_in_work`` as every queue's default: remote control's and reply queues (rows
+    of the transient messages' table, no envelope a claim reads a key from) claim as
+    before, and a table queue is limited."""
+    conn = connect(max_in_work=1)
+    conn.default_channel.queue_declare("replies", durable=False, auto_delete=True)
+    conn.Producer().publish({"n": 1}, routing_key="replies")
+    assert broker_of(conn).table("replies").transient
+    get_within(conn, "replies").ack()
+    for n in range(2):
+        publish(conn, QUEUE, {"n": n})
+    first = get_within(conn, QUEUE)
+    assert get(conn, QUEUE) is None  # the queue's one row in work
+    first.ack()
+    get_within(conn, QUEUE).ack()
