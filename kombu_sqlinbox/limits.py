@@ -166,8 +166,10 @@ class Limiter:
         for _ in range(ROUNDS):
             wanted = limit - len(plans)
             window = wanted * OVERSCAN
-            found = conn.execute(reads.candidates, {"limit": window, "floor": floor,
-                                                    "full": sorted(full)}).all()
+            # a key as text: a row sent before keys were checked may hold a number
+            found = [(row[0], None if row[1] is None else str(row[1]), *row[2:])
+                     for row in conn.execute(reads.candidates, {
+                         "limit": window, "floor": floor, "full": sorted(full)})]
             keys = {row[1] for row in found if row[1] is not None and row[1] not in slots}
             limits = {key: limit_of(options, key) for key in keys}
             read = self._slots(conn, reads, table, {

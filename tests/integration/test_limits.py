@@ -223,3 +223,22 @@ def test_limits_for_every_queue_leave_transient_queues_alone(connect: Connect) -
     assert get(conn, QUEUE) is None  # the queue's one row in work
     first.ack()
     get_within(conn, QUEUE).ack()
+
+
+def test_a_row_sent_with_a_number_for_a_key_is_claimed_under_its_text(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """A row sent before keys were checked (an earlier version) whose envelope holds a
+    number: its key is the number's text, and the claim goes on."""
+    conn = connect(queues={QUEUE: {"concurrency_limits": {"*": 1}}})
+    for n in range(2):
+        publish(conn, QUEUE, {"n": n}, limit_key="7")
+    table = quoted(engine, table_of(QUEUE, table_prefix))
+    with engine.begin() as db:
+        db.execute(text(f"UPDATE {table} SET headers = REPLACE(headers, "
+                        "'\"limit_key\": \"7\"', '\"limit_key\": 7')"))
+        assert all('"limit_key": 7' in row[0] for row in db.execute(
+            text(f"SELECT headers FROM {table}")))
+    first = get_within(conn, QUEUE)
+    assert get(conn, QUEUE) is None  # the other row of key 7 waits
+    first.ack()
+    get_within(conn, QUEUE).ack()
