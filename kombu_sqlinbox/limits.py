@@ -159,6 +159,8 @@ class Limiter:
         if options.max_in_work is not None:
             queue = self._slots(conn, reads, table, {QUEUE_SLOTS: options.max_in_work})[
                 QUEUE_SLOTS]
+            if not queue.available():
+                return []  # the queue's limit is reached: no row is read
         slots: dict[str, Slots] = {}
         full: set[str] = set()
         plans: dict[int, list[tuple[str, int, tuple[int, int] | None]]] = {}
