@@ -29,10 +29,12 @@ from celery.bin.base import CeleryCommand, CeleryOption
 
 from kombu_sqlinbox.codec import DEATH_HEADER, DELIVERY_PROPERTIES
 from kombu_sqlinbox.dead_letters import EVERY
+from kombu_sqlinbox.dialects.limits import PLAN_PARAMS as LIMIT_PLAN_PARAMS
 from kombu_sqlinbox.dialects.pausing import PLAN_PARAMS as PAUSE_PLAN_PARAMS
 from kombu_sqlinbox.dialects.results import PLAN_PARAMS as RESULT_PLAN_PARAMS
 from kombu_sqlinbox.dialects.schedules import PLAN_PARAMS as SCHEDULE_PLAN_PARAMS
 from kombu_sqlinbox.history import history_problems
+from kombu_sqlinbox.limits import limited
 from kombu_sqlinbox.operations import DeadFilter, DeadLetter, Operations
 
 from .history_cli import failures, failures_section
@@ -49,6 +51,7 @@ __all__ = ["main", "sqlinbox"]
 RESULTS = "(results)"
 SCHEDULES = "(schedules)"
 PAUSED = "(paused)"
+LIMITS = "(limits)"
 
 
 def database_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -399,6 +402,9 @@ def ddl(ctx: click.Context, names: tuple[str, ...]) -> None:
             paused = ops.broker.pauses.sql
             click.echo("-- paused queues (sqlinbox pause)")
             click.echo(";\n".join(paused.ddl) + ";")
+            click.echo("-- concurrency limits' slots (made by the first claim of a queue "
+                       "with concurrency_limits or max_in_work)")
+            click.echo(";\n".join(ops.broker.limits.sql.ddl) + ";")
 
 
 def result_settings(app: Any, table_prefix: str) -> tuple[str, bool]:
@@ -433,6 +439,12 @@ def check(ctx: click.Context) -> None:
         more, found = ops.tables_check(PAUSED, "paused queues'", ops.broker.pauses.sql,
                                        PAUSE_PLAN_PARAMS, ops.options.create_tables,
                                        "no queue can be paused (sqlinbox pause)")
+        planned, problems = planned + more, problems + found
+        options = ops.options
+        needed = any(limited(each) for each in (options.defaults, *options.queues.values()))
+        more, found = ops.tables_check(LIMITS, "concurrency limits'", ops.broker.limits.sql,
+                                       LIMIT_PLAN_PARAMS, options.create_tables or not needed,
+                                       "no queue with concurrency limits can be claimed")
         planned, problems = planned + more, problems + found
     for problem in problems:
         click.echo(f"PROBLEM {problem.queue} ({problem.table}): {problem.what}")

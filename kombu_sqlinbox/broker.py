@@ -39,6 +39,7 @@ from .dialects import RowsInsert
 from .errors import ConfigurationError
 from .exact import row_checks
 from .keeper import LeaseKeeper
+from .limits import Limiter, limited
 from .options import TransportOptions
 from .pausing import Pauses
 from .routing import Declared, Routes
@@ -78,6 +79,7 @@ class Broker:
                              sweep_interval=options.sweep_interval,
                              sweep_batch=options.sweep_batch)
         self.routes.restore_table = self._restore_table
+        self.limits = Limiter(self.database, self.keeper, options)
         self.pauses = Pauses(self.database, self.wakeup, options.table_prefix,
                              options.create_tables, options.pause_check_interval)
         self.transient = TransientQueues(self.routes, wake=self.wakeup.published)
@@ -303,7 +305,8 @@ class Broker:
     def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
         if not table.transient and self.pauses.paused(table.queue):
             return []  # its rows wait (:mod:`.pausing`); remote control never pauses
-        return table.claims.claim(table, limit, skip)
+        claims = self.limits if limited(table.options) else table.claims  # :mod:`.limits`
+        return claims.claim(table, limit, skip)
 
     def dead_letter(
         self, held: Held, row: ClaimedRow, reason: str, undecodable: bool = False,

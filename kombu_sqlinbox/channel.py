@@ -37,6 +37,7 @@ from .codec import (
 )
 from .deliveries import Deliveries
 from .keeper import SETTLE_LIMIT
+from .limits import limit_key_of
 from .rows import ClaimedRow, Held, Settlement
 from .unique import unique_of
 
@@ -147,6 +148,8 @@ class Channel(virtual.Channel):
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         table = self.broker.table(queue)
         unique = unique_of(message["properties"])  # a key refused before it is encoded
+        if limit_key_of(message) is not None:
+            self.broker.limits.check(table)  # a table that would lose the key
         columns: tuple[Any, ...] = ()
         if stores_plain(table.spec):  # the payload and row columns alone, no envelope
             payload, columns, headers = (*encode_plain(message, table), None)

@@ -41,6 +41,11 @@ class QueueOptions:
     sqlite_begin: str = "IMMEDIATE"
     #: False: the queue's publishes commit without waiting for the disk (PostgreSQL)
     synchronous_commit: bool = True
+    #: (key prefix, limit) pairs, the longest prefix first: at most that many rows of a
+    #: ``limit_key`` in work at once (prefix ``"*"``: any key); see :mod:`.limits`
+    concurrency_limits: tuple[tuple[str, int], ...] = ()
+    #: at most this many rows of the queue in work at once, across every worker
+    max_in_work: int | None = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +125,27 @@ def _declaration(key: str, value: Any) -> TableSpec:
 
 #: the options of one queue, which also stand at the top as every queue's default
 QUEUE_KEYS = frozenset({"max_attempts", "dead_letter_queue", "claim", "visibility_timeout",
-                        "isolation_level", "sqlite_begin", "synchronous_commit"})
+                        "isolation_level", "sqlite_begin", "synchronous_commit",
+                        "concurrency_limits", "max_in_work"})
+#: the longest key prefix a concurrency limit names (a key is at most as long)
+MAX_LIMIT_KEY = 255
+
+
+def _limits(key: str, value: Any) -> tuple[tuple[str, int], ...]:
+    """``{key prefix: limit}`` checked, as pairs with the longest prefix first (the one
+    a key takes its limit from); ``"*"`` stands for any key."""
+    if not isinstance(value, Mapping):
+        raise ConfigurationError(
+            f"transport option {key}={value!r}: expected a dict of key prefix -> limit "
+            "('*': any key)")
+    pairs = []
+    for prefix, limit in value.items():
+        if not isinstance(prefix, str) or not prefix or len(prefix) > MAX_LIMIT_KEY:
+            raise ConfigurationError(
+                f"transport option {key}: key prefix {prefix!r} is no non-empty string of at "
+                f"most {MAX_LIMIT_KEY} characters")
+        pairs.append((prefix, _number(f"{key}[{prefix!r}]", limit, 1, integer=True)))
+    return tuple(sorted(pairs, key=lambda pair: (pair[0] == "*", -len(pair[0]))))
 
 
 def unknown_option(name: str, key: str, known: Iterable[str],
@@ -171,12 +196,21 @@ def _queue_options(prefix: str, raw: Mapping[str, Any], base: QueueOptions) -> Q
             changes[key] = str(value).upper()
         elif key == "synchronous_commit":
             changes[key] = _flag(name, value)
+        elif key == "concurrency_limits":
+            changes[key] = _limits(name, value)
+        elif key == "max_in_work":
+            changes[key] = None if value is None else _number(name, value, 1, integer=True)
         elif key == "dead_letter_queue":
             if value is not None and (not isinstance(value, str) or not value):
                 raise ConfigurationError(
                     f"transport option {name}={value!r}: expected a queue name")
             changes[key] = value
-    return replace(base, **changes)
+    made = replace(base, **changes)
+    if (made.concurrency_limits or made.max_in_work is not None) and made.claim != "lease":
+        raise ConfigurationError(
+            f"transport option {prefix.rstrip('.') or 'claim'}: concurrency_limits and "
+            f"max_in_work need claim='lease' (not {made.claim!r})")
+    return made
 
 
 def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:

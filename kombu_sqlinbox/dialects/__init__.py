@@ -14,6 +14,8 @@ from .base import (
     Capabilities,
     ClaimedRow,
     Dialect,
+    LimitedClaim,
+    LimitStatements,
     PauseStatements,
     ResultStatements,
     RoutingStatements,
@@ -29,7 +31,8 @@ from .postgresql import PostgreSQLDialect
 from .sqlite import SQLiteDialect
 
 __all__ = [
-    "SPELLINGS", "Capabilities", "ClaimedRow", "Dialect", "MySQLDialect", "PauseStatements",
+    "SPELLINGS", "Capabilities", "ClaimedRow", "Dialect", "LimitStatements", "LimitedClaim",
+    "MySQLDialect", "PauseStatements",
     "PostgreSQLDialect", "ResultStatements", "RoutingStatements", "RowsInsert", "SQLiteDialect",
     "ScheduleStatements", "Statements", "Tokens", "UniqueStatements",
     "dialect_class", "dialect_for", "plain_payload", "register", "url_schemes",

@@ -17,6 +17,7 @@ family, only what differs there:
 * :mod:`.operations`: the operations commands' figures and dead-letter moves;
 * :mod:`.routing`: bindings, the queue registry, transient queues;
 * :mod:`.pausing`: the paused queues;
+* :mod:`.limits`: concurrency limits' slots and the claim of a queue with limits;
 * :mod:`.outbox`: the transactional outbox's statements;
 * :mod:`.results`: the result tables' statements (Celery's result backend);
 * :mod:`.schedules`: the schedule tables' statements (the beat scheduler);
@@ -32,6 +33,7 @@ from __future__ import annotations
 from ..rows import ClaimedRow
 from .core import Capabilities
 from .driver import DriverSql, json_text, plain_payload
+from .limits import LimitedClaim, LimitFamily, LimitStatements
 from .operations import OperationsFamily
 from .outbox import OutboxFamily
 from .pausing import PauseFamily, PauseStatements
@@ -46,12 +48,13 @@ from .wakeups import WakeupFamily, no_wakeups
 
 __all__ = [
     "CANDIDATES", "FLOOR_MARGIN", "FLOOR_REFRESH", "FLOOR_STEP", "Capabilities", "ClaimedRow",
-    "Dialect", "DriverSql", "PauseStatements", "ResultStatements", "RoutingStatements",
+    "Dialect", "DriverSql", "LimitStatements", "LimitedClaim", "PauseStatements",
+    "ResultStatements", "RoutingStatements",
     "RowsInsert", "ScheduleStatements", "Statements", "Tokens", "UniqueStatements",
     "json_text", "no_wakeups", "plain_payload",
 ]
 
 
-class Dialect(QueueFamily, UniqueFamily, OperationsFamily, PauseFamily, RoutingFamily,
+class Dialect(QueueFamily, LimitFamily, UniqueFamily, OperationsFamily, PauseFamily, RoutingFamily,
               OutboxFamily, ResultFamily, ScheduleFamily, WakeupFamily):
     """Base of the per-database dialects. Subclasses supply the SQL text."""

@@ -78,6 +78,9 @@ class MySQLDialect(MySQLUniqueKeys, Dialect):
     def later(self, seconds: str) -> str:
         return f"{self.now} + INTERVAL ({seconds} * 1000000) MICROSECOND"
 
+    def limit_key_of(self, column: str) -> str:
+        return f"JSON_UNQUOTE(JSON_EXTRACT({column}, '$.headers.limit_key'))"
+
     def epoch(self, moment: str) -> str:
         return f"UNIX_TIMESTAMP({moment})"
 

@@ -73,6 +73,9 @@ class PostgreSQLDialect(Dialect):
     def later(self, seconds: str) -> str:
         return f"{self.now} + make_interval(secs => {seconds})"
 
+    def limit_key_of(self, column: str) -> str:
+        return f"(CAST({column} AS json) -> 'headers' ->> 'limit_key')"
+
     def epoch(self, moment: str) -> str:
         return f"CAST(EXTRACT(EPOCH FROM {moment}) AS DOUBLE PRECISION)"
 

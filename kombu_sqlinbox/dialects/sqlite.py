@@ -131,6 +131,9 @@ class SQLiteDialect(Dialect):
     def later(self, seconds: str) -> str:
         return f"{self.now} + {seconds}"
 
+    def limit_key_of(self, column: str) -> str:
+        return f"json_extract({column}, '$.headers.limit_key')"
+
     def epoch(self, moment: str) -> str:
         return moment  # times are epoch seconds here already
 

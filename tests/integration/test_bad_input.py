@@ -12,7 +12,12 @@ from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox import ConfigurationError, Role, TableBuilder, TableSpec
-from kombu_sqlinbox.dialects import PauseStatements, RoutingStatements, dialect_for
+from kombu_sqlinbox.dialects import (
+    LimitStatements,
+    PauseStatements,
+    RoutingStatements,
+    dialect_for,
+)
 
 from .conftest import Connect
 from .support import DEAD_LETTERS, count_rows, death, get_within, publish, quoted, table_of
@@ -181,7 +186,8 @@ def test_hostile_queue_name_is_stored_safely(
     assert message.decode() == {"queue": name}
     assert message.delivery_info["routing_key"] == name
     table = table_of(name, table_prefix)
-    own = {*RoutingStatements.tables(table_prefix), *PauseStatements.tables(table_prefix)}
+    own = {*RoutingStatements.tables(table_prefix), *PauseStatements.tables(table_prefix),
+           *LimitStatements.tables(table_prefix)}
     assert [t for t in inspect(engine).get_table_names()
             if t.startswith(table_prefix) and t not in own] == [table]
     message.ack()

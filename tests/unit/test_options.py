@@ -216,3 +216,23 @@ def test_a_value_create_engine_cannot_use_is_a_configuration_error(
                        rf"create_engine\(\) refused it \({kind.__name__}: ") as raised:
         engine_for(URLS[2], **options)
     assert isinstance(raised.value.__cause__, kind)
+
+
+@pytest.mark.parametrize(("queue", "error"), [
+    ({"max_in_work": 2, "claim": "row_lock"}, "need claim='lease'"),
+    ({"concurrency_limits": {"*": 0}}, r"\['\*'\]=0: expected an integer >= 1"),
+    ({"concurrency_limits": {"": 2}}, "key prefix '' is no non-empty string"),
+    ({"concurrency_limits": [("*", 2)]}, "expected a dict of key prefix -> limit"),
+    ({"max_in_work": 0}, "max_in_work=0: expected an integer >= 1"),
+])
+def test_a_concurrency_limit_that_cannot_hold_is_refused(queue: dict[str, Any],
+                                                         error: str) -> None:
+    with pytest.raises(ConfigurationError, match=error):
+        parse_options({"queues": {"jobs": queue}})
+
+
+def test_a_key_takes_the_limit_of_its_longest_prefix() -> None:
+    from kombu_sqlinbox.limits import limit_of
+    options = parse_options({"concurrency_limits": {"*": 2, "t-": 3, "t-vip-": 9}}).defaults
+    assert [limit_of(options, key) for key in ("x", "t-1", "t-vip-1")] == [2, 3, 9]
+    assert limit_of(parse_options({"concurrency_limits": {"t-": 3}}).defaults, "x") is None

@@ -1,0 +1,325 @@
+"""Concurrency limits: at most N rows of a key (or of a queue) in work at once, across every
+process and worker of the database.
+
+A message names its key with the property or header ``limit_key`` (Celery:
+``apply_async(..., limit_key="tenant-7")``); the queue option ``concurrency_limits`` gives
+each key prefix its limit (``"*"``: any key), ``max_in_work`` the queue's own. The publish
+keeps the key in the envelope's headers, where a claim reads it.
+
+A queue with limits is claimed by :class:`Limiter` instead of its claim form's statement,
+in one transaction: read the first ready rows whose keys are not known to be full, read
+their keys' slots (``<prefix>limit_slots``), lease the rows that found a free slot, and
+take those slots by compare-and-set on the holder each was seen with. A row whose slot
+was taken meanwhile goes back uncounted before the commit, so no other claimer ever sees
+it leased. A slot is free once its holder is no longer in work under the attempt it took
+it with (:mod:`.dialects.limits`): a killed worker's slots free with its leases. Rows of a
+full key are passed over, not delivered; the claim reads on past them (up to
+:data:`ROUNDS` windows), so other keys go on. Queues without limits never come here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, inspect
+from sqlalchemy.exc import DBAPIError
+
+from .database import Database
+from .dialects import LimitedClaim, LimitStatements
+from .errors import ConfigurationError, SchemaMismatch
+from .keeper import LeaseKeeper
+from .options import MAX_LIMIT_KEY, QueueOptions, TransportOptions
+from .rows import ClaimedRow, QueueTable
+from .tables import Role
+
+#: the message property and header naming a row's key
+KEY_PROPERTY = "limit_key"
+#: the slots' key of a queue's own limit (no key's digest: those are 64 hex digits)
+QUEUE_SLOTS = "queue"
+#: candidate rows read per row wanted; and windows read, each passing over the keys the
+#: ones before found full, before a claim gives up on finding more
+OVERSCAN, ROUNDS = 4, 4
+#: seconds between two sweeps of a table's dead slots by one process
+SWEEP_INTERVAL = 60.0
+
+
+def limit_key_of(message: dict[str, Any]) -> str | None:
+    """The key a message names (property, else header), put in its headers where a claim
+    reads it; a key that is no non-empty string of at most :data:`MAX_LIMIT_KEY`
+    characters without NUL is refused before anything is written."""
+    headers = message.get("headers")
+    if headers is None:
+        headers = message["headers"] = {}
+    key = message["properties"].get(KEY_PROPERTY)
+    if key is None:
+        key = headers.get(KEY_PROPERTY)
+    if key is None:
+        headers.pop(KEY_PROPERTY, None)
+        return None
+    if not isinstance(key, str) or not key or len(key) > MAX_LIMIT_KEY or "\x00" in key:
+        raise ConfigurationError(
+            f"limit_key must be a non-empty string of at most {MAX_LIMIT_KEY} characters "
+            f"without NUL, got {type(key).__name__} {str(key)[:80]!r}")
+    headers[KEY_PROPERTY] = key
+    return key
+
+
+def limit_of(options: QueueOptions, key: str) -> int | None:
+    """The limit of ``key`` on a queue: its longest matching prefix's, else ``"*"``'s."""
+    for prefix, limit in options.concurrency_limits:
+        if prefix == "*" or key.startswith(prefix):
+            return limit
+    return None
+
+
+def limited(options: QueueOptions) -> bool:
+    return bool(options.concurrency_limits) or options.max_in_work is not None
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+@dataclass
+class Slots:
+    """One key's slots as read: how many are held, and the free ones (slot number, the
+    holder it was seen with or None: never taken)."""
+
+    limit: int
+    live: int
+    free: list[tuple[int, tuple[int, int] | None]]
+
+    def available(self) -> bool:
+        return self.live < self.limit and bool(self.free)
+
+    def take(self) -> tuple[int, tuple[int, int] | None] | None:
+        if not self.available():
+            return None
+        self.live += 1
+        return self.free.pop(0)
+
+
+class Limiter:
+    """Claims of the queues with limits on one database and table prefix."""
+
+    def __init__(self, database: Database, keeper: LeaseKeeper,
+                 options: TransportOptions) -> None:
+        self.database, self.dialect, self.keeper = database, database.dialect, keeper
+        self.prefix, self.create = options.table_prefix, options.create_tables
+        self.sql: LimitStatements = self.dialect.limit_statements(self.prefix)
+        self.name = self.sql.names[0]
+        self._ready = False
+        self._swept: dict[str, float] = {}
+        #: tables whose last claim took rows: the next claims without a read first
+        self._busy: set[QueueTable] = set()
+        self._lock = threading.Lock()
+
+    def check(self, table: QueueTable) -> None:
+        """Refuse a queue whose rows are no envelopes the transport writes."""
+        spec = table.spec
+        if (table.transient or spec.publish is not None or spec.plain
+                or spec.rows is not None or not spec.has(Role.HEADERS)):
+            raise ConfigurationError(
+                f"queue {table.queue!r}: concurrency limits need a queue table with a headers "
+                "column storing Celery's messages (not a transient queue, a declared publish "
+                "statement, row mode or plain rows)")
+
+    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
+        """Lease up to ``limit`` rows of ``table`` within its limits (see the module). A
+        transient queue (replies, remote control) has none, whatever the defaults say."""
+        if table.transient:
+            return table.claims.claim(table, limit, skip)
+        self.check(table)
+        self.ensure()
+        probe = self.dialect.statements(table.spec).any_ready
+        if probe is not None and table not in self._busy and self.database.run(
+                lambda conn: conn.execute(probe).first(), read_only=True) is None:
+            return []  # as the lease claim does after a claim that took nothing
+        self._sweep(table)
+        rows = self.database.run(lambda conn: self._claim(conn, table, limit, set(skip)),
+                                 durable=False, repeatable=True)
+        if rows:
+            self._busy.add(table)
+        else:
+            self._busy.discard(table)
+        self.keeper.hold(table, rows)
+        return rows
+
+    def _claim(self, conn: Connection, table: QueueTable, limit: int,
+               skip: set[Any]) -> list[ClaimedRow]:
+        options, spec = table.options, table.spec
+        reads = self.dialect.limited_claim(spec, self.prefix)
+        queue = None
+        if options.max_in_work is not None:
+            queue = self._slots(conn, reads, table, {QUEUE_SLOTS: options.max_in_work})[
+                QUEUE_SLOTS]
+            if not queue.available():
+                return []  # the queue's limit is reached: no row is read
+        slots: dict[str, Slots] = {}
+        full: set[str] = set()
+        plans: dict[int, list[tuple[str, int, tuple[int, int] | None]]] = {}
+        floor = self.dialect.claim_floor(conn, spec)
+        for _ in range(ROUNDS):
+            wanted = limit - len(plans)
+            window = wanted * OVERSCAN
+            # a key as text: a row sent before keys were checked may hold a number
+            found = [(row[0], None if row[1] is None else str(row[1]), *row[2:])
+                     for row in conn.execute(reads.candidates, {
+                         "limit": window, "floor": floor, "full": sorted(full)})]
+            keys = {row[1] for row in found if row[1] is not None and row[1] not in slots}
+            limits = {key: limit_of(options, key) for key in keys}
+            read = self._slots(conn, reads, table, {
+                digest(key): n for key, n in limits.items() if n is not None})
+            slots.update({key: read[digest(key)] for key, n in limits.items() if n is not None})
+            for row in found:
+                row_id, key = row[0], row[1]
+                if row_id in plans or (len(row) > 2 and row[2] in skip):
+                    continue
+                if queue is not None and not queue.available():
+                    break
+                plan = []
+                if key in slots:
+                    taken = slots[key].take()
+                    if taken is None:
+                        full.add(key)
+                        continue
+                    plan.append((digest(key), *taken))
+                if queue is not None:
+                    plan.append((QUEUE_SLOTS, *queue.free.pop(0)))
+                    queue.live += 1
+                plans[row_id] = plan
+                if len(plans) == limit:
+                    break
+            if len(plans) == limit or len(found) < window or (
+                    queue is not None and not queue.available()):
+                break
+        if not plans:
+            return []
+        return self._take(conn, table, plans)
+
+    def _slots(self, conn: Connection, reads: LimitedClaim, table: QueueTable,
+               limits: dict[str, int]) -> dict[str, Slots]:
+        """The slots of each key digest in ``limits`` (with its limit), as read now."""
+        if not limits:
+            return {}
+        held: dict[str, dict[int, tuple[int, int] | None]] = defaultdict(dict)
+        live: dict[str, int] = defaultdict(int)
+        for key, slot, holder, attempt, alive in conn.execute(reads.holders, {
+                "queue_table": spec_name(table), "keys": sorted(limits)}):
+            if alive:
+                live[key] += 1
+                held[key][slot] = None  # not free
+            else:
+                held[key][slot] = (holder, attempt)
+        made = {}
+        for key, limit in limits.items():
+            seen = held.get(key, {})
+            free = [(slot, seen.get(slot)) for slot in range(limit)
+                    if slot not in seen or seen[slot] is not None]
+            made[key] = Slots(limit, live[key], free)
+        return made
+
+    def _take(self, conn: Connection, table: QueueTable,
+              plans: dict[int, list[tuple[str, int, tuple[int, int] | None]]]
+              ) -> list[ClaimedRow]:
+        """Lease the planned rows and take their slots: one INSERT of the slots never
+        taken, one compare-and-set UPDATE of those seen free, each in one order for every
+        claimer; when they wrote fewer, read which are this claim's. A row that lost a
+        slot goes back uncounted, with the slots it took."""
+        spec, name, dialect = table.spec, spec_name(table), self.dialect
+        rows = dialect.claim(conn, spec, len(plans), table.options.visibility_timeout,
+                             ids=sorted(plans))
+        by_id = {row.id: row for row in rows}
+        steps = sorted((key, slot, seen, row_id) for row_id in by_id
+                       for key, slot, seen in plans[row_id])
+        if not steps:
+            return rows
+        written = 0
+        for stealing in (False, True):
+            batch = [step for step in steps if (step[2] is not None) is stealing]
+            if not batch:
+                continue
+            params: dict[str, Any] = {"queue_table": name}
+            for n, (key, slot, seen, row_id) in enumerate(batch):
+                params.update({f"k{n}": key, f"s{n}": slot, f"h{n}": row_id,
+                               f"a{n}": by_id[row_id].attempt})
+                if seen is not None:
+                    params.update({f"e{n}": seen[0], f"f{n}": seen[1]})
+            build = dialect.steal_slots if stealing else dialect.take_slots
+            written += conn.execute(build(self.prefix, len(batch)), params).rowcount
+        if written == len(steps):
+            return rows  # every slot written: each is this claim's
+        holders = {(key, slot): (holder, attempt) for key, slot, holder, attempt in
+                   conn.execute(self.sql.held, {"queue_table": name,
+                                                "keys": sorted({step[0] for step in steps})})}
+        mine = {(key, slot) for key, slot, _, row_id in steps
+                if holders.get((key, slot)) == (row_id, by_id[row_id].attempt)}
+        lost = {row_id for key, slot, _, row_id in steps if (key, slot) not in mine}
+        for key, slot, _, row_id in steps:
+            if row_id in lost and (key, slot) in mine:
+                conn.execute(self.sql.forget, {
+                    "queue_table": name, "limit_key": key, "slot": slot,
+                    "seen_id": row_id, "seen_attempt": by_id[row_id].attempt})
+        tokens: dict[int, list[int]] = defaultdict(list)
+        for row_id in lost:
+            tokens[by_id[row_id].attempt].append(row_id)
+        dialect.settle(conn, dialect.statements(spec).release_uncounted, tokens)
+        return [row for row in rows if row.id not in lost]
+
+    def _sweep(self, table: QueueTable) -> None:
+        """Drop the slots of ``table`` whose holders are no longer in work, at most every
+        :data:`SWEEP_INTERVAL` seconds (a key's free slots are otherwise kept for its next
+        rows: only keys that come and go leave them behind)."""
+        now = time.monotonic()
+        name = spec_name(table)
+        if now - self._swept.get(name, -SWEEP_INTERVAL) < SWEEP_INTERVAL:
+            return
+        self._swept[name] = now
+        reads = self.dialect.limited_claim(table.spec, self.prefix)
+
+        def sweep(conn: Connection) -> None:
+            for key, slot, holder, attempt, _ in conn.execute(
+                    reads.dead, {"queue_table": name}).all():
+                conn.execute(self.sql.forget, {
+                    "queue_table": name, "limit_key": key, "slot": slot,
+                    "seen_id": holder, "seen_attempt": attempt})
+
+        self.database.run(sweep, durable=False, repeatable=True)
+
+    def missing(self) -> str:
+        return (f"table {self.name!r} does not exist (create_tables is off): no queue with "
+                f"concurrency limits can be claimed; create it with:\n{';'.join(self.sql.ddl)};")
+
+    def ensure(self) -> None:
+        """The slots' table, created where the transport creates tables, else required."""
+        if self._ready:
+            return
+        with self._lock:
+            if self.database.run(lambda conn: inspect(conn).has_table(self.name),
+                                 read_only=True):
+                self._ready = True
+                return
+            if not self.create:
+                raise SchemaMismatch(self.missing())
+
+            def make(conn: Connection) -> None:
+                for statement in self.sql.ddl:
+                    conn.exec_driver_sql(statement)
+
+            try:
+                self.database.run(make)
+            except DBAPIError:  # another process created it at the same moment
+                self.database.run(make)
+            self._ready = True
+
+
+def spec_name(table: QueueTable) -> str:
+    """The slots' name of a queue table (schema-qualified where it has one)."""
+    spec = table.spec
+    return f"{spec.schema}.{spec.table}" if spec.schema else spec.table

@@ -1,0 +1,244 @@
+"""Concurrency limits: processes racing over a queue never run more rows of a key (or of
+the queue) at once than its limit, timed by a ledger outside the broker; a killed holder's
+slot frees with its lease; rows of a full key are passed over, not waited behind; a key no
+claim could read is refused at publish, and nothing is written."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import time
+from multiprocessing.synchronize import Event
+from typing import Any
+
+import pytest
+from kombu import Connection, Consumer, Message, Queue
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from bench.ledger import most_at_once
+from kombu_sqlinbox.errors import ConfigurationError
+
+from .conftest import Connect
+from .support import (
+    broker_of,
+    get,
+    get_within,
+    never_delivered,
+    publish,
+    quoted,
+    table_of,
+    wait_for,
+)
+
+QUEUE = "limited"
+PROCESSES, KEYS, PER_KEY, ROUNDS = 5, 4, 6, 3
+#: seconds a task "runs" (between its start and finish in the ledger)
+WORK = 0.02
+#: the longest wait for a child or a round
+WAIT = 60.0
+
+
+def worker(broker_url: str, options: dict[str, Any], ready: Event, stop: Event,
+           ledger: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    """Consume ``QUEUE`` until ``stop``: each message is a task noting its start and
+    finish in the ledger, then acknowledged."""
+    with Connection(broker_url, transport_options=options) as conn:
+        def run(body: Any, message: Message) -> None:
+            start = time.monotonic()
+            time.sleep(WORK)  # the task's work
+            ledger.put((body["key"], start, time.monotonic()))
+            message.ack()
+
+        conn.default_channel.queue_declare(QUEUE)
+        with Consumer(conn, [Queue(QUEUE, routing_key=QUEUE)], callbacks=[run],
+                      prefetch_count=2):
+            ready.set()
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=0.2)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("limit", ["key", "queue"])
+def test_racing_processes_never_exceed_a_limit(
+        connect: Connect, broker_url: str, table_prefix: str, limit: str) -> None:
+    """Per key: ``concurrency_limits={"*": 2}``, checked per key; per queue:
+    ``max_in_work=3``, checked over every run. Rows without a key run beside them."""
+    queue_options = ({"concurrency_limits": {"*": 2}} if limit == "key"
+                     else {"max_in_work": 3})
+    options = {"table_prefix": table_prefix, "polling_interval": 0.05,
+               "queues": {QUEUE: queue_options}}
+    context = multiprocessing.get_context("spawn")
+    stop, ledger = context.Event(), context.Queue()
+    readies = [context.Event() for _ in range(PROCESSES)]
+    children = [context.Process(target=worker, args=(broker_url, options, ready, stop, ledger))
+                for ready in readies]
+    for child in children:
+        child.start()
+    runs: list[tuple[str, float, float]] = []
+    try:
+        for ready in readies:
+            assert ready.wait(WAIT), "a worker did not start"
+        conn = connect(**{"queues": {QUEUE: queue_options}})
+        for _ in range(ROUNDS):
+            for _ in range(PER_KEY):
+                for key in range(KEYS):
+                    publish(conn, QUEUE, {"key": f"k{key}"}, limit_key=f"k{key}")
+                publish(conn, QUEUE, {"key": "-"})  # no key
+            for _ in range(PER_KEY * (KEYS + 1)):
+                runs.append(ledger.get(timeout=WAIT))
+    finally:
+        stop.set()
+        for child in children:
+            child.join(WAIT)
+            if child.is_alive():
+                child.kill()
+    assert len(runs) == ROUNDS * PER_KEY * (KEYS + 1)
+    if limit == "key":
+        most = most_at_once(run for run in runs if run[0] != "-")
+        assert max(most.values()) == 2, most  # reached, never passed
+    else:
+        most = most_at_once(("queue", start, end) for _, start, end in runs)
+        assert most == {"queue": 3}, most
+    assert all(child.exitcode == 0 for child in children)
+
+
+def holder(broker_url: str, options: dict[str, Any], holding: Event) -> None:
+    """Take one row and hold it until killed."""
+    with Connection(broker_url, transport_options=options) as conn:
+        conn.default_channel.queue_declare(QUEUE)
+        message = get_within(conn, QUEUE, WAIT)
+        assert message is not None
+        holding.set()
+        time.sleep(WAIT)  # killed meanwhile
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_workers_slot_frees_with_its_lease(
+        connect: Connect, broker_url: str, table_prefix: str) -> None:
+    queue_options = {"concurrency_limits": {"*": 1}, "visibility_timeout": 3}
+    options = {"table_prefix": table_prefix, "polling_interval": 0.05,
+               "queues": {QUEUE: queue_options}}
+    conn = connect(queues={QUEUE: queue_options})
+    publish(conn, QUEUE, {"n": 1}, limit_key="tenant")
+    context = multiprocessing.get_context("spawn")
+    holding = context.Event()
+    child = context.Process(target=holder, args=(broker_url, options, holding))
+    child.start()
+    try:
+        assert holding.wait(WAIT), "the holder took no row"
+        publish(conn, QUEUE, {"n": 2}, limit_key="tenant")
+        os.kill(child.pid or 0, signal.SIGKILL)
+        child.join(WAIT)
+        # its lease ran at least two seconds past its last extension: the key stays full
+        never_delivered(conn, [QUEUE], 1.5)
+        first = get_within(conn, QUEUE, 15.0)
+        never_delivered(conn, [QUEUE], 1.0)  # one of the key at a time still
+        first.ack()
+        second = get_within(conn, QUEUE, 15.0)
+        assert {first.decode()["n"], second.decode()["n"]} == {1, 2}
+        second.ack()
+    finally:
+        if child.is_alive():
+            child.kill()
+
+
+def test_rows_of_a_full_key_are_passed_over_not_waited_behind(connect: Connect) -> None:
+    """Sixty rows of a key at its limit ahead of other rows: the others are delivered,
+    one of the key, however far back they wait."""
+    conn = connect(queues={QUEUE: {"concurrency_limits": {"*": 1, "vip-": 2}}})
+    for _ in range(60):
+        publish(conn, QUEUE, {"key": "busy"}, limit_key="busy")
+    for key in ("vip-1", "vip-1", "vip-1", None):
+        publish(conn, QUEUE, {"key": key}, **({"limit_key": key} if key else {}))
+    got: list[Message] = []
+    with Consumer(conn, [Queue(QUEUE, routing_key=QUEUE)], callbacks=[
+            lambda body, message: got.append(message)], prefetch_count=10):
+        wait_for(lambda: conn.drain_events(timeout=0.2) or len(got) >= 4, "four rows")
+        never_delivered_while_draining(conn, got, 1.0)
+        keys = sorted(str(message.decode()["key"]) for message in got)
+        assert keys == ["None", "busy", "vip-1", "vip-1"], keys
+        for message in got:
+            message.ack()
+
+
+def never_delivered_while_draining(conn: Connection, got: list[Message],
+                                   seconds: float) -> None:
+    """Drain for ``seconds``: nothing more may arrive."""
+    held = len(got)
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        with contextlib.suppress(TimeoutError):
+            conn.drain_events(timeout=0.2)
+    assert len(got) == held, [message.decode() for message in got]
+
+
+@pytest.mark.parametrize("key", [5, "", "k" * 256, "nul\x00", ["a"]],
+                         ids=["int", "empty", "too-long", "nul", "list"])
+@pytest.mark.parametrize("how", ["property", "header"])
+def test_an_unusable_key_is_refused_at_publish_and_nothing_is_written(
+        connect: Connect, engine: Engine, table_prefix: str, key: Any, how: str) -> None:
+    conn = connect(queues={QUEUE: {"concurrency_limits": {"*": 1}}})
+    conn.default_channel.queue_declare(QUEUE)
+    sent = {"limit_key": key} if how == "property" else {"headers": {"limit_key": key}}
+    with pytest.raises(ConfigurationError, match="limit_key must be a non-empty string"):
+        conn.Producer().publish({"n": 1}, routing_key=QUEUE, retry=False, **sent)
+    table = quoted(engine, table_of(QUEUE, table_prefix))
+    with engine.connect() as db:
+        assert db.execute(text(f"SELECT COUNT(*) FROM {table}")).scalar_one() == 0
+    publish(conn, QUEUE, {"n": 2}, limit_key="ok")
+    message = get_within(conn, QUEUE)
+    assert message.decode() == {"n": 2} and message.headers["limit_key"] == "ok"
+    message.ack()
+
+
+def test_keys_compare_exactly(connect: Connect) -> None:
+    """Keys differing in case, a trailing space or beyond ASCII are different keys."""
+    conn = connect(queues={QUEUE: {"concurrency_limits": {"*": 1}}})
+    keys = ["Tenant", "tenant", "tenant ", "ténant-🙂"]
+    for key in keys:
+        publish(conn, QUEUE, {"key": key}, limit_key=key)
+    got = [get_within(conn, QUEUE) for _ in keys]
+    assert sorted(message.decode()["key"] for message in got) == sorted(keys)
+    assert get(conn, QUEUE) is None
+    for message in got:
+        message.ack()
+
+
+def test_limits_for_every_queue_leave_transient_queues_alone(connect: Connect) -> None:
+    """``max_in_work`` as every queue's default: remote control's and reply queues (rows
+    of the transient messages' table, no envelope a claim reads a key from) claim as
+    before, and a table queue is limited."""
+    conn = connect(max_in_work=1)
+    conn.default_channel.queue_declare("replies", durable=False, auto_delete=True)
+    conn.Producer().publish({"n": 1}, routing_key="replies")
+    assert broker_of(conn).table("replies").transient
+    get_within(conn, "replies").ack()
+    for n in range(2):
+        publish(conn, QUEUE, {"n": n})
+    first = get_within(conn, QUEUE)
+    assert get(conn, QUEUE) is None  # the queue's one row in work
+    first.ack()
+    get_within(conn, QUEUE).ack()
+
+
+def test_a_row_sent_with_a_number_for_a_key_is_claimed_under_its_text(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """A row sent before keys were checked (an earlier version) whose envelope holds a
+    number: its key is the number's text, and the claim goes on."""
+    conn = connect(queues={QUEUE: {"concurrency_limits": {"*": 1}}})
+    for n in range(2):
+        publish(conn, QUEUE, {"n": n}, limit_key="7")
+    table = quoted(engine, table_of(QUEUE, table_prefix))
+    with engine.begin() as db:
+        db.execute(text(f"UPDATE {table} SET headers = REPLACE(headers, "
+                        "'\"limit_key\": \"7\"', '\"limit_key\": 7')"))
+        assert all('"limit_key": 7' in row[0] for row in db.execute(
+            text(f"SELECT headers FROM {table}")))
+    first = get_within(conn, QUEUE)
+    assert get(conn, QUEUE) is None  # the other row of key 7 waits
+    first.ack()
+    get_within(conn, QUEUE).ack()
