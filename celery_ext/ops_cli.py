@@ -30,6 +30,7 @@ from celery.bin.base import CeleryCommand, CeleryOption
 from kombu_sqlinbox.codec import DEATH_HEADER, DELIVERY_PROPERTIES
 from kombu_sqlinbox.dead_letters import EVERY
 from kombu_sqlinbox.dialects.pausing import PLAN_PARAMS as PAUSE_PLAN_PARAMS
+from kombu_sqlinbox.dialects.rates import PLAN_PARAMS as RATE_PLAN_PARAMS
 from kombu_sqlinbox.dialects.results import PLAN_PARAMS as RESULT_PLAN_PARAMS
 from kombu_sqlinbox.dialects.schedules import PLAN_PARAMS as SCHEDULE_PLAN_PARAMS
 from kombu_sqlinbox.history import history_problems
@@ -49,6 +50,7 @@ __all__ = ["main", "sqlinbox"]
 RESULTS = "(results)"
 SCHEDULES = "(schedules)"
 PAUSED = "(paused)"
+RATES = "(rates)"
 
 
 def database_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -399,6 +401,8 @@ def ddl(ctx: click.Context, names: tuple[str, ...]) -> None:
             paused = ops.broker.pauses.sql
             click.echo("-- paused queues (sqlinbox pause)")
             click.echo(";\n".join(paused.ddl) + ";")
+            click.echo("-- rate budget (queues with a rate_limit)")
+            click.echo(";\n".join(ops.broker.rates.sql.ddl) + ";")
 
 
 def result_settings(app: Any, table_prefix: str) -> tuple[str, bool]:
@@ -433,6 +437,10 @@ def check(ctx: click.Context) -> None:
         more, found = ops.tables_check(PAUSED, "paused queues'", ops.broker.pauses.sql,
                                        PAUSE_PLAN_PARAMS, ops.options.create_tables,
                                        "no queue can be paused (sqlinbox pause)")
+        planned, problems = planned + more, problems + found
+        more, found = ops.tables_check(RATES, "rate budget", ops.broker.rates.sql,
+                                       RATE_PLAN_PARAMS, ops.options.create_tables,
+                                       "no queue's rate_limit can be kept")
         planned, problems = planned + more, problems + found
     for problem in problems:
         click.echo(f"PROBLEM {problem.queue} ({problem.table}): {problem.what}")

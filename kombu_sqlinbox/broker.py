@@ -41,6 +41,7 @@ from .exact import row_checks
 from .keeper import LeaseKeeper
 from .options import TransportOptions
 from .pausing import Pauses
+from .rates import RateLimits
 from .routing import Declared, Routes
 from .rows import ClaimedRow, Held, Settlement
 from .rows import QueueTable as QueueTable
@@ -80,6 +81,7 @@ class Broker:
         self.routes.restore_table = self._restore_table
         self.pauses = Pauses(self.database, self.wakeup, options.table_prefix,
                              options.create_tables, options.pause_check_interval)
+        self.rates = RateLimits(self.database, options.table_prefix, options.create_tables)
         self.transient = TransientQueues(self.routes, wake=self.wakeup.published)
         #: how a message for transient queues is encoded (the codec's view of their table)
         self.transient_template = QueueTable("", self.transient.spec, options.defaults, False,
@@ -303,6 +305,8 @@ class Broker:
     def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
         if not table.transient and self.pauses.paused(table.queue):
             return []  # its rows wait (:mod:`.pausing`); remote control never pauses
+        if table.options.rate_limit is not None and not table.transient:
+            return self.rates.claim(table, limit, skip)  # as many as its budget gives
         return table.claims.claim(table, limit, skip)
 
     def dead_letter(

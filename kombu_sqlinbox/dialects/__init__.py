@@ -15,6 +15,7 @@ from .base import (
     ClaimedRow,
     Dialect,
     PauseStatements,
+    RateStatements,
     ResultStatements,
     RoutingStatements,
     RowsInsert,
@@ -30,7 +31,8 @@ from .sqlite import SQLiteDialect
 
 __all__ = [
     "SPELLINGS", "Capabilities", "ClaimedRow", "Dialect", "MySQLDialect", "PauseStatements",
-    "PostgreSQLDialect", "ResultStatements", "RoutingStatements", "RowsInsert", "SQLiteDialect",
+    "PostgreSQLDialect", "RateStatements", "ResultStatements", "RoutingStatements",
+    "RowsInsert", "SQLiteDialect",
     "ScheduleStatements", "Statements", "Tokens", "UniqueStatements",
     "dialect_class", "dialect_for", "plain_payload", "register", "url_schemes",
 ]

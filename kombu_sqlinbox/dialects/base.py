@@ -17,6 +17,7 @@ family, only what differs there:
 * :mod:`.operations`: the operations commands' figures and dead-letter moves;
 * :mod:`.routing`: bindings, the queue registry, transient queues;
 * :mod:`.pausing`: the paused queues;
+* :mod:`.rates`: the rate-limited queues' budget;
 * :mod:`.outbox`: the transactional outbox's statements;
 * :mod:`.results`: the result tables' statements (Celery's result backend);
 * :mod:`.schedules`: the schedule tables' statements (the beat scheduler);
@@ -37,6 +38,7 @@ from .outbox import OutboxFamily
 from .pausing import PauseFamily, PauseStatements
 from .publish import RowsInsert
 from .queue import CANDIDATES, FLOOR_MARGIN, QueueFamily, Statements, Tokens
+from .rates import RateFamily, RateStatements
 from .results import ResultFamily, ResultStatements
 from .routing import RoutingFamily, RoutingStatements
 from .schedules import ScheduleFamily, ScheduleStatements
@@ -46,12 +48,13 @@ from .wakeups import WakeupFamily, no_wakeups
 
 __all__ = [
     "CANDIDATES", "FLOOR_MARGIN", "FLOOR_REFRESH", "FLOOR_STEP", "Capabilities", "ClaimedRow",
-    "Dialect", "DriverSql", "PauseStatements", "ResultStatements", "RoutingStatements",
-    "RowsInsert", "ScheduleStatements", "Statements", "Tokens", "UniqueStatements",
+    "Dialect", "DriverSql", "PauseStatements", "RateStatements", "ResultStatements",
+    "RoutingStatements", "RowsInsert", "ScheduleStatements", "Statements", "Tokens",
+    "UniqueStatements",
     "json_text", "no_wakeups", "plain_payload",
 ]
 
 
-class Dialect(QueueFamily, UniqueFamily, OperationsFamily, PauseFamily, RoutingFamily,
-              OutboxFamily, ResultFamily, ScheduleFamily, WakeupFamily):
+class Dialect(QueueFamily, UniqueFamily, OperationsFamily, PauseFamily, RateFamily,
+              RoutingFamily, OutboxFamily, ResultFamily, ScheduleFamily, WakeupFamily):
     """Base of the per-database dialects. Subclasses supply the SQL text."""

@@ -12,7 +12,7 @@ from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox import ConfigurationError, Role, TableBuilder, TableSpec
-from kombu_sqlinbox.dialects import PauseStatements, RoutingStatements, dialect_for
+from kombu_sqlinbox.dialects import PauseStatements, RateStatements, RoutingStatements, dialect_for
 
 from .conftest import Connect
 from .support import DEAD_LETTERS, count_rows, death, get_within, publish, quoted, table_of
@@ -174,16 +174,24 @@ STORED_NAMES = {
 def test_hostile_queue_name_is_stored_safely(
     connect: Connect, engine: Engine, table_prefix: str, case: str,
 ) -> None:
+    """The name is a bound value in the routing tables and in the rate budget (every
+    queue rate-limited here), and only ever part of its own table's name."""
     name = STORED_NAMES[case]
-    conn = connect()
+    conn = connect(rate_limit="1000/s")
     publish(conn, name, {"queue": name})
     message = get_within(conn, name)
     assert message.decode() == {"queue": name}
     assert message.delivery_info["routing_key"] == name
     table = table_of(name, table_prefix)
-    own = {*RoutingStatements.tables(table_prefix), *PauseStatements.tables(table_prefix)}
+    (budget,) = RateStatements.tables(table_prefix)
+    own = {*RoutingStatements.tables(table_prefix), *PauseStatements.tables(table_prefix),
+           budget}
     assert [t for t in inspect(engine).get_table_names()
             if t.startswith(table_prefix) and t not in own] == [table]
+    with engine.connect() as db:
+        names = db.execute(text(f"SELECT DISTINCT name FROM {quoted(engine, budget)}")).scalars()
+        assert [bytes(found).decode() if isinstance(found, (bytes, bytearray)) else found
+                for found in names] == [name]
     message.ack()
 
 
