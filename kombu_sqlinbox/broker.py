@@ -4,9 +4,8 @@ The process's Transports on one URL and options share one :class:`Broker`
 (:mod:`.brokers`): one engine with a bounded pool, one lease keeper and one view of
 which queue lives in which table.
 
-The broker composes the layers below it: the :class:`~.database.Database`, and on
-it the claim forms (:mod:`.claims`), the lease keeper (:mod:`.keeper`) and the wake-up
-(:mod:`.wakeups`).
+The broker composes the layers below it: the :class:`~.database.Database`, and on it the claim
+forms (:mod:`.claims`), the lease keeper (:mod:`.keeper`) and the wake-up (:mod:`.wakeups`).
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ class RateLimits:
         if not self._spent:
             return wait
         now = time.monotonic()
-        ends = [end - now for end in self._spent.values() if end > now]
+        ends = [end - now for end in list(self._spent.values()) if end > now]
         return min(max(wait, min(ends)), ceiling) if ends else wait
 
     def now(self) -> float:
