@@ -4,6 +4,8 @@ broker), where Celery's own ``rate_limit`` would allow each of them that many.""
 
 from __future__ import annotations
 
+import pytest
+
 from kombu_sqlinbox.options import parse_options
 from kombu_sqlinbox.rates import Budget
 from tests.acceptance.conftest import Acceptance, check_exactly_once
@@ -14,9 +16,12 @@ RATE = "20/s"
 BACKLOG = [f"r{n}" for n in range(100)]
 
 
+@pytest.mark.parametrize("event_loop", [False, True], ids=["blocking", "event-loop"])
 def test_two_workers_together_start_no_more_than_the_rate_limit(
-        acceptance: Acceptance) -> None:
-    acceptance.configure(queues={"celery": {"rate_limit": RATE}})
+        acceptance: Acceptance, event_loop: bool) -> None:
+    """In Celery's blocking loop and in its event loop (whose timer waits out a spent
+    window as the blocking loop's wait does)."""
+    acceptance.configure(event_loop=event_loop, queues={"celery": {"rate_limit": RATE}})
     workers = acceptance.workers(["w1", "w2"], "prefork", 2)
     acceptance.send("acc.run", BACKLOG)
     wait_until(lambda: sum(acceptance.runs.done().values()) >= len(BACKLOG), 60,

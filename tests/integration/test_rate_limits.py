@@ -12,7 +12,7 @@ from multiprocessing.synchronize import Event
 import pytest
 from kombu import Connection, Consumer, Queue
 from kombu.message import Message
-from sqlalchemy import inspect, text
+from sqlalchemy import event, inspect, text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox.dialects import RateStatements
@@ -164,3 +164,41 @@ def test_a_connection_cut_during_the_budget_update_loses_no_message(
             message.ack()
         settled(conn)
     assert count_rows(engine, table_of("rated", table_prefix)) == 0
+
+
+def test_a_spent_window_is_waited_out_without_a_statement_and_ends_on_time(
+        connect: Connect, table_prefix: str) -> None:
+    """At ``1/s`` (one token a window of 1 s), the first message spends the window: the
+    consumer then runs no claim and no budget statement until the window ends,
+    and takes the second message as the next window begins, long before its
+    ``polling_interval`` of 5 s would have it look again."""
+    conn = connect(polling_interval=5.0, queues={"rated": {"rate_limit": "1/s"}})
+    for number in range(2):
+        publish(conn, "rated", {"n": number})
+    broker = broker_of(conn)
+    arrived: list[float] = []
+    ran: list[tuple[float, str]] = []
+
+    def record(conn: object, cursor: object, statement: str, *args: object) -> None:
+        ran.append((time.monotonic(), statement))
+
+    with Consumer(conn, [Queue("rated")], prefetch_count=10,
+                  callbacks=[lambda body, message: (arrived.append(time.monotonic()),
+                                                    message.ack())]):
+        deadline = time.monotonic() + 10
+        while not arrived and time.monotonic() < deadline:
+            conn.drain_events(timeout=1)
+        spent_until = broker.rates._spent["rated"]
+        event.listen(broker.engine, "before_cursor_execute", record)
+        try:
+            while len(arrived) < 2 and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=1)
+        finally:
+            event.remove(broker.engine, "before_cursor_execute", record)
+    assert len(arrived) == 2
+    watched = (table_of("rated", table_prefix), "rate_budget")  # the claim's, the budget's
+    early = [sql for at, sql in ran if at < spent_until - 0.005
+             and any(name in sql for name in watched) and not sql.startswith("DELETE")]
+    assert not early, early  # nothing while the window lasted (the ack aside)
+    assert arrived[1] - spent_until <= 0.5
