@@ -31,6 +31,7 @@ from kombu_sqlinbox.codec import DEATH_HEADER, DELIVERY_PROPERTIES
 from kombu_sqlinbox.dead_letters import EVERY
 from kombu_sqlinbox.dialects.limits import PLAN_PARAMS as LIMIT_PLAN_PARAMS
 from kombu_sqlinbox.dialects.pausing import PLAN_PARAMS as PAUSE_PLAN_PARAMS
+from kombu_sqlinbox.dialects.rates import PLAN_PARAMS as RATE_PLAN_PARAMS
 from kombu_sqlinbox.dialects.results import PLAN_PARAMS as RESULT_PLAN_PARAMS
 from kombu_sqlinbox.dialects.schedules import PLAN_PARAMS as SCHEDULE_PLAN_PARAMS
 from kombu_sqlinbox.history import history_problems
@@ -52,6 +53,7 @@ RESULTS = "(results)"
 SCHEDULES = "(schedules)"
 PAUSED = "(paused)"
 LIMITS = "(limits)"
+RATES = "(rates)"
 
 
 def database_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -405,6 +407,8 @@ def ddl(ctx: click.Context, names: tuple[str, ...]) -> None:
             click.echo("-- concurrency limits' slots (made by the first claim of a queue "
                        "with concurrency_limits or max_in_work)")
             click.echo(";\n".join(ops.broker.limits.sql.ddl) + ";")
+            click.echo("-- rate budget (queues with a rate_limit)")
+            click.echo(";\n".join(ops.broker.rates.sql.ddl) + ";")
 
 
 def result_settings(app: Any, table_prefix: str) -> tuple[str, bool]:
@@ -445,6 +449,10 @@ def check(ctx: click.Context) -> None:
         more, found = ops.tables_check(LIMITS, "concurrency limits'", ops.broker.limits.sql,
                                        LIMIT_PLAN_PARAMS, options.create_tables or not needed,
                                        "no queue with concurrency limits can be claimed")
+        planned, problems = planned + more, problems + found
+        more, found = ops.tables_check(RATES, "rate budget", ops.broker.rates.sql,
+                                       RATE_PLAN_PARAMS, options.create_tables,
+                                       "no queue's rate_limit can be kept")
         planned, problems = planned + more, problems + found
     for problem in problems:
         click.echo(f"PROBLEM {problem.queue} ({problem.table}): {problem.what}")

@@ -4,9 +4,8 @@ The process's Transports on one URL and options share one :class:`Broker`
 (:mod:`.brokers`): one engine with a bounded pool, one lease keeper and one view of
 which queue lives in which table.
 
-The broker composes the layers below it: the :class:`~.database.Database`, and on
-it the claim forms (:mod:`.claims`), the lease keeper (:mod:`.keeper`) and the wake-up
-(:mod:`.wakeups`).
+The broker composes the layers below it: the :class:`~.database.Database`, and on it the claim
+forms (:mod:`.claims`), the lease keeper (:mod:`.keeper`) and the wake-up (:mod:`.wakeups`).
 """
 
 from __future__ import annotations
@@ -24,13 +23,7 @@ from sqlalchemy.exc import DBAPIError, NoSuchTableError
 
 from . import binding
 from .claims import claim_forms
-from .codec import (
-    Undecodable,
-    convert_payload,
-    dead_letter_headers,
-    parked_payload,
-    parked_row,
-)
+from .codec import Undecodable, convert_payload, dead_letter_headers, parked_payload, parked_row
 from .database import engine_for as engine_for  # re-exported: imported from here
 from .database import open_database
 from .database import same_database as same_database
@@ -42,6 +35,7 @@ from .keeper import LeaseKeeper
 from .limits import Limiter, limited
 from .options import TransportOptions
 from .pausing import Pauses
+from .rates import RateLimits
 from .routing import Declared, Routes
 from .rows import ClaimedRow, Held, Settlement
 from .rows import QueueTable as QueueTable
@@ -82,6 +76,7 @@ class Broker:
         self.limits = Limiter(self.database, self.keeper, options)
         self.pauses = Pauses(self.database, self.wakeup, options.table_prefix,
                              options.create_tables, options.pause_check_interval)
+        self.rates = RateLimits(self.database, options.table_prefix, options.create_tables)
         self.transient = TransientQueues(self.routes, wake=self.wakeup.published)
         #: how a message for transient queues is encoded (the codec's view of their table)
         self.transient_template = QueueTable("", self.transient.spec, options.defaults, False,
@@ -306,6 +301,8 @@ class Broker:
         if not table.transient and self.pauses.paused(table.queue):
             return []  # its rows wait (:mod:`.pausing`); remote control never pauses
         claims = self.limits if limited(table.options) else table.claims  # :mod:`.limits`
+        if table.options.rate_limit is not None and not table.transient:
+            return self.rates.claim(table, limit, skip, claims.claim)  # as its budget gives
         return claims.claim(table, limit, skip)
 
     def dead_letter(

@@ -28,7 +28,7 @@ from sqlalchemy.pool import Pool
 from . import binding
 from .clock import key_of
 from .dialects import SPELLINGS, Dialect, RowsInsert, dialect_class, dialect_for
-from .errors import ConfigurationError
+from .errors import ConfigurationError, SchemaMismatch
 from .options import TransportOptions, unknown_option
 from .tables import TableSpec
 from .urls import masked
@@ -377,3 +377,22 @@ class Database:
         """Whether ``spec``'s table exists, committed."""
         return self.run(lambda conn: inspect(conn).has_table(spec.table, schema=spec.schema),
                         read_only=True)
+
+    def ensure_table(self, name: str, ddl: Sequence[str], create: bool,
+                     missing: Callable[[], str]) -> None:
+        """A table of the transport's own (paused queues, rate budget): there, or made by
+        ``ddl`` where the transport creates tables (a race with another process making
+        it is run again), else :class:`SchemaMismatch` saying ``missing()``."""
+        if self.run(lambda conn: inspect(conn).has_table(name), read_only=True):
+            return
+        if not create:
+            raise SchemaMismatch(missing())
+
+        def make(conn: Connection) -> None:
+            for statement in ddl:
+                conn.exec_driver_sql(statement)
+
+        try:
+            self.run(make)
+        except DBAPIError:  # another process created it at the same moment
+            self.run(make)

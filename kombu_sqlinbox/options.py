@@ -25,6 +25,40 @@ KOMBU_KEYS = frozenset(
      "retry_errors", "errback", "on_revive"}
 )
 CLAIM_FORMS = ("lease", "row_lock", "advisory")
+#: a rate limit's units: seconds per unit
+RATE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A queue's rate limit: at most ``count`` claims per ``per`` seconds, across every
+    worker (:mod:`.rates`)."""
+
+    count: float
+    per: float
+    text: str
+
+    @property
+    def per_second(self) -> float:
+        return self.count / self.per
+
+
+def parse_rate(key: str, value: Any) -> Rate | None:
+    """``"50/s"``, ``"10/m"``, ``"100/h"`` (a positive count) as a :class:`Rate`; None
+    stays None (no limit)."""
+    if value is None:
+        return None
+    written = value.strip() if isinstance(value, str) else ""
+    count, _, unit = written.partition("/")
+    try:
+        number = float(count)
+    except ValueError:
+        number = 0.0
+    if unit.strip() not in RATE_UNITS or not 0 < number < float("inf"):
+        raise ConfigurationError(
+            f"transport option {key}={value!r}: expected a positive count per second, "
+            "minute or hour, such as '50/s', '10/m' or '100/h'")
+    return Rate(number, RATE_UNITS[unit.strip()], written)
 ISOLATION_LEVELS = ("READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE")
 
 
@@ -46,6 +80,8 @@ class QueueOptions:
     concurrency_limits: tuple[tuple[str, int], ...] = ()
     #: at most this many rows of the queue in work at once, across every worker
     max_in_work: int | None = None
+    #: at most this many claims per second/minute/hour across every worker (:mod:`.rates`)
+    rate_limit: Rate | None = None
 
 
 @dataclass(frozen=True)
@@ -126,7 +162,7 @@ def _declaration(key: str, value: Any) -> TableSpec:
 #: the options of one queue, which also stand at the top as every queue's default
 QUEUE_KEYS = frozenset({"max_attempts", "dead_letter_queue", "claim", "visibility_timeout",
                         "isolation_level", "sqlite_begin", "synchronous_commit",
-                        "concurrency_limits", "max_in_work"})
+                        "concurrency_limits", "max_in_work", "rate_limit"})
 #: the longest key prefix a concurrency limit names (a key is at most as long)
 MAX_LIMIT_KEY = 255
 
@@ -200,6 +236,8 @@ def _queue_options(prefix: str, raw: Mapping[str, Any], base: QueueOptions) -> Q
             changes[key] = _limits(name, value)
         elif key == "max_in_work":
             changes[key] = None if value is None else _number(name, value, 1, integer=True)
+        elif key == "rate_limit":
+            changes[key] = parse_rate(name, value)
         elif key == "dead_letter_queue":
             if value is not None and (not isinstance(value, str) or not value):
                 raise ConfigurationError(

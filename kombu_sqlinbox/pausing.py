@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass
 
 from sqlalchemy import Connection, inspect
-from sqlalchemy.exc import DBAPIError
 
 from .database import Database
 from .dialects import PauseStatements
@@ -147,24 +146,9 @@ class Pauses:
 
     def ensure(self) -> None:
         """The table, created where the transport creates tables, else required."""
-        if self._ready:
-            return
-        if self.database.run(lambda conn: inspect(conn).has_table(self.channel),
-                             read_only=True):
+        if not self._ready:
+            self.database.ensure_table(self.channel, self.sql.ddl, self.create, self.missing)
             self._ready = True
-            return
-        if not self.create:
-            raise SchemaMismatch(self.missing())
-
-        def make(conn: Connection) -> None:
-            for statement in self.sql.ddl:
-                conn.exec_driver_sql(statement)
-
-        try:
-            self.database.run(make)
-        except DBAPIError:  # another process created it at the same moment
-            self.database.run(make)
-        self._ready = True
 
     # -- what the operations write ------------------------------------------------
     def records(self, conn: Connection | None = None) -> list[Paused]:

@@ -84,7 +84,9 @@ class EventLoop:
         if self._poll_timer is not None:
             self._poll_timer.cancel()
         if wait is None:
-            wait = self.transport.cadence.idle(self.transport.polling_interval)
+            ceiling = self.transport.polling_interval
+            wait = self.transport.broker.rates.idle_wait(
+                self.transport.cadence.idle(ceiling), ceiling)
         self._poll_timer = loop.call_later(wait, self._on_timer, loop)
 
     def leave(self) -> None:

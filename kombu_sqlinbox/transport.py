@@ -131,7 +131,8 @@ class Transport(virtual.Transport):
                                        and monotonic() - started >= timeout):
                     raise TimeoutError() from None
                 self.broker.sweep()
-                interval = self.cadence.idle(self.polling_interval)
+                interval = self.broker.rates.idle_wait(
+                    self.cadence.idle(self.polling_interval), self.polling_interval)
                 if timeout:
                     interval = min(interval, timeout)
                 self.broker.wakeup.wait(interval)

@@ -17,6 +17,7 @@ from .base import (
     LimitedClaim,
     LimitStatements,
     PauseStatements,
+    RateStatements,
     ResultStatements,
     RoutingStatements,
     RowsInsert,
@@ -32,8 +33,8 @@ from .sqlite import SQLiteDialect
 
 __all__ = [
     "SPELLINGS", "Capabilities", "ClaimedRow", "Dialect", "LimitStatements", "LimitedClaim",
-    "MySQLDialect", "PauseStatements",
-    "PostgreSQLDialect", "ResultStatements", "RoutingStatements", "RowsInsert", "SQLiteDialect",
+    "MySQLDialect", "PauseStatements", "PostgreSQLDialect", "RateStatements",
+    "ResultStatements", "RoutingStatements", "RowsInsert", "SQLiteDialect",
     "ScheduleStatements", "Statements", "Tokens", "UniqueStatements",
     "dialect_class", "dialect_for", "plain_payload", "register", "url_schemes",
 ]

@@ -18,6 +18,7 @@ family, only what differs there:
 * :mod:`.routing`: bindings, the queue registry, transient queues;
 * :mod:`.pausing`: the paused queues;
 * :mod:`.limits`: concurrency limits' slots and the claim of a queue with limits;
+* :mod:`.rates`: the rate-limited queues' budget;
 * :mod:`.outbox`: the transactional outbox's statements;
 * :mod:`.results`: the result tables' statements (Celery's result backend);
 * :mod:`.schedules`: the schedule tables' statements (the beat scheduler);
@@ -39,6 +40,7 @@ from .outbox import OutboxFamily
 from .pausing import PauseFamily, PauseStatements
 from .publish import RowsInsert
 from .queue import CANDIDATES, FLOOR_MARGIN, QueueFamily, Statements, Tokens
+from .rates import RateFamily, RateStatements
 from .results import ResultFamily, ResultStatements
 from .routing import RoutingFamily, RoutingStatements
 from .schedules import ScheduleFamily, ScheduleStatements
@@ -49,12 +51,12 @@ from .wakeups import WakeupFamily, no_wakeups
 __all__ = [
     "CANDIDATES", "FLOOR_MARGIN", "FLOOR_REFRESH", "FLOOR_STEP", "Capabilities", "ClaimedRow",
     "Dialect", "DriverSql", "LimitStatements", "LimitedClaim", "PauseStatements",
-    "ResultStatements", "RoutingStatements",
-    "RowsInsert", "ScheduleStatements", "Statements", "Tokens", "UniqueStatements",
+    "RateStatements", "ResultStatements", "RoutingStatements", "RowsInsert",
+    "ScheduleStatements", "Statements", "Tokens", "UniqueStatements",
     "json_text", "no_wakeups", "plain_payload",
 ]
 
 
-class Dialect(QueueFamily, LimitFamily, UniqueFamily, OperationsFamily, PauseFamily, RoutingFamily,
-              OutboxFamily, ResultFamily, ScheduleFamily, WakeupFamily):
+class Dialect(QueueFamily, LimitFamily, UniqueFamily, OperationsFamily, PauseFamily, RateFamily,
+              RoutingFamily, OutboxFamily, ResultFamily, ScheduleFamily, WakeupFamily):
     """Base of the per-database dialects. Subclasses supply the SQL text."""

@@ -37,6 +37,7 @@ def test_migration_applied_checked_used_and_rolled_back(
     tables = [table_name_for_queue(queue, table_prefix) for queue in ("emails", "emails.dead")]
     run(env, "alembic", "-c", "alembic.ini", "upgrade", "head")
     found = inspect(engine)
+    assert found.has_table(f"{table_prefix}rate_budget")  # with the routing tables
     for table in tables:
         assert found.has_table(table)
         assert f"{table}_claim" in {index["name"] for index in found.get_indexes(table)}
@@ -51,7 +52,7 @@ def test_migration_applied_checked_used_and_rolled_back(
 
     run(env, "alembic", "-c", "alembic.ini", "downgrade", "base")
     found = inspect(engine)
-    assert not any(found.has_table(table) for table in tables)
+    assert not any(found.has_table(table) for table in [*tables, f"{table_prefix}rate_budget"])
 
 
 def test_guide_names_every_metric() -> None:

@@ -15,6 +15,7 @@ from kombu_sqlinbox import ConfigurationError, Role, TableBuilder, TableSpec
 from kombu_sqlinbox.dialects import (
     LimitStatements,
     PauseStatements,
+    RateStatements,
     RoutingStatements,
     dialect_for,
 )
@@ -179,17 +180,24 @@ STORED_NAMES = {
 def test_hostile_queue_name_is_stored_safely(
     connect: Connect, engine: Engine, table_prefix: str, case: str,
 ) -> None:
+    """The name is a bound value in the routing tables and in the rate budget (every
+    queue rate-limited here), and only ever part of its own table's name."""
     name = STORED_NAMES[case]
-    conn = connect()
+    conn = connect(rate_limit="1000/s")
     publish(conn, name, {"queue": name})
     message = get_within(conn, name)
     assert message.decode() == {"queue": name}
     assert message.delivery_info["routing_key"] == name
     table = table_of(name, table_prefix)
+    (budget,) = RateStatements.tables(table_prefix)
     own = {*RoutingStatements.tables(table_prefix), *PauseStatements.tables(table_prefix),
-           *LimitStatements.tables(table_prefix)}
+           *LimitStatements.tables(table_prefix), budget}
     assert [t for t in inspect(engine).get_table_names()
             if t.startswith(table_prefix) and t not in own] == [table]
+    with engine.connect() as db:
+        names = db.execute(text(f"SELECT DISTINCT name FROM {quoted(engine, budget)}")).scalars()
+        assert [bytes(found).decode() if isinstance(found, (bytes, bytearray)) else found
+                for found in names] == [name]
     message.ack()
 
 

@@ -93,10 +93,11 @@ def test_check_fails_without_the_routing_tables(
             conn.execute(text(statement.rstrip(";")))
     failed = cli("check", more=off, check=False)
     assert failed.returncode == 1, failed.stdout
-    problem, paused = [line for line in failed.stdout.splitlines()
-                       if line.startswith("PROBLEM")]
+    problem, paused, rates = [line for line in failed.stdout.splitlines()
+                              if line.startswith("PROBLEM")]
     assert problem.startswith(f"PROBLEM (routing) ({table_prefix}queues): "), failed.stdout
     assert paused.startswith(f"PROBLEM (paused) ({table_prefix}paused_queues): "), paused
+    assert rates.startswith(f"PROBLEM (rates) ({table_prefix}rate_budget): "), rates
     assert f"{table_prefix}bindings" in problem and f"{table_prefix}transient" in problem
     assert "CREATE TABLE IF NOT EXISTS" in failed.stdout  # what creates them
 

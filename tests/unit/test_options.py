@@ -12,7 +12,8 @@ from sqlalchemy.engine import make_url
 import kombu_sqlinbox
 from kombu_sqlinbox import ConfigurationError, TableBuilder
 from kombu_sqlinbox.database import engine_for, engine_keywords
-from kombu_sqlinbox.options import KOMBU_KEYS, TransportOptions, parse_options
+from kombu_sqlinbox.options import KOMBU_KEYS, Rate, TransportOptions, parse_options
+from kombu_sqlinbox.rates import Budget
 
 #: importable by dotted path, as a Celery config file would name it
 DECLARED = TableBuilder("declared_jobs").id().payload().attempt().locked_until().build()
@@ -76,6 +77,32 @@ def test_bad_values_are_refused(raw: dict[str, Any]) -> None:
 def test_bad_value_names_its_key(raw: dict[str, Any], name: str) -> None:
     with pytest.raises(ConfigurationError, match=re.escape(name)):
         parse_options(raw)
+
+
+@pytest.mark.parametrize("value", ["50/x", "0/s", "-1/s", "fast", "50", "/s", "nan/s",
+                                   "inf/m", 50, 0.5, True, ""])
+def test_a_bad_rate_limit_is_refused_saying_what_is_expected(value: Any) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(
+            f"transport option queues['jobs'].rate_limit={value!r}: expected a positive "
+            "count per second, minute or hour, such as '50/s'")):
+        parse_options({"queues": {"jobs": {"rate_limit": value}}})
+
+
+@pytest.mark.parametrize("value, count, per", [
+    ("50/s", 50, 1), (" 10/m", 10, 60), ("100 / h", 100, 3600), ("0.5/s", 0.5, 1)])
+def test_a_rate_limit_per_second_minute_or_hour(value: str, count: float, per: float) -> None:
+    limit = parse_options({"rate_limit": value}).defaults.rate_limit
+    assert limit is not None and (limit.count, limit.per) == (count, per)
+
+
+@pytest.mark.parametrize("rate, width, tokens, shards", [
+    (Rate(50, 1, "50/s"), 0.2, 10, 5), (Rate(10, 60, "10/m"), 6.0, 1, 1),
+    (Rate(1000, 1, "1000/s"), 0.2, 200, 8), (Rate(4, 1, "4/s"), 0.25, 1, 1)])
+def test_a_rate_is_cut_into_short_windows_of_whole_tokens(
+        rate: Rate, width: float, tokens: int, shards: int) -> None:
+    budget = Budget.of(rate)
+    assert (round(budget.width, 9), budget.tokens, budget.shards) == (width, tokens, shards)
+    assert sum(budget.share(shard) for shard in range(shards)) == tokens
 
 
 def test_kombu_retry_keys_are_accepted() -> None:

@@ -215,9 +215,10 @@ def render(database: str) -> str:
                       for what, item in table_statements(dialect, drivers, spec)]
         found += [*outbox_statements(dialect), *routing_statements(dialect),
                   *result_statements(dialect), *schedule_statements(dialect),
-                  *((f"key_statements.{field.name}", getattr(keys, field.name))
-                    for keys in [dialect.key_statements("sqlinbox_")]
-                    for field in dataclasses.fields(keys))]
+                  *((f"{kind}.{field.name}", getattr(made, field.name))
+                    for kind, made in [("key_statements", dialect.key_statements("sqlinbox_")),
+                                       ("rate_statements", dialect.rate_statements("sqlinbox_"))]
+                    for field in dataclasses.fields(made))]
         sections += [f"## {variant} | {what}\n{value(item)}\n" for what, item in found]
     return "\n".join(sections)
 
