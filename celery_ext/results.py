@@ -393,13 +393,13 @@ class SqlInboxBackend(BaseBackend):
             return super().apply_chord(header_result_args, body, **kwargs)
         header = self.app.GroupResult(*header_result_args)
         self.store.save_chord(header.id, ensure_bytes(self.encode(
-            {"header": header.as_tuple()})), binding.current())
+            {"header": header.as_tuple()})), self.store.database.bound_caller())
         return None
 
     def set_chord_size(self, group_id: str, chord_size: int) -> None:
         """Celery calls it before publishing the header's last task: no count completes before."""
         if self._chord_broker() is not None:
-            self.store.size_chord(group_id, chord_size, binding.current())
+            self.store.size_chord(group_id, chord_size, self.store.database.bound_caller())
 
     def on_chord_part_return(self, request: Any, state: str, result: Any,
                              **kwargs: Any) -> None:
