@@ -387,20 +387,19 @@ class SqlInboxBackend(BaseBackend):
         return self._chords[0]
 
     def apply_chord(self, header_result_args: Any, body: Any, **kwargs: Any) -> Any:
-        """Save the chord's counter row with its header's results in order (what the
-        body receives); its size follows in :meth:`set_chord_size`."""
+        """Save the chord's counter row, its header's results in order (what the body
+        receives; its size: :meth:`set_chord_size`), in the bound transaction if any."""
         if self._chord_broker() is None:
             return super().apply_chord(header_result_args, body, **kwargs)
         header = self.app.GroupResult(*header_result_args)
         self.store.save_chord(header.id, ensure_bytes(self.encode(
-            {"header": header.as_tuple()})))
+            {"header": header.as_tuple()})), self.store.database.bound_caller())
         return None
 
     def set_chord_size(self, group_id: str, chord_size: int) -> None:
-        """Celery calls it before it publishes the header's last task: no part can
-        complete the count before the size is there."""
+        """Celery calls it before publishing the header's last task: no count completes before."""
         if self._chord_broker() is not None:
-            self.store.size_chord(group_id, chord_size)
+            self.store.size_chord(group_id, chord_size, self.store.database.bound_caller())
 
     def on_chord_part_return(self, request: Any, state: str, result: Any,
                              **kwargs: Any) -> None:
@@ -419,7 +418,8 @@ class SqlInboxBackend(BaseBackend):
     def _count_part(self, request: Any, conn: Connection) -> After:
         """Count one header task in ``conn``'s transaction; the part reaching the size
         reads the header's results in order, deletes the counter row and publishes the
-        body bound to the transaction: it is sent once, as this commits. A failed header
+        body bound to the transaction (a chord in it saves its counter row there too, see
+        ``ResultStore.save_chord``): it is sent once, as this commits. A failed header
         task, or a missing counter row, gives the body's error callbacks a ChordError
         once the transaction is over (what they publish is not part of it)."""
         callback = maybe_signature(request.chord, app=self.app)

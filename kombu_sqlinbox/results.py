@@ -194,16 +194,27 @@ class ResultStore:
         self._run(lambda conn: conn.execute(self.sql.delete_group, {"group_id": group_id}))
 
     # -- chords --------------------------------------------------------------------------
-    def save_chord(self, group_id: str, meta: bytes) -> None:
+    def save_chord(self, group_id: str, meta: bytes, into: Connection | None = None) -> None:
         """A chord's counter row, nothing counted and no size yet (a chord applied again
-        under the same id starts over)."""
+        under the same id starts over); in ``into``'s transaction if given."""
         self.check_size(group_id, meta)
-        self._run(lambda conn: conn.execute(self.sql.chord_save,
-                                            {"group_id": group_id, "meta": meta}))
+        self._write_in(into, lambda conn: conn.execute(
+            self.sql.chord_save, {"group_id": group_id, "meta": meta}))
 
-    def size_chord(self, group_id: str, size: int) -> None:
-        self._run(lambda conn: conn.execute(self.sql.chord_size,
-                                            {"group_id": group_id, "size": size}))
+    def size_chord(self, group_id: str, size: int, into: Connection | None = None) -> None:
+        self._write_in(into, lambda conn: conn.execute(
+            self.sql.chord_size, {"group_id": group_id, "size": size}))
+
+    def _write_in(self, into: Connection | None, work: Callable[[Connection], Any]) -> None:
+        """``work`` in the caller's open transaction ``into`` (on this database), else in
+        one of its own. Beside the caller's (a chord's body published as its header is
+        counted), one of its own would wait on SQLite for the write lock the caller holds:
+        the same thread's, so until the busy timeout, retried ten times."""
+        if into is None:
+            self._run(work)
+        else:
+            self.ensure()
+            work(into)
 
     def count_chord(self, conn: Connection, group_id: str
                     ) -> tuple[int, int | None, bytes] | None:

@@ -126,3 +126,27 @@ def test_a_worker_killed_mid_chord_leaves_the_body_run_once_with_every_result(
     assert tokens == [acceptance.runs.records(key)[-1]["token"] for key in keys]
     assert acceptance.runs.starts()["body"] == 1
     assert len(acceptance.runs.records("h*")) > len(keys), "no kill landed mid-run"
+
+
+#: far below the 30 s SQLite busy timeout that a body's chord row written beside the
+#: counting transaction waited for (ten times over, retried as a busy database)
+NESTED_LIMIT = 20.0
+
+
+@pytest.mark.parametrize("task", ["acc.add_late", "acc.add"])
+def test_a_chord_whose_body_is_a_chord_runs_without_waiting_on_its_own_lock(
+        acceptance: Acceptance, caller: Celery, db_url: str, engine: Engine,
+        task: str) -> None:
+    """A chord whose body is a chord (Celery's ``group | group | task``): the first's
+    last header task counts it and publishes the body, whose counter row is written in
+    that counting transaction (with the result and ack for a late ack, in one of its own
+    otherwise). In a transaction of its own, it waited on SQLite for the write lock the
+    counting transaction holds."""
+    inner = chord([caller.signature("acc.total"), caller.signature("acc.total")],
+                  caller.signature("acc.collect"))
+    canvas = chord([caller.signature(task, args=(n, n)) for n in (1, 2)], inner)
+    worker = acceptance.worker("prefork", 2, **results_conf(db_url))
+    assert canvas.delay().get(timeout=NESTED_LIMIT) == [6, 6]
+    assert worker.stop() == 0, worker.tail()
+    assert acceptance.runs.starts()["body"] == 1
+    assert chord_rows(acceptance, engine) == 0
