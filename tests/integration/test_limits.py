@@ -102,7 +102,8 @@ def test_racing_processes_never_exceed_a_limit(
         assert max(most.values()) == 2, most  # reached, never passed
     else:
         most = most_at_once(("queue", start, end) for _, start, end in runs)
-        assert most == {"queue": 3}, most
+        # never passed; on a loaded machine the third at once may never come together
+        assert 2 <= most["queue"] <= 3, most
     assert all(child.exitcode == 0 for child in children)
 
 
