@@ -103,16 +103,18 @@ def test_a_project_not_set_up_gets_an_error_saying_so(
     result.stdout.fnmatch_lines([error])
 
 
-@pytest.mark.parametrize(("starting", "error"), [
+@pytest.mark.parametrize(("starting", "patience", "error"), [
     # worker_init: the worker process has imported the app and is starting
-    ("print('still waking up', flush=True)\n    time.sleep(30)", "*was not ready within 4 s*"),
-    ("print('no worker today', flush=True)\n    os._exit(3)",
+    # (a loaded machine may take several seconds to get there)
+    ("print('still waking up', flush=True)\n    time.sleep(120)", 15,
+     "*was not ready within 15 s*"),
+    ("print('no worker today', flush=True)\n    os._exit(3)", 60,
      "*exited with code 3 before it was ready*"),
 ], ids=["late", "dead"])
 def test_a_worker_process_that_does_not_start_fails_the_test_with_its_log(
-        pytester: pytest.Pytester, starting: str, error: str) -> None:
+        pytester: pytest.Pytester, starting: str, patience: int, error: str) -> None:
     pytester.makeini("[pytest]\nsqlinbox = true\nsqlinbox_app = service:app\n"
-                     "sqlinbox_worker_start = 4\n")
+                     f"sqlinbox_worker_start = {patience}\n")
     pytester.makepyfile(service=(
         "import os\nimport time\n\nfrom celery import Celery\n"
         "from celery.signals import worker_init\n\nimport kombu_sqlinbox  # noqa: F401\n\n"
