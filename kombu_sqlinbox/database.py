@@ -373,10 +373,10 @@ class Database:
     def ping(self) -> None:
         self.run(lambda conn: conn.exec_driver_sql("SELECT 1"), attempts=1, read_only=True)
 
-    def has_table(self, spec: TableSpec) -> bool:
+    def has_table(self, spec: TableSpec, attempts: int = 10) -> bool:
         """Whether ``spec``'s table exists, committed."""
         return self.run(lambda conn: inspect(conn).has_table(spec.table, schema=spec.schema),
-                        read_only=True)
+                        attempts=attempts, read_only=True)
 
     def ensure_table(self, name: str, ddl: Sequence[str], create: bool,
                      missing: Callable[[], str]) -> None:

@@ -394,7 +394,9 @@ class LeaseKeeper:
         group[0].claims.settled(queued.held for queued in entries)
 
     def _failed(self, group: Group, entries: list[Queued], exc: Exception) -> None:
-        """Drop the group when its table is gone; else retry it alone, with back-off."""
+        """Drop the group when its table is gone; else retry it alone, with back-off. The
+        question is asked once: a database that does not answer is the usual failure, and
+        retrying it here would hold every queue's settlements up."""
         table, how = group
         if self._gone(table):
             logger.warning(
@@ -419,7 +421,7 @@ class LeaseKeeper:
     def _gone(self, table: QueueTable) -> bool:
         """Whether the table was dropped; a database that cannot say is taken as there."""
         try:
-            return not self.database.has_table(table.spec)
+            return not self.database.has_table(table.spec, attempts=1)
         except Exception:
             return False
 
