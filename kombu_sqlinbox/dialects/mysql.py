@@ -309,6 +309,9 @@ class MySQLDialect(MySQLUniqueKeys, Dialect):
                     names: tuple[str, str, str]) -> list[str]:
         return _indexes_inside(super().routing_ddl(queues, bindings, messages, names))
 
+    def limit_ddl(self, statements: list[str]) -> list[str]:
+        return _indexes_inside(statements)
+
     # -- results: the result tables (celery_ext.results) ----------------------------------
     #: ids compared byte for byte, as Celery compares them
     result_id_type = f"VARBINARY({RESULT_ID_BYTES})"

@@ -1,0 +1,141 @@
+"""Concurrency limits under what production does to them: rows given back unconsumed and
+claimed again by racing processes, a queue deleted and declared again, huge limits."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import time
+from multiprocessing.synchronize import Event
+from typing import Any
+
+import pytest
+from kombu import Connection, Consumer, Message, Queue
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from .conftest import Connect
+from .support import get_within, publish, quoted, settled, table_of
+
+QUEUE = "limited"
+#: the longest wait for a child to start or stop
+WAIT = 60.0
+
+
+def churner(broker_url: str, options: dict[str, Any], ready: Event, stop: Event,
+            given: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    """Until ``stop``: consume with a prefetch of four, hold what was delivered a moment,
+    then cancel, giving the buffered rows back unconsumed, and requeue the held ones; put
+    how many rows went back unconsumed in ``given``."""
+    back = 0
+    with Connection(broker_url, transport_options=options) as conn:
+        channel = conn.default_channel
+        channel.queue_declare(QUEUE)
+        ready.set()
+        got: list[Message] = []
+        while not stop.is_set():
+            got.clear()
+            consumer = Consumer(channel, [Queue(QUEUE, routing_key=QUEUE)],
+                                callbacks=[lambda body, message: got.append(message)],
+                                prefetch_count=4)
+            consumer.consume()
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=0.05)
+            time.sleep(0.01)  # in work beside whatever claims meanwhile
+            back += sum(len(buffer) for buffer in channel.deliveries.buffers.values())
+            consumer.cancel()  # the buffered rows go back uncounted
+            for message in got:
+                message.requeue()
+    given.put(back)
+
+
+def in_work(engine: Engine, table: str) -> dict[str, int]:
+    """How many rows of each key are leased now (no lease lapses in these tests)."""
+    counts: dict[str, int] = {}
+    with engine.connect() as db:
+        for (headers,) in db.execute(text(
+                f"SELECT headers FROM {table} WHERE locked_until IS NOT NULL")):
+            key = json.loads(headers)["headers"]["limit_key"]
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.timeout(240)
+def test_rows_given_back_and_claimed_again_never_exceed_a_limit(
+        connect: Connect, broker_url: str, engine: Engine, table_prefix: str) -> None:
+    """Processes claim, give rows back unconsumed (a cancelled consumer's buffer) and claim
+    them again, over and over: a row given back lets go of its slot, so a claim that saw
+    the slot free cannot take it from the same row claimed again meanwhile. The most rows
+    of a key leased at once, polled from the table, never passes the limit."""
+    queue_options = {"concurrency_limits": {"*": 1}, "visibility_timeout": 120}
+    options = {"table_prefix": table_prefix, "polling_interval": 0.01,
+               "queues": {QUEUE: queue_options}}
+    conn = connect(queues={QUEUE: queue_options})
+    for n in range(40):
+        publish(conn, QUEUE, {"n": n}, limit_key=f"k{n % 2}")
+    table = quoted(engine, table_of(QUEUE, table_prefix))
+    context = multiprocessing.get_context("spawn")
+    stop, given = context.Event(), context.Queue()
+    readies = [context.Event() for _ in range(4)]
+    children = [context.Process(target=churner, args=(broker_url, options, ready, stop, given))
+                for ready in readies]
+    for child in children:
+        child.start()
+    most: dict[str, int] = {}
+    try:
+        for ready in readies:
+            assert ready.wait(WAIT), "a worker did not start"
+        until = time.monotonic() + 12.0
+        while time.monotonic() < until and max(most.values(), default=0) <= 1:
+            for key, count in in_work(engine, table).items():
+                most[key] = max(most.get(key, 0), count)
+    finally:
+        stop.set()
+        back = [given.get(timeout=WAIT) for _ in children]
+        for child in children:
+            child.join(WAIT)
+            if child.is_alive():
+                child.kill()
+    assert most == {"k0": 1, "k1": 1}, most
+    assert sum(back) > 0 and all(child.exitcode == 0 for child in children), back
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("limits", [{"concurrency_limits": {"*": 10**12}},
+                                    {"max_in_work": 10**12}], ids=["key", "queue"])
+def test_a_huge_limit_is_no_limit_in_practice(connect: Connect, limits: dict[str, Any]) -> None:
+    """A limit far above anything in work (``10**12``): a claim reads only the slots it
+    could take, never one per unit of the limit; every row goes into work at once."""
+    conn = connect(queues={QUEUE: limits})
+    for n in range(5):
+        publish(conn, QUEUE, {"n": n}, limit_key="tenant")
+    got: list[Message] = []
+    with Consumer(conn, [Queue(QUEUE, routing_key=QUEUE)],
+                  callbacks=[lambda body, message: got.append(message)], prefetch_count=10):
+        deadline = time.monotonic() + 30.0
+        while len(got) < 5 and time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=0.2)
+        assert sorted(message.decode()["n"] for message in got) == list(range(5))
+        for message in got:
+            message.ack()
+
+
+def test_a_queue_deleted_and_declared_again_starts_with_no_slots(connect: Connect) -> None:
+    """The old queue's slots go with its table: the new table numbers its rows from 1
+    again, and a slot naming old row 1 would be held by new row 1 claimed at the same
+    attempt, whatever its key (here: ``tenant``'s one slot, by a row of ``other``)."""
+    conn = connect(queues={QUEUE: {"concurrency_limits": {"*": 1}}})
+    publish(conn, QUEUE, {"n": "old"}, limit_key="tenant")
+    get_within(conn, QUEUE).ack()  # its slot stays, for the key's next rows
+    settled(conn)
+    conn.default_channel.queue_delete(QUEUE)
+    publish(conn, QUEUE, {"n": "other"}, limit_key="other")
+    other = get_within(conn, QUEUE)
+    assert other.delivery_info is not None and other.decode() == {"n": "other"}
+    publish(conn, QUEUE, {"n": "new"}, limit_key="tenant")
+    new = get_within(conn, QUEUE, 5.0)
+    assert new.decode() == {"n": "new"}
+    new.ack()
+    other.ack()
