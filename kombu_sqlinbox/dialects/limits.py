@@ -86,6 +86,11 @@ class LimitFamily(QueueFamily, UniqueFamily, ScheduleFamily):
         """SQL: the limit key in the envelope a headers column holds (NULL: none)."""
         raise NotImplementedError
 
+    def exact_key(self, key: str) -> str:
+        """SQL: the key ``key`` as compared with the keys a claim found full, character
+        for character."""
+        return key
+
     def limit_statements(self, prefix: str) -> LimitStatements:
         cached = self._limits.get(prefix)
         if cached is None:
@@ -179,7 +184,7 @@ class LimitFamily(QueueFamily, UniqueFamily, ScheduleFamily):
         # different rows, as the plain claim's do, not the same few one after another
         candidates = self.ordered_select(spec, columns, (
             f"WHERE {self.ready_filter(spec)}{self.above_floor(spec)} "
-            f"AND ({key} IS NULL OR {key} NOT IN :full) "
+            f"AND ({key} IS NULL OR {self.exact_key(key)} NOT IN :full) "
             f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit"),
             f" {self.lock_clause}" if self.lock_clause else "")
         live = (f"LEFT JOIN {f['table']} AS h ON h.{f['id']} = s.holder_id "

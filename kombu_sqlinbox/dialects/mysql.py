@@ -81,6 +81,11 @@ class MySQLDialect(MySQLUniqueKeys, Dialect):
     def limit_key_of(self, column: str) -> str:
         return f"JSON_UNQUOTE(JSON_EXTRACT({column}, '$.headers.limit_key'))"
 
+    def exact_key(self, key: str) -> str:
+        """Byte for byte: JSON_UNQUOTE's collation ignores trailing spaces, which would
+        pass over ``Tenant `` with ``Tenant`` full."""
+        return f"CAST({key} AS BINARY)"
+
     def epoch(self, moment: str) -> str:
         return f"UNIX_TIMESTAMP({moment})"
 
