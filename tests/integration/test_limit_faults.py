@@ -63,13 +63,19 @@ def in_work(engine: Engine, table: str) -> dict[str, int]:
 
 @pytest.mark.drivers
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("limit", ["key", "queue"])
 def test_rows_given_back_and_claimed_again_never_exceed_a_limit(
-        connect: Connect, broker_url: str, engine: Engine, table_prefix: str) -> None:
+        connect: Connect, broker_url: str, engine: Engine, table_prefix: str,
+        limit: str) -> None:
     """Processes claim, give rows back unconsumed (a cancelled consumer's buffer) and claim
     them again, over and over: a row given back lets go of its slot, so a claim that saw
     the slot free cannot take it from the same row claimed again meanwhile. The most rows
-    of a key leased at once, polled from the table, never passes the limit."""
-    queue_options = {"concurrency_limits": {"*": 1}, "visibility_timeout": 120}
+    of a key (``concurrency_limits={"*": 1}``) or of the queue (``max_in_work=2``: a
+    claim of two, one delivered and one buffered) leased at once, polled from the table,
+    never passes the limit."""
+    most_allowed = 1 if limit == "key" else 2
+    queue_options: dict[str, Any] = {"visibility_timeout": 120, **(
+        {"concurrency_limits": {"*": 1}} if limit == "key" else {"max_in_work": 2})}
     options = {"table_prefix": table_prefix, "polling_interval": 0.01,
                "queues": {QUEUE: queue_options}}
     conn = connect(queues={QUEUE: queue_options})
@@ -88,8 +94,11 @@ def test_rows_given_back_and_claimed_again_never_exceed_a_limit(
         for ready in readies:
             assert ready.wait(WAIT), "a worker did not start"
         until = time.monotonic() + 12.0
-        while time.monotonic() < until and max(most.values(), default=0) <= 1:
-            for key, count in in_work(engine, table).items():
+        while time.monotonic() < until and max(most.values(), default=0) <= most_allowed:
+            counts = in_work(engine, table)
+            if limit == "queue":
+                counts = {"queue": sum(counts.values())}
+            for key, count in counts.items():
                 most[key] = max(most.get(key, 0), count)
     finally:
         stop.set()
@@ -98,7 +107,10 @@ def test_rows_given_back_and_claimed_again_never_exceed_a_limit(
             child.join(WAIT)
             if child.is_alive():
                 child.kill()
-    assert most == {"k0": 1, "k1": 1}, most
+    if limit == "key":
+        assert most == {"k0": 1, "k1": 1}, most
+    else:  # never passed; a loaded machine may not bring the second together
+        assert 1 <= most["queue"] <= 2, most
     assert sum(back) > 0 and all(child.exitcode == 0 for child in children), back
 
 
