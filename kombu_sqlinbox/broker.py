@@ -202,15 +202,20 @@ class Broker:
                 self._drop_expired(queue)
 
     def _drop_expired(self, queue: str) -> None:
-        """Drop the table of a queue a sweep took (its registry row and bindings went
-        with the sweep) if the transport created it, else empty it; looked up, never
-        created: another process's sweep may have dropped it first."""
+        """:meth:`_drop` a queue a sweep took (its registry row and bindings went with
+        it); looked up, never created: another process's sweep may have dropped it first."""
         known = self._tables.get(queue)
         spec = known.spec if known is not None else self.spec_for(queue)
-        statements = self.dialect.statements(spec)
-        own = self.options.for_queue(queue).table is None
-        self.run(lambda conn: conn.execute(statements.drop if own else statements.purge))
+        self.run(lambda conn: self._drop(conn, spec, self.options.for_queue(queue).table is None))
         self.forget_table(queue)
+
+    def _drop(self, conn: Connection, spec: TableSpec, own: bool) -> None:
+        """Drop a queue's table if the transport made it, with its limits' slots (see
+        :meth:`.Limiter.dropped`); else empty it."""
+        statements = self.dialect.statements(spec)
+        conn.execute(statements.drop if own else statements.purge)
+        if own:
+            self.limits.dropped(conn, spec)
 
     def restore_dropped(self, table: QueueTable) -> bool:
         """After a claim failed: whether the next round may claim again, its table back.
@@ -471,9 +476,7 @@ class Broker:
             return
         table = self.table(queue)
         if not table.transient:
-            statements = self.dialect.statements(table.spec)
-            statement = statements.drop if table.created_by_transport else statements.purge
-            self.run(lambda conn: conn.execute(statement))
+            self.run(lambda conn: self._drop(conn, table.spec, table.created_by_transport))
         self.routes.forget(queue)  # its registry row, bindings and transient messages
         self.forget_table(queue)
 

@@ -81,6 +81,11 @@ class LeaseKeeper:
         self.dialect = database.dialect
         self.wake = wake
         self._own = OwnSession(database) if database.dialect.relaxed_session else None
+        #: gives a table's rows (ids by attempt) back uncounted in the caller's transaction;
+        #: how many went. The limits' (:meth:`.Limiter.give_back`) frees their slots too
+        self.give_back: Callable[[Connection, QueueTable, dict[int, list[int]]], int] = (
+            lambda conn, table, tokens: self.dialect.settle(
+                conn, self.dialect.statements(table.spec).release_uncounted, tokens))
         self._begin()
         _KEEPERS.add(self)
 
@@ -311,6 +316,9 @@ class LeaseKeeper:
         def work(conn: Connection) -> int:
             touched = 0
             for (table, how, delay), tokens in grouped.items():
+                if how is Settlement.RELEASE_UNCOUNTED:
+                    touched += self.give_back(conn, table, tokens)
+                    continue
                 statement = getattr(dialect.statements(table.spec), how.value)
                 touched += dialect.settle(conn, statement, tokens, {"delay": delay})
             for table in heads:

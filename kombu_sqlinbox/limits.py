@@ -25,6 +25,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 from sqlalchemy import Connection, inspect
@@ -36,7 +37,7 @@ from .errors import ConfigurationError, SchemaMismatch
 from .keeper import LeaseKeeper
 from .options import MAX_LIMIT_KEY, QueueOptions, TransportOptions
 from .rows import ClaimedRow, QueueTable
-from .tables import Role
+from .tables import Role, TableSpec
 
 #: the message property and header naming a row's key
 KEY_PROPERTY = "limit_key"
@@ -52,7 +53,9 @@ SWEEP_INTERVAL = 60.0
 def limit_key_of(message: dict[str, Any]) -> str | None:
     """The key a message names (property, else header), put in its headers where a claim
     reads it; a key that is no non-empty string of at most :data:`MAX_LIMIT_KEY`
-    characters without NUL is refused before anything is written."""
+    characters of UTF-8 without NUL is refused before anything is written: a lone
+    surrogate reaches the envelope as a JSON escape that PostgreSQL and SQLite fail every
+    claim of the queue on, and MariaDB reads as no key."""
     headers = message.get("headers")
     if headers is None:
         headers = message["headers"] = {}
@@ -62,12 +65,24 @@ def limit_key_of(message: dict[str, Any]) -> str | None:
     if key is None:
         headers.pop(KEY_PROPERTY, None)
         return None
-    if not isinstance(key, str) or not key or len(key) > MAX_LIMIT_KEY or "\x00" in key:
+    if (not isinstance(key, str) or not key or len(key) > MAX_LIMIT_KEY or "\x00" in key
+            or not _utf8(key)):
         raise ConfigurationError(
             f"limit_key must be a non-empty string of at most {MAX_LIMIT_KEY} characters "
-            f"without NUL, got {type(key).__name__} {str(key)[:80]!r}")
+            f"without NUL or lone surrogates, got {type(key).__name__} {str(key)[:80]!r}")
     headers[KEY_PROPERTY] = key
     return key
+
+
+def _utf8(key: str) -> bool:
+    """Whether ``key`` is UTF-8 text: it holds no lone surrogate."""
+    if key.isascii():
+        return True
+    try:
+        key.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def limit_of(options: QueueOptions, key: str) -> int | None:
@@ -83,7 +98,7 @@ def limited(options: QueueOptions) -> bool:
 
 
 def digest(key: str) -> str:
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 @dataclass
@@ -119,6 +134,7 @@ class Limiter:
         #: tables whose last claim took rows: the next claims without a read first
         self._busy: set[QueueTable] = set()
         self._lock = threading.Lock()
+        keeper.give_back = self.give_back  # rows given back let go of their slots
 
     def check(self, table: QueueTable) -> None:
         """Refuse a queue whose rows are no envelopes the transport writes."""
@@ -157,8 +173,8 @@ class Limiter:
         reads = self.dialect.limited_claim(spec, self.prefix)
         queue = None
         if options.max_in_work is not None:
-            queue = self._slots(conn, reads, table, {QUEUE_SLOTS: options.max_in_work})[
-                QUEUE_SLOTS]
+            queue = self._slots(conn, reads, table, {QUEUE_SLOTS: options.max_in_work},
+                                limit)[QUEUE_SLOTS]
             if not queue.available():
                 return []  # the queue's limit is reached: no row is read
         slots: dict[str, Slots] = {}
@@ -175,7 +191,7 @@ class Limiter:
             keys = {row[1] for row in found if row[1] is not None and row[1] not in slots}
             limits = {key: limit_of(options, key) for key in keys}
             read = self._slots(conn, reads, table, {
-                digest(key): n for key, n in limits.items() if n is not None})
+                digest(key): n for key, n in limits.items() if n is not None}, limit)
             slots.update({key: read[digest(key)] for key, n in limits.items() if n is not None})
             for row in found:
                 row_id, key = row[0], row[1]
@@ -204,14 +220,16 @@ class Limiter:
         return self._take(conn, table, plans)
 
     def _slots(self, conn: Connection, reads: LimitedClaim, table: QueueTable,
-               limits: dict[str, int]) -> dict[str, Slots]:
-        """The slots of each key digest in ``limits`` (with its limit), as read now."""
+               limits: dict[str, int], wanted: int) -> dict[str, Slots]:
+        """The slots of each key digest in ``limits`` (with its limit), as read now: of
+        the free ones, the first ``wanted`` (a claim takes no more), found by walking the
+        slot numbers lazily -- a limit may be far larger than anything in work."""
         if not limits:
             return {}
         held: dict[str, dict[int, tuple[int, int] | None]] = defaultdict(dict)
         live: dict[str, int] = defaultdict(int)
         for key, slot, holder, attempt, alive in conn.execute(reads.holders, {
-                "queue_table": spec_name(table), "keys": sorted(limits)}):
+                "queue_table": spec_name(table.spec), "keys": sorted(limits)}):
             if alive:
                 live[key] += 1
                 held[key][slot] = None  # not free
@@ -220,8 +238,8 @@ class Limiter:
         made = {}
         for key, limit in limits.items():
             seen = held.get(key, {})
-            free = [(slot, seen.get(slot)) for slot in range(limit)
-                    if slot not in seen or seen[slot] is not None]
+            free = list(islice(((slot, seen.get(slot)) for slot in range(limit)
+                                if slot not in seen or seen[slot] is not None), wanted))
             made[key] = Slots(limit, live[key], free)
         return made
 
@@ -231,8 +249,8 @@ class Limiter:
         """Lease the planned rows and take their slots: one INSERT of the slots never
         taken, one compare-and-set UPDATE of those seen free, each in one order for every
         claimer; when they wrote fewer, read which are this claim's. A row that lost a
-        slot goes back uncounted, with the slots it took."""
-        spec, name, dialect = table.spec, spec_name(table), self.dialect
+        slot goes back uncounted, with the slots it took (:meth:`give_back`)."""
+        spec, name, dialect = table.spec, spec_name(table.spec), self.dialect
         rows = dialect.claim(conn, spec, len(plans), table.options.visibility_timeout,
                              ids=sorted(plans))
         by_id = {row.id: row for row in rows}
@@ -258,26 +276,45 @@ class Limiter:
         holders = {(key, slot): (holder, attempt) for key, slot, holder, attempt in
                    conn.execute(self.sql.held, {"queue_table": name,
                                                 "keys": sorted({step[0] for step in steps})})}
-        mine = {(key, slot) for key, slot, _, row_id in steps
-                if holders.get((key, slot)) == (row_id, by_id[row_id].attempt)}
-        lost = {row_id for key, slot, _, row_id in steps if (key, slot) not in mine}
-        for key, slot, _, row_id in steps:
-            if row_id in lost and (key, slot) in mine:
-                conn.execute(self.sql.forget, {
-                    "queue_table": name, "limit_key": key, "slot": slot,
-                    "seen_id": row_id, "seen_attempt": by_id[row_id].attempt})
+        lost = {row_id for key, slot, _, row_id in steps
+                if holders.get((key, slot)) != (row_id, by_id[row_id].attempt)}
         tokens: dict[int, list[int]] = defaultdict(list)
         for row_id in lost:
             tokens[by_id[row_id].attempt].append(row_id)
-        dialect.settle(conn, dialect.statements(spec).release_uncounted, tokens)
+        self.give_back(conn, table, tokens)
         return [row for row in rows if row.id not in lost]
+
+    def give_back(self, conn: Connection, table: QueueTable, tokens: dict[int, list[int]]
+                  ) -> int:
+        """Give the rows ``tokens`` (ids by attempt) back uncounted, with the slots they
+        hold, in ``conn``'s transaction; how many rows went back. A row given back takes
+        its attempt back: claimed again, it is the very holder its old slot names, so a
+        claim that saw that slot free would take it from under the row (its
+        compare-and-set finds the holder it saw) and the key would pass its limit. The
+        keeper gives every row back through here."""
+        dialect = self.dialect
+        if table.transient or not limited(table.options):
+            return dialect.settle(conn, dialect.statements(table.spec).release_uncounted,
+                                  tokens)
+        first, *then = dialect.limited_claim(table.spec, self.prefix).give_back
+        name = {"queue_table": spec_name(table.spec)}
+        back = dialect.settle(conn, first, tokens, name)
+        for statement in then:
+            dialect.settle(conn, statement, tokens, name)
+        return back
+
+    def dropped(self, conn: Connection, spec: TableSpec) -> None:
+        """Drop the slots of a queue table dropped in ``conn``'s transaction (see
+        :attr:`.LimitStatements.dropped`), where there is a slots' table."""
+        if self._ready or inspect(conn).has_table(self.name):
+            conn.execute(self.sql.dropped, {"queue_table": spec_name(spec)})
 
     def _sweep(self, table: QueueTable) -> None:
         """Drop the slots of ``table`` whose holders are no longer in work, at most every
         :data:`SWEEP_INTERVAL` seconds (a key's free slots are otherwise kept for its next
         rows: only keys that come and go leave them behind)."""
         now = time.monotonic()
-        name = spec_name(table)
+        name = spec_name(table.spec)
         if now - self._swept.get(name, -SWEEP_INTERVAL) < SWEEP_INTERVAL:
             return
         self._swept[name] = now
@@ -319,7 +356,6 @@ class Limiter:
             self._ready = True
 
 
-def spec_name(table: QueueTable) -> str:
+def spec_name(spec: TableSpec) -> str:
     """The slots' name of a queue table (schema-qualified where it has one)."""
-    spec = table.spec
     return f"{spec.schema}.{spec.table}" if spec.schema else spec.table

@@ -57,6 +57,6 @@ __all__ = [
 ]
 
 
-class Dialect(QueueFamily, LimitFamily, UniqueFamily, OperationsFamily, PauseFamily, RateFamily,
+class Dialect(LimitFamily, QueueFamily, UniqueFamily, OperationsFamily, PauseFamily, RateFamily,
               RoutingFamily, OutboxFamily, ResultFamily, ScheduleFamily, WakeupFamily):
     """Base of the per-database dialects. Subclasses supply the SQL text."""

@@ -17,6 +17,7 @@ from sqlalchemy.engine import Engine
 
 from ..roles import check_identifier
 from ..tables import Role, TableSpec
+from .queue import QueueFamily
 from .schedules import ScheduleFamily
 from .unique import UniqueFamily
 
@@ -24,7 +25,7 @@ from .unique import UniqueFamily
 LIMIT_TABLE = "limit_slots"
 #: values the schema check binds to every statement it plans
 PLAN_PARAMS = {"queue_table": "-", "limit_key": "-", "keys": ["-"], "slot": 0,
-               "seen_id": 0, "seen_attempt": 0}
+               "seen_id": 0, "seen_attempt": 0, "ids": [0], "attempt": 0}
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,15 @@ class LimitStatements:
     #: ``limit_key, slot, holder_id, holder_attempt`` of the slots of ``:keys``, as this
     #: transaction sees them: which of the slots a claim wrote are its own
     held: TextClause
-    #: a slot seen held by ``:seen_id`` at ``:seen_attempt`` dropped (a holder given back
-    #: in its claim, or a dead holder's slot swept)
+    #: a slot seen held by ``:seen_id`` at ``:seen_attempt`` dropped (a dead holder's slot
+    #: swept)
     forget: TextClause
+    #: the slots held by the rows ``:ids`` at ``:attempt`` dropped, as those rows are
+    #: given back uncounted (their attempt taken back) in the same transaction
+    release: TextClause
+    #: every slot of ``:queue_table``, dropped with that table: the next table of its name
+    #: numbers its rows from 1 again, and would find them named as holders
+    dropped: TextClause
 
     @staticmethod
     def tables(prefix: str) -> tuple[str]:
@@ -59,9 +66,13 @@ class LimitedClaim:
     holders: TextClause
     #: the same of up to 500 slots whose holder is no longer in work
     dead: TextClause
+    #: the rows ``:ids`` at ``:attempt`` given back uncounted with the slots they hold
+    #: (:attr:`LimitStatements.release`), in this order in one transaction; the first
+    #: statement's count is the rows'
+    give_back: tuple[TextClause, ...]
 
 
-class LimitFamily(UniqueFamily, ScheduleFamily):
+class LimitFamily(QueueFamily, UniqueFamily, ScheduleFamily):
     """The slots' statements (built once per table prefix) and a limited claim's reads
     (once per table and prefix)."""
 
@@ -75,6 +86,11 @@ class LimitFamily(UniqueFamily, ScheduleFamily):
         """SQL: the limit key in the envelope a headers column holds (NULL: none)."""
         raise NotImplementedError
 
+    def exact_key(self, key: str) -> str:
+        """SQL: the key ``key`` as compared with the keys a claim found full, character
+        for character."""
+        return key
+
     def limit_statements(self, prefix: str) -> LimitStatements:
         cached = self._limits.get(prefix)
         if cached is None:
@@ -87,10 +103,13 @@ class LimitFamily(UniqueFamily, ScheduleFamily):
         queue_type, key_type = self.key_types[:2]
         return LimitStatements(
             names=names,
-            ddl=[f"CREATE TABLE IF NOT EXISTS {slots} (queue_table {queue_type} NOT NULL, "
-                 f"limit_key {key_type} NOT NULL, slot INTEGER NOT NULL, "
-                 "holder_id BIGINT NOT NULL, holder_attempt INTEGER NOT NULL, "
-                 "PRIMARY KEY (queue_table, limit_key, slot))" + self.schedule_table_suffix],
+            ddl=self.limit_ddl([
+                f"CREATE TABLE IF NOT EXISTS {slots} (queue_table {queue_type} NOT NULL, "
+                f"limit_key {key_type} NOT NULL, slot INTEGER NOT NULL, "
+                "holder_id BIGINT NOT NULL, holder_attempt INTEGER NOT NULL, "
+                "PRIMARY KEY (queue_table, limit_key, slot))",
+                f"CREATE INDEX IF NOT EXISTS {self.quote(names[0] + '_holder')} ON {slots} "
+                "(queue_table, holder_id)"]),
             drop=[f"DROP TABLE IF EXISTS {slots}"],
             held=text(f"SELECT limit_key, slot, holder_id, holder_attempt FROM {slots} "
                       "WHERE queue_table = :queue_table AND limit_key IN :keys").bindparams(
@@ -98,7 +117,15 @@ class LimitFamily(UniqueFamily, ScheduleFamily):
             forget=text(f"DELETE FROM {slots} WHERE queue_table = :queue_table "
                         "AND limit_key = :limit_key AND slot = :slot "
                         "AND holder_id = :seen_id AND holder_attempt = :seen_attempt"),
+            release=text(f"DELETE FROM {slots} WHERE queue_table = :queue_table "
+                         "AND holder_attempt = :attempt AND holder_id IN :ids").bindparams(
+                             bindparam("ids", expanding=True)),
+            dropped=text(f"DELETE FROM {slots} WHERE queue_table = :queue_table"),
         )
+
+    def limit_ddl(self, statements: list[str]) -> list[str]:
+        """The slots' table and its index of holders, as this database writes them."""
+        return statements
 
     def _batch(self, kind: str, prefix: str, count: int) -> TextClause:
         """The statement ``kind`` (take or steal) of ``count`` slots, built once."""
@@ -157,7 +184,7 @@ class LimitFamily(UniqueFamily, ScheduleFamily):
         # different rows, as the plain claim's do, not the same few one after another
         candidates = self.ordered_select(spec, columns, (
             f"WHERE {self.ready_filter(spec)}{self.above_floor(spec)} "
-            f"AND ({key} IS NULL OR {key} NOT IN :full) "
+            f"AND ({key} IS NULL OR {self.exact_key(key)} NOT IN :full) "
             f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit"),
             f" {self.lock_clause}" if self.lock_clause else "")
         live = (f"LEFT JOIN {f['table']} AS h ON h.{f['id']} = s.holder_id "
@@ -172,4 +199,11 @@ class LimitFamily(UniqueFamily, ScheduleFamily):
             holders=self.clocked(text(read + "s.limit_key IN :keys").bindparams(
                 bindparam("keys", expanding=True, type_=String()))),
             dead=self.clocked(text(read + f"h.{f['id']} IS NULL LIMIT 500")),
+            give_back=self.limited_give_back(self.statements(spec).release_uncounted,
+                                             self.limit_statements(prefix).release),
         )
+
+    def limited_give_back(self, uncounted: TextClause,
+                          release: TextClause) -> tuple[TextClause, ...]:
+        """:attr:`LimitedClaim.give_back`: the rows' release, then their slots'."""
+        return (uncounted, release)

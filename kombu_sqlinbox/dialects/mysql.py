@@ -81,6 +81,11 @@ class MySQLDialect(MySQLUniqueKeys, Dialect):
     def limit_key_of(self, column: str) -> str:
         return f"JSON_UNQUOTE(JSON_EXTRACT({column}, '$.headers.limit_key'))"
 
+    def exact_key(self, key: str) -> str:
+        """Byte for byte: JSON_UNQUOTE's collation ignores trailing spaces, which would
+        pass over ``Tenant `` with ``Tenant`` full."""
+        return f"CAST({key} AS BINARY)"
+
     def epoch(self, moment: str) -> str:
         return f"UNIX_TIMESTAMP({moment})"
 
@@ -308,6 +313,9 @@ class MySQLDialect(MySQLUniqueKeys, Dialect):
     def routing_ddl(self, queues: str, bindings: str, messages: str,
                     names: tuple[str, str, str]) -> list[str]:
         return _indexes_inside(super().routing_ddl(queues, bindings, messages, names))
+
+    def limit_ddl(self, statements: list[str]) -> list[str]:
+        return _indexes_inside(statements)
 
     # -- results: the result tables (celery_ext.results) ----------------------------------
     #: ids compared byte for byte, as Celery compares them

@@ -76,6 +76,13 @@ class PostgreSQLDialect(Dialect):
     def limit_key_of(self, column: str) -> str:
         return f"(CAST({column} AS json) -> 'headers' ->> 'limit_key')"
 
+    def limited_give_back(self, uncounted: TextClause,
+                          release: TextClause) -> tuple[TextClause, ...]:
+        """One statement: the keeper settles on a session in autocommit, where two would
+        commit apart, and a claim between them would find the row back at the attempt
+        its slot still names: the slot free, taken from under the row claimed again."""
+        return (_expanding(f"WITH released AS ({release.text}) {uncounted.text}"),)
+
     def epoch(self, moment: str) -> str:
         return f"CAST(EXTRACT(EPOCH FROM {moment}) AS DOUBLE PRECISION)"
 

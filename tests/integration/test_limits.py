@@ -177,8 +177,8 @@ def never_delivered_while_draining(conn: Connection, got: list[Message],
     assert len(got) == held, [message.decode() for message in got]
 
 
-@pytest.mark.parametrize("key", [5, "", "k" * 256, "nul\x00", ["a"]],
-                         ids=["int", "empty", "too-long", "nul", "list"])
+@pytest.mark.parametrize("key", [5, "", "k" * 256, "nul\x00", ["a"], "\ud800x"],
+                         ids=["int", "empty", "too-long", "nul", "list", "lone-surrogate"])
 @pytest.mark.parametrize("how", ["property", "header"])
 def test_an_unusable_key_is_refused_at_publish_and_nothing_is_written(
         connect: Connect, engine: Engine, table_prefix: str, key: Any, how: str) -> None:
