@@ -402,9 +402,7 @@ class LeaseKeeper:
         group[0].claims.settled(queued.held for queued in entries)
 
     def _failed(self, group: Group, entries: list[Queued], exc: Exception) -> None:
-        """Drop the group when its table is gone; else retry it alone, with back-off. The
-        question is asked once: a database that does not answer is the usual failure, and
-        retrying it here would hold every queue's settlements up."""
+        """Drop the group when its table is gone (asked once); else retry it, backing off."""
         table, how = group
         if self._gone(table):
             logger.warning(
