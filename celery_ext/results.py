@@ -17,22 +17,18 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime, timezone
 from functools import partial
 from typing import Any
 
 from celery import states
 from celery.app.task import Task, get_actual_ignore_result
-from celery.backends.base import BaseBackend, _create_chord_error_with_cause
-from celery.canvas import maybe_signature
-from celery.exceptions import ChordError, Reject, WorkerLostError
+from celery.exceptions import Reject, WorkerLostError
 from celery.exceptions import TimeoutError as CeleryTimeout
-from celery.result import AsyncResult, ResultSet, result_from_tuple
+from celery.result import result_from_tuple
 from kombu.utils.encoding import ensure_bytes
 from sqlalchemy import Connection
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from kombu_sqlinbox import binding
 from kombu_sqlinbox.broker import Broker, same_database
 from kombu_sqlinbox.codec import ROW_KEY
 from kombu_sqlinbox.errors import (
@@ -42,10 +38,11 @@ from kombu_sqlinbox.errors import (
     reason_of,
 )
 from kombu_sqlinbox.options import TransportOptions
-from kombu_sqlinbox.results import ResultStore, StoredResult, check_id, store_for
+from kombu_sqlinbox.results import ResultStore, check_id, store_for
 from kombu_sqlinbox.urls import URL_PREFIX, masked
 
-from .delivery import TransactionalTaskError, broker_of, delivered_row
+from .chords import COUNTED, After, ChordBackend, date_done
+from .delivery import broker_of, delivered_row
 
 ACKS = "celery_ext.acks:ResultRequest"  # the worker request (named: it imports this module)
 
@@ -83,23 +80,12 @@ def backend_options(app: Any) -> dict[str, Any]:
 RETRY_FIRST, RETRY_MOST = 0.1, 5.0
 #: a request attribute: its task's result was written in its own transaction
 STORED = "sqlinbox_result_stored"
-#: a request attribute: its chord part was counted with its result
-COUNTED = "sqlinbox_chord_counted"
-#: what runs once a chord's counting transaction committed (its error callbacks)
-After = Callable[[], Any] | None
 #: a stored row's arguments after its task id: state, meta, task name, worker
 Row = tuple[str, bytes, Any, Any]
 
 
 class NotThisDelivery(Exception):
     """The delivered row is no longer this delivery's: nothing of the write commits."""
-
-
-def _leaves(result: Any) -> list[str]:
-    """The task ids of a header's results, nested groups' included."""
-    if isinstance(result, ResultSet):
-        return [leaf for part in result.results for leaf in _leaves(part)]
-    return [result.id] if isinstance(result, AsyncResult) else []
 
 
 def _completing(task: Any, state: str, result: Any) -> bool:
@@ -112,11 +98,7 @@ def _completing(task: Any, state: str, result: Any) -> bool:
         result, (Reject, WorkerLostError)))
 
 
-def _date_done(seconds: float | None) -> datetime | None:
-    return None if seconds is None else datetime.fromtimestamp(seconds, tz=timezone.utc)
-
-
-class SqlInboxBackend(BaseBackend):
+class SqlInboxBackend(ChordBackend):
     """Task states and results, saved groups and chords' counters in three tables of the
     service's database under the table prefix (``<prefix>task_results``,
     ``<prefix>group_results``, ``<prefix>chords``)."""
@@ -137,7 +119,6 @@ class SqlInboxBackend(BaseBackend):
         if app.Task.Request == Task.Request:  # the worker's request for results written
             app.Task.Request = ACKS  # with their row (an app's own request class stays)
         self._store: ResultStore | None = None
-        self._chords: tuple[Broker | None] | None = None
 
     @property
     def store(self) -> ResultStore:
@@ -311,12 +292,6 @@ class SqlInboxBackend(BaseBackend):
             return {"status": states.PENDING, "result": None}
         return self._meta(found)
 
-    def _meta(self, found: StoredResult) -> dict[str, Any]:
-        meta: dict[str, Any] = self.decode_result(found.meta)
-        finished = found.status in states.READY_STATES  # each write stamps it: for expiry
-        meta["date_done"] = _date_done(found.date_done) if finished else None
-        return meta
-
     def get_many(self, task_ids: Any, timeout: float | None = None, interval: float = 0.5,
                  no_ack: bool = True, on_message: Any = None, on_interval: Any = None,
                  max_iterations: Any = None, READY_STATES: Any = states.READY_STATES
@@ -364,112 +339,11 @@ class SqlInboxBackend(BaseBackend):
             return None
         meta: dict[str, Any] = self.decode(found[0])
         meta["result"] = result_from_tuple(meta["result"], self.app)
-        meta["date_done"] = _date_done(found[1])
+        meta["date_done"] = date_done(found[1])
         return meta
 
     def _delete_group(self, group_id: str) -> None:
         self.store.delete_group(group_id)
-
-    # -- chords --------------------------------------------------------------------------
-    def _chord_broker(self) -> Broker | None:
-        """The sqlinbox broker on this database, which publishes a chord's body in the
-        transaction counting its last header task; None (another broker or database):
-        Celery's ``chord_unlock`` runs the chord instead."""
-        if self._chords is None:
-            try:
-                broker: Broker | None = broker_of(self.app)
-            except TransactionalTaskError:
-                broker = None
-            if broker is not None and not same_database(broker.engine,
-                                                        self.store.database.engine):
-                broker = None
-            self._chords = (broker,)
-        return self._chords[0]
-
-    def apply_chord(self, header_result_args: Any, body: Any, **kwargs: Any) -> Any:
-        """Save the chord's counter row, its header's results in order (what the body
-        receives; its size: :meth:`set_chord_size`), in the bound transaction if any."""
-        if self._chord_broker() is None:
-            return super().apply_chord(header_result_args, body, **kwargs)
-        header = self.app.GroupResult(*header_result_args)
-        self.store.save_chord(header.id, ensure_bytes(self.encode(
-            {"header": header.as_tuple()})), self.store.database.bound_caller())
-        return None
-
-    def set_chord_size(self, group_id: str, chord_size: int) -> None:
-        """Celery calls it before publishing the header's last task: no count completes before."""
-        if self._chord_broker() is not None:
-            self.store.size_chord(group_id, chord_size, self.store.database.bound_caller())
-
-    def on_chord_part_return(self, request: Any, state: str, result: Any,
-                             **kwargs: Any) -> None:
-        """Count a header task not counted with its result (see :meth:`_with_ack`) in a
-        transaction of its own."""
-        broker = self._chord_broker()
-        if broker is None or getattr(request, COUNTED, False) or not (
-                request.group and request.id):
-            return
-        self.store.ensure()
-        after = broker.run(partial(self._count_part, request))
-        setattr(request, COUNTED, True)
-        if after is not None:
-            after()
-
-    def _count_part(self, request: Any, conn: Connection) -> After:
-        """Count one header task in ``conn``'s transaction; the part reaching the size
-        reads the header's results in order, deletes the counter row and publishes the
-        body bound to the transaction (a chord in it saves its counter row there too, see
-        ``ResultStore.save_chord``): it is sent once, as this commits. A failed header
-        task, or a missing counter row, gives the body's error callbacks a ChordError
-        once the transaction is over (what they publish is not part of it)."""
-        callback = maybe_signature(request.chord, app=self.app)
-        counted = self.store.count_chord(conn, request.group)
-        if counted is None:
-            if callback.id and self.store.read(callback.id) is not None:
-                return None  # an earlier part found it missing: the body has failed
-            return partial(self._chord_error, callback, ChordError(
-                f"chord {request.group}: its counter row is missing from "
-                f"{self.store.sql.names[2]} (expired by result_expires, or deleted); "
-                "its body is not run"))
-        done, size, meta = counted
-        if size is None or done < size:
-            return None
-        self.store.delete_chord(conn, request.group)
-        header = result_from_tuple(self.decode(meta)["header"], self.app)
-        try:
-            values = self._values(header, self.store.read_many(_leaves(header), conn))
-        except ChordError as exc:
-            logger.error("sqlinbox: chord %s: %s", request.group, exc)
-            return partial(self._chord_error, callback, exc)
-        token = binding.BOUND.set(conn)
-        try:
-            callback.delay(values)
-        finally:
-            binding.BOUND.reset(token)
-        return None
-
-    def _chord_error(self, callback: Any, exc: ChordError) -> Any:
-        """Celery's ``chord_error_from_stack``, which stores the body's failure with the
-        traceback of the exception being handled: this one."""
-        try:
-            raise exc
-        except ChordError:
-            return self.chord_error_from_stack(callback, exc)
-
-    def _values(self, result: Any, stored: dict[str, StoredResult]) -> Any:
-        """A header's values in its order (a nested group's as a list), or the ChordError
-        of the first that failed or has no result."""
-        if isinstance(result, ResultSet):
-            return [self._values(part, stored) for part in result.results]
-        found = stored.get(result.id)
-        if found is None or found.status not in states.READY_STATES:
-            raise ChordError(f"Dependency {result.id} has no result stored")
-        meta = self._meta(found)
-        if found.status in states.PROPAGATE_STATES:
-            raise _create_chord_error_with_cause(
-                message=f"Dependency {result.id} raised {meta['result']!r}",
-                original_exc=meta["result"])
-        return meta["result"]
 
     # -- expiry --------------------------------------------------------------------------
     def cleanup(self) -> None:

@@ -205,16 +205,37 @@ class ResultStore:
         self._write_in(into, lambda conn: conn.execute(
             self.sql.chord_size, {"group_id": group_id, "size": size}))
 
-    def _write_in(self, into: Connection | None, work: Callable[[Connection], Any]) -> None:
+    def add_to_chord(self, group_id: str, change: Callable[[bytes], bytes | None],
+                     into: Connection | None = None) -> bool:
+        """One more task expected by chord ``group_id`` (Celery's ``add_to_chord``), its
+        meta rewritten by ``change`` (None: kept) under the row's lock, in ``into``'s
+        transaction if given; False without a counter row."""
+        def work(conn: Connection) -> bool:
+            if conn.execute(self.sql.chord_add, {"group_id": group_id}).rowcount == 0:
+                return False
+            meta = change(bytes(conn.execute(self.sql.chord_read,
+                                             {"group_id": group_id}).one()[2]))
+            if meta is not None:
+                self.rewrite_chord(conn, group_id, meta)
+            return True
+
+        return self._write_in(into, work)
+
+    def rewrite_chord(self, conn: Connection, group_id: str, meta: bytes) -> None:
+        """A chord's meta, in the caller's transaction holding its row's lock
+        (:meth:`count_chord`, :meth:`add_to_chord`)."""
+        self.check_size(group_id, meta)
+        conn.execute(self.sql.chord_meta, {"group_id": group_id, "meta": meta})
+
+    def _write_in(self, into: Connection | None, work: Callable[[Connection], T]) -> T:
         """``work`` in the caller's open transaction ``into`` (on this database), else in
         one of its own. Beside the caller's (a chord's body published as its header is
         counted), one of its own would wait on SQLite for the write lock the caller holds:
         the same thread's, so until the busy timeout, retried ten times."""
         if into is None:
-            self._run(work)
-        else:
-            self.ensure()
-            work(into)
+            return self._run(work)
+        self.ensure()
+        return work(into)
 
     def count_chord(self, conn: Connection, group_id: str
                     ) -> tuple[int, int | None, bytes] | None:

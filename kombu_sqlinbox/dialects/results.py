@@ -69,6 +69,12 @@ class ResultStatements:
     chord_size: TextClause
     #: one more header task of ``:group_id`` done (the row locked until the commit)
     chord_count: TextClause
+    #: one more task expected by chord ``:group_id`` (``add_to_chord``): ``done`` counts
+    #: the tasks done less those added, so it still completes at ``size`` (which a
+    #: header being published has not set yet); the row locked until the commit
+    chord_add: TextClause
+    #: the ``:meta`` of chord ``:group_id``, rewritten under the lock of one of the above
+    chord_meta: TextClause
     #: ``done, size, meta`` of ``:group_id``
     chord_read: TextClause
     chord_delete: TextClause
@@ -243,6 +249,8 @@ class ResultFamily(DriverFamily):
             chord_save=sql(self.result_upsert(chords, "group_id", counted, guarded=False)),
             chord_size=sql(f"UPDATE {chords} SET size = :size WHERE group_id = :group_id"),
             chord_count=sql(f"UPDATE {chords} SET done = done + 1 WHERE group_id = :group_id"),
+            chord_add=sql(f"UPDATE {chords} SET done = done - 1 WHERE group_id = :group_id"),
+            chord_meta=sql(f"UPDATE {chords} SET meta = :meta WHERE group_id = :group_id"),
             chord_read=sql(f"SELECT done, size, meta FROM {chords} WHERE group_id = :group_id"),
             chord_delete=sql(f"DELETE FROM {chords} WHERE group_id = :group_id"),
             expire=(sql(self.result_expire_sql(tasks, "task_id")),

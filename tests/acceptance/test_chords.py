@@ -150,3 +150,43 @@ def test_a_chord_whose_body_is_a_chord_runs_without_waiting_on_its_own_lock(
     assert worker.stop() == 0, worker.tail()
     assert acceptance.runs.starts()["body"] == 1
     assert chord_rows(acceptance, engine) == 0
+
+
+def test_header_tasks_add_tasks_and_a_chord_to_their_chord_the_body_gets_their_results(
+        acceptance: Acceptance, caller: Celery, db_url: str, engine: Engine) -> None:
+    """``Task.add_to_chord`` from header tasks (Celery's ``test_add_to_chord`` and
+    ``test_add_chord_to_chord``): each addition grows the chord's count by one in its
+    counter row, and the body receives the header's values, then the added ones."""
+    header = [caller.signature("acc.adds_to_chord", args=([1, 2, 3], 4)),
+              caller.signature("acc.adds_to_chord", args=([1, 2, 3], 4, True)),
+              caller.signature("acc.add_late", args=(10, 0))]
+    body = chord(header)(caller.signature("acc.collect"))
+    worker = acceptance.worker("prefork", 2, **results_conf(db_url))
+    values = body.get(timeout=RESULT_LIMIT)
+    assert values[:3] == [0, 0, 10] and sorted(values[3:]) == [5, 6, 7, 18]
+    assert worker.stop() == 0, worker.tail()
+    assert acceptance.runs.starts()["body"] == 1
+    assert chord_rows(acceptance, engine) == 0
+
+
+def test_a_header_given_as_a_generator_is_published_as_it_comes(
+        acceptance: Acceptance, caller: Celery, db_url: str, engine: Engine) -> None:
+    """Celery publishes a generator's header tasks as they come (``test_generator``): the
+    generator yields its last task only once the first has run. The body gets the values
+    by group index, a task added from the header (``add_to_chord``) beside its adder's."""
+    worker = acceptance.worker("prefork", 2, **results_conf(db_url))
+    first = caller.signature("acc.add_late", args=(0, 1))
+    first_id = first.freeze().id
+
+    def header() -> Iterator[Any]:
+        yield first
+        yield from (caller.signature("acc.add_late", args=(n, 1)) for n in (1, 2))
+        wait_until(lambda: caller.AsyncResult(first_id).ready(), RESULT_LIMIT,
+                   "the first header task, before the header's end", alive=[worker])
+        yield caller.signature("acc.adds_to_chord", args=([1, 2], 4))
+
+    values = chord(header())(caller.signature("acc.collect")).get(timeout=RESULT_LIMIT)
+    assert values[:3] == [1, 2, 3] and sorted(values[3:]) == [0, 5, 6]
+    assert worker.stop() == 0, worker.tail()
+    assert acceptance.runs.starts()["body"] == 1
+    assert chord_rows(acceptance, engine) == 0

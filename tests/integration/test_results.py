@@ -364,7 +364,8 @@ def test_join_native_reads_a_groups_results_in_order_and_gives_up_at_its_timeout
 def test_with_another_broker_a_chord_runs_through_chord_unlock(
         app: Celery, engine: Engine, table_prefix: str) -> None:
     """Counting in SQL needs the broker on the results' database (its body is published
-    in the counting transaction): with another broker Celery's chord_unlock runs it."""
+    in the counting transaction): with another broker Celery's chord_unlock runs it, and
+    ``add_to_chord`` is Celery's NotImplementedError, as with any backend but Redis."""
     from celery import chord
     from celery.signals import before_task_publish
 
@@ -383,6 +384,8 @@ def test_with_another_broker_a_chord_runs_through_chord_unlock(
     finally:
         before_task_publish.disconnect(seen)
     assert "celery.chord_unlock" in names
+    with pytest.raises(NotImplementedError, match="add_to_chord"):
+        app.backend.add_to_chord("some chord", app.AsyncResult("added"))
     app.backend.store.ensure()
     with engine.connect() as conn:
         assert conn.execute(text(

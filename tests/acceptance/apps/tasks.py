@@ -174,3 +174,19 @@ def marked(self: InboxTask, key: str, size: int) -> str:
     table = self.connection.dialect.identifier_preparer.quote(prefix + MARKS)
     self.connection.execute(text(f"INSERT INTO {table} (mark) VALUES (:key)"), {"key": key})
     return "x" * size
+
+
+# -- chords grown by their header tasks (tests/acceptance/test_chords.py) -------------------
+@app.task(bind=True, name="acc.adds_to_chord", acks_late=True)
+def adds_to_chord(self: Task, nums: list[int], value: int, as_chord: bool = False) -> int:
+    """A chord's header task adding ``add(num, value)`` for each of ``nums`` to its chord
+    (``Task.add_to_chord``), or with ``as_chord`` one chord of them summed."""
+    from celery import chord
+
+    adds = [self.app.signature("acc.add_late", args=(num, value)) for num in nums]
+    if as_chord:
+        self.add_to_chord(chord(adds, self.app.signature("acc.total")))
+    else:
+        for sig in adds:
+            self.add_to_chord(sig)
+    return 0
