@@ -171,3 +171,47 @@ def fifo_jobs(connect: Callable[..., Connection], table_prefix: str) -> Connecti
     for n in (1, 2):
         publish(conn, "jobs", {"n": n}, headers={"group_key": "g"})
     return conn
+
+
+@contextmanager
+def session_ended_after(engine: Engine, admin: Engine,
+                        marker: Callable[[str], bool]) -> Iterator[list[str]]:
+    """End, for real, the session of the first of ``engine``'s connections that runs a
+    statement ``marker`` accepts, just after it ran (its transaction open): PostgreSQL
+    and MariaDB by ``pg_terminate_backend`` / ``KILL`` from ``admin`` (waited for until the
+    server dropped it), SQLite by closing the driver's connection. Yields the statements
+    after which a session ended."""
+    ended: list[str] = []
+
+    def end(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if ended or not marker(statement):
+            return
+        ended.append(statement)
+        driver = cursor.connection
+        if engine.dialect.name == "sqlite":
+            driver.close()
+            return
+        postgresql = engine.dialect.name == "postgresql"
+        own = driver.cursor()
+        own.execute("SELECT pg_backend_pid()" if postgresql else "SELECT CONNECTION_ID()")
+        backend = int(own.fetchone()[0])
+        own.close()
+        kill, alive = (("SELECT pg_terminate_backend(:id)",
+                        "SELECT COUNT(*) FROM pg_stat_activity WHERE pid = :id")
+                       if postgresql else
+                       ("KILL :id", "SELECT COUNT(*) FROM information_schema.PROCESSLIST "
+                        "WHERE ID = :id"))
+        with admin.begin() as session:
+            session.execute(text(kill), {"id": backend})
+
+        def gone() -> bool:  # a transaction each: PostgreSQL's statistics hold still in one
+            with admin.connect() as session:
+                return not session.execute(text(alive), {"id": backend}).scalar_one()
+
+        wait_for(gone, "the ended session to go")
+
+    event.listen(engine, "after_cursor_execute", end)
+    try:
+        yield ended
+    finally:
+        event.remove(engine, "after_cursor_execute", end)
