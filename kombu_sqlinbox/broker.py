@@ -35,11 +35,11 @@ from .keeper import LeaseKeeper
 from .limits import Limiter, limited
 from .options import TransportOptions
 from .pausing import Pauses
+from .rates import RateLimits
 from .routing import Declared, Routes
 from .rows import ClaimedRow, Held, Settlement
 from .rows import QueueTable as QueueTable
 from .tables import Role, TableSpec, check_name, default_table, table_name_for_queue
-from .task_rates import TaskRates
 from .transient import TransientQueues
 from .unique import UniqueKey, UniquePublisher
 from .wakeups import Wakeup
@@ -76,8 +76,7 @@ class Broker:
         self.limits = Limiter(self.database, self.keeper, options)
         self.pauses = Pauses(self.database, self.wakeup, options.table_prefix,
                              options.create_tables, options.pause_check_interval)
-        self.rates = TaskRates(self.database, self.keeper, options.table_prefix,
-                               options.create_tables)
+        self.rates = RateLimits(self.database, options.table_prefix, options.create_tables)
         self.transient = TransientQueues(self.routes, wake=self.wakeup.published)
         #: how a message for transient queues is encoded (the codec's view of their table)
         self.transient_template = QueueTable("", self.transient.spec, options.defaults, False,
@@ -203,7 +202,8 @@ class Broker:
                 self._drop_expired(queue)
 
     def _drop_expired(self, queue: str) -> None:
-        """:meth:`_drop` a swept queue, looked up, never created (another sweep may be first)."""
+        """:meth:`_drop` a queue a sweep took (its registry row and bindings went with
+        it); looked up, never created: another process's sweep may have dropped it first."""
         known = self._tables.get(queue)
         spec = known.spec if known is not None else self.spec_for(queue)
         self.run(lambda conn: self._drop(conn, spec, self.options.for_queue(queue).table is None))
@@ -306,8 +306,8 @@ class Broker:
         if not table.transient and self.pauses.paused(table.queue):
             return []  # its rows wait (:mod:`.pausing`); remote control never pauses
         claims = self.limits if limited(table.options) else table.claims  # :mod:`.limits`
-        if self.rates.applies(table):  # :mod:`.rates`, :mod:`.task_rates`
-            return self.rates.claim(table, limit, skip, claims)  # as its budgets give
+        if table.options.rate_limit is not None and not table.transient:
+            return self.rates.claim(table, limit, skip, claims.claim)  # as its budget gives
         return claims.claim(table, limit, skip)
 
     def dead_letter(

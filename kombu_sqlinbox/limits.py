@@ -146,11 +146,9 @@ class Limiter:
                 "column storing Celery's messages (not a transient queue, a declared publish "
                 "statement, row mode or plain rows)")
 
-    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = (),
-              ids: Sequence[int] | None = None) -> list[ClaimedRow]:
-        """Lease up to ``limit`` rows of ``table`` (of ``ids`` only, when given) within its
-        limits (see the module). A transient queue (replies, remote control) has none,
-        whatever the defaults say."""
+    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
+        """Lease up to ``limit`` rows of ``table`` within its limits (see the module). A
+        transient queue (replies, remote control) has none, whatever the defaults say."""
         if table.transient:
             return table.claims.claim(table, limit, skip)
         self.check(table)
@@ -160,7 +158,7 @@ class Limiter:
                 lambda conn: conn.execute(probe).first(), read_only=True) is None:
             return []  # as the lease claim does after a claim that took nothing
         self._sweep(table)
-        rows = self.database.run(lambda conn: self._claim(conn, table, limit, set(skip), ids),
+        rows = self.database.run(lambda conn: self._claim(conn, table, limit, set(skip)),
                                  durable=False, repeatable=True)
         if rows:
             self._busy.add(table)
@@ -169,8 +167,8 @@ class Limiter:
         self.keeper.hold(table, rows)
         return rows
 
-    def _claim(self, conn: Connection, table: QueueTable, limit: int, skip: set[Any],
-               ids: Sequence[int] | None = None) -> list[ClaimedRow]:
+    def _claim(self, conn: Connection, table: QueueTable, limit: int,
+               skip: set[Any]) -> list[ClaimedRow]:
         options, spec = table.options, table.spec
         reads = self.dialect.limited_claim(spec, self.prefix)
         queue = None
@@ -188,9 +186,8 @@ class Limiter:
             window = wanted * OVERSCAN
             # a key as text: a row sent before keys were checked may hold a number
             found = [(row[0], None if row[1] is None else str(row[1]), *row[2:])
-                     for row in conn.execute(reads.candidates if ids is None else reads.among, {
-                         "limit": window, "floor": floor, "full": sorted(full),
-                         **({} if ids is None else {"ids": list(ids)})})]
+                     for row in conn.execute(reads.candidates, {
+                         "limit": window, "floor": floor, "full": sorted(full)})]
             keys = {row[1] for row in found if row[1] is not None and row[1] not in slots}
             limits = {key: limit_of(options, key) for key in keys}
             read = self._slots(conn, reads, table, {

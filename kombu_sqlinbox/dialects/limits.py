@@ -62,8 +62,6 @@ class LimitedClaim:
     #: ``id, limit_key[, partition_key]`` of the first ``:limit`` ready rows in claim
     #: order whose key is not among the ``:full`` ones, locked (skipping locked rows)
     candidates: TextClause
-    #: the same among the rows of ``:ids`` (those a rate-limited task's tokens allow)
-    among: TextClause
     #: ``limit_key, slot, holder_id, holder_attempt, live`` of the slots of ``:keys``
     holders: TextClause
     #: the same of up to 500 slots whose holder is no longer in work
@@ -184,14 +182,11 @@ class LimitFamily(QueueFamily, UniqueFamily, ScheduleFamily):
             columns.append(f"r.{f['partition_key']}")
         # locked, skipping rows locked by other claims: claimers reading at once take
         # different rows, as the plain claim's do, not the same few one after another
-        def candidates(among: str) -> TextClause:
-            return self.clocked(text(self.ordered_select(spec, columns, (
-                f"WHERE {among}{self.ready_filter(spec)}{self.above_floor(spec)} "
-                f"AND ({key} IS NULL OR {self.exact_key(key)} NOT IN :full) "
-                f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit"),
-                f" {self.lock_clause}" if self.lock_clause else "")).bindparams(
-                    bindparam("full", expanding=True, type_=String())))
-
+        candidates = self.ordered_select(spec, columns, (
+            f"WHERE {self.ready_filter(spec)}{self.above_floor(spec)} "
+            f"AND ({key} IS NULL OR {self.exact_key(key)} NOT IN :full) "
+            f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit"),
+            f" {self.lock_clause}" if self.lock_clause else "")
         live = (f"LEFT JOIN {f['table']} AS h ON h.{f['id']} = s.holder_id "
                 f"AND h.{f['attempt']} = s.holder_attempt "
                 f"AND h.{f['locked_until']} >= {self.now}{self.unfinished(spec, 'h')}")
@@ -199,9 +194,8 @@ class LimitFamily(QueueFamily, UniqueFamily, ScheduleFamily):
                 f"CASE WHEN h.{f['id']} IS NULL THEN 0 ELSE 1 END FROM {slots} AS s {live} "
                 "WHERE s.queue_table = :queue_table AND ")
         return LimitedClaim(
-            candidates=candidates(""),
-            among=candidates(f"r.{f['id']} IN :ids AND ").bindparams(
-                bindparam("ids", expanding=True)),
+            candidates=self.clocked(text(candidates).bindparams(
+                bindparam("full", expanding=True, type_=String()))),
             holders=self.clocked(text(read + "s.limit_key IN :keys").bindparams(
                 bindparam("keys", expanding=True, type_=String()))),
             dead=self.clocked(text(read + f"h.{f['id']} IS NULL LIMIT 500")),

@@ -78,11 +78,8 @@ class MySQLDialect(MySQLUniqueKeys, Dialect):
     def later(self, seconds: str) -> str:
         return f"{self.now} + INTERVAL ({seconds} * 1000000) MICROSECOND"
 
-    def envelope_header(self, column: str, header: str) -> str:
-        return f"JSON_UNQUOTE(JSON_EXTRACT({column}, '$.headers.{header}'))"
-
     def limit_key_of(self, column: str) -> str:
-        return self.envelope_header(column, "limit_key")
+        return f"JSON_UNQUOTE(JSON_EXTRACT({column}, '$.headers.limit_key'))"
 
     def exact_key(self, key: str) -> str:
         """Byte for byte: JSON_UNQUOTE's collation ignores trailing spaces, which would
@@ -306,11 +303,6 @@ class MySQLDialect(MySQLUniqueKeys, Dialect):
 
     def delete_some(self, table: str, condition: str) -> str:
         return f"DELETE FROM {table} WHERE {condition} LIMIT :limit"
-
-    def prune_rows(self, budget: str) -> str:
-        """One statement, in key order (no subquery of the table a DELETE writes)."""
-        return self.delete_some(budget, "name = :name AND window_no < :window "
-                                "ORDER BY window_no, shard")
 
     def transient_claim(self, messages: str, fresh: str) -> tuple[TextClause, ...]:
         return (text(f"SELECT id, payload, headers, priority FROM {messages} "

@@ -73,11 +73,8 @@ class PostgreSQLDialect(Dialect):
     def later(self, seconds: str) -> str:
         return f"{self.now} + make_interval(secs => {seconds})"
 
-    def envelope_header(self, column: str, header: str) -> str:
-        return f"(CAST({column} AS json) -> 'headers' ->> '{header}')"
-
     def limit_key_of(self, column: str) -> str:
-        return self.envelope_header(column, "limit_key")
+        return f"(CAST({column} AS json) -> 'headers' ->> 'limit_key')"
 
     def limited_give_back(self, uncounted: TextClause,
                           release: TextClause) -> tuple[TextClause, ...]:

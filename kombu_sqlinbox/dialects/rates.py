@@ -1,30 +1,27 @@
-"""The rate budget's table: what every worker took of each short window's claims; and the
-reads a rate-limited queue's claim makes of its own table.
+"""The rate budget's table: what every worker took of each short window's claims.
 
-A rate-limited queue's (or task's) time is cut into windows (by the database's clock); a
-window's budget is split into a few shards, one row each, made by the first claim that
-takes from it. A claim takes tokens from one shard by a conditional UPDATE, so claimers of
-one queue spread over several rows instead of queueing on one
-(:mod:`kombu_sqlinbox.rates`). Queues without a rate limit never touch the table.
+A rate-limited queue's time is cut into windows (by the database's clock); a window's
+budget is split into a few shards, one row each, made by the first claim that takes from
+it. A claim takes tokens from one shard by a conditional UPDATE, so claimers of one queue
+spread over several rows instead of queueing on one (:mod:`kombu_sqlinbox.rates`). Queues
+without a rate limit never touch the table.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import String, TextClause, bindparam, text
+from sqlalchemy import TextClause, text
 from sqlalchemy.engine import Engine
 
 from ..roles import check_identifier
-from ..tables import Role, TableSpec
 from .routing import RoutingFamily
 from .schedules import ScheduleFamily
-from .selection import SelectionFamily
 
 #: the rate budget's table under a table prefix
 RATE_TABLE = "rate_budget"
 #: values the schema check binds to every statement it plans
-PLAN_PARAMS = {"name": "-", "window": 0, "shard": 0, "k": 1, "share": 1, "limit": 1}
+PLAN_PARAMS = {"name": "-", "window": 0, "shard": 0, "k": 1, "share": 1}
 
 
 @dataclass(frozen=True)
@@ -43,8 +40,7 @@ class RateStatements:
     shards: TextClause
     #: ``:k`` tokens taken and not used, given back to their shard
     give_back: TextClause
-    #: at most ``:limit`` rows of the windows of ``:name`` before ``:window``, passing over
-    #: rows another prune holds where the database can
+    #: the windows of ``:name`` before ``:window``
     prune: TextClause
     #: the database's now, in epoch seconds
     now: TextClause
@@ -54,28 +50,10 @@ class RateStatements:
         return (check_identifier(prefix + RATE_TABLE, "table"),)
 
 
-@dataclass(frozen=True)
-class RatedReads:
-    """The reads a rate-limited claim makes of one queue table, from ``:floor`` up
-    (:meth:`SelectionFamily.above_floor`)."""
-
-    #: a row of each of the first ``:limit`` ready rows in claim order (an idle queue's
-    #: poll reads one, before any token is taken)
-    ready: TextClause
-    #: the task name (Celery's ``task`` header; NULL: none) of each of the first
-    #: ``:limit`` ready rows in claim order whose task is not among the ``:spent`` ones:
-    #: which tasks' budgets a claim takes from (None: a table without headers, which
-    #: holds no task name)
-    tasks: TextClause | None = None
-    #: ``id, task[, partition_key]`` of the first ``:limit`` ready rows in claim order
-    #: whose task is not among the ``:spent`` ones, locked (skipping locked rows)
-    candidates: TextClause | None = None
-
-
-class RateFamily(SelectionFamily, RoutingFamily, ScheduleFamily):
+class RateFamily(RoutingFamily, ScheduleFamily):
     """The rate budget's statements, built once per table prefix (names as the routing
     tables hold them, a shard's row made as the schedules' are: a second maker's row
-    stays), and a rate-limited claim's reads, once per table."""
+    stays)."""
 
     #: a window's number: epoch seconds over a window's length (beyond 32 bits)
     window_type = "BIGINT"
@@ -83,56 +61,12 @@ class RateFamily(SelectionFamily, RoutingFamily, ScheduleFamily):
     def __init__(self, engine: Engine | None = None) -> None:
         super().__init__(engine)
         self._rates: dict[str, RateStatements] = {}
-        self._rated: dict[TableSpec, RatedReads] = {}
-
-    def envelope_header(self, column: str, header: str) -> str:
-        """SQL: the message header ``header`` in the envelope a headers column holds
-        (NULL: none); ``header`` is a fixed word, never a value."""
-        raise NotImplementedError
-
-    def prune_rows(self, budget: str) -> str:
-        """A prune (:attr:`RateStatements.prune`) of the table ``budget``: its rows by
-        primary key, chosen under the lock clause."""
-        lock = f" {self.lock_clause}" if self.lock_clause else ""
-        return (f"DELETE FROM {budget} WHERE (name, window_no, shard) IN (SELECT r.name, "
-                f"r.window_no, r.shard FROM {budget} AS r WHERE r.name = :name "
-                f"AND r.window_no < :window LIMIT :limit{lock})")
 
     def rate_statements(self, prefix: str) -> RateStatements:
         cached = self._rates.get(prefix)
         if cached is None:
             cached = self._rates[prefix] = self.build_rates(prefix)
         return cached
-
-    def rated_reads(self, spec: TableSpec) -> RatedReads:
-        cached = self._rated.get(spec)
-        if cached is None:
-            cached = self._rated[spec] = self.build_rated(spec)
-        return cached
-
-    def build_rated(self, spec: TableSpec) -> RatedReads:
-        ready = f"WHERE {self.ready_filter(spec)}{self.above_floor(spec)}"
-        order = f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit"
-        probe = self.clocked(text(self.ordered_select(spec, ["1"], f"{ready} {order}")))
-        if not spec.has(Role.HEADERS):
-            return RatedReads(probe)
-        f = self.fields(spec)
-        task = self.envelope_header(f"r.{f['headers']}", "task")
-        columns = [f"r.{f['id']}", task]
-        if spec.has(Role.PARTITION_KEY):
-            columns.append(f"r.{f['partition_key']}")
-        among = f"{ready} AND ({task} IS NULL OR {task} NOT IN :spent) {order}"
-
-        def sql(statement: str) -> TextClause:
-            return self.clocked(text(statement).bindparams(
-                bindparam("spent", expanding=True, type_=String())))
-
-        return RatedReads(
-            ready=probe,
-            tasks=sql(self.ordered_select(spec, [task], among)),
-            candidates=sql(self.ordered_select(
-                spec, columns, among, f" {self.lock_clause}" if self.lock_clause else "")),
-        )
 
     def build_rates(self, prefix: str) -> RateStatements:
         names = RateStatements.tables(prefix)
@@ -156,6 +90,6 @@ class RateFamily(SelectionFamily, RoutingFamily, ScheduleFamily):
             shards=sql(f"SELECT shard, used FROM {budget} "
                        f"WHERE name = :name AND window_no = :window"),
             give_back=sql(f"UPDATE {budget} SET used = used - :k WHERE {shard} AND used >= :k"),
-            prune=sql(self.prune_rows(budget)),
+            prune=sql(f"DELETE FROM {budget} WHERE name = :name AND window_no < :window"),
             now=sql(f"SELECT {self.epoch(self.now)}"),
         )

@@ -131,11 +131,8 @@ class SQLiteDialect(Dialect):
     def later(self, seconds: str) -> str:
         return f"{self.now} + {seconds}"
 
-    def envelope_header(self, column: str, header: str) -> str:
-        return f"json_extract({column}, '$.headers.{header}')"
-
     def limit_key_of(self, column: str) -> str:
-        return self.envelope_header(column, "limit_key")
+        return f"json_extract({column}, '$.headers.limit_key')"
 
     def epoch(self, moment: str) -> str:
         return moment  # times are epoch seconds here already

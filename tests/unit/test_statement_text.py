@@ -96,9 +96,6 @@ def table_statements(dialect: Dialect, drivers: tuple[str, ...], spec: TableSpec
         lengths = {"ids": 2} if ":ids" in first.text else {}
         yield f"driver_sql[{name}]", repr(DriverSql.of(first, "format", lengths))
         yield f"prepared[{name}]", repr(DriverSql.prepared(first, "format"))
-    rated = dialect.rated_reads(spec)
-    for field in dataclasses.fields(rated):
-        yield f"rated_reads.{field.name}", getattr(rated, field.name)
     yield "create_ddl", dialect.create_ddl(spec)
     yield "index_ddl", dialect.index_ddl(spec)
     yield "index_columns", dialect.index_columns(spec)
