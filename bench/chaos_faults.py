@@ -9,7 +9,7 @@ import shlex
 import sqlite3
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -170,12 +170,22 @@ def one_connection(url: str) -> Iterator[Any]:
 def group_ports(pgid: int) -> set[int]:
     """The local TCP ports of every process in a process group (a worker and its pool),
     read from ``/proc``: how their server sessions are told from everyone else's."""
+    return socket_ports(lambda stat: int(stat.rsplit(")", 1)[1].split()[2]) == pgid)
+
+
+def process_ports(pid: int) -> set[int]:
+    """The local TCP ports of one process (a worker's main process, not its pool)."""
+    return socket_ports(lambda stat: int(stat.split(" ", 1)[0]) == pid)
+
+
+def socket_ports(chosen: Callable[[str], bool]) -> set[int]:
+    """The local TCP ports of the processes whose ``/proc/<pid>/stat`` line is ``chosen``."""
     inodes = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+            if not chosen((entry / "stat").read_text()):
                 continue
             for fd in (entry / "fd").iterdir():
                 link = os.readlink(fd)

@@ -17,13 +17,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +41,7 @@ from bench.targets import (
     Context,
     Target,
     connect,
+    redis_always,
     scratch_queue,
 )
 
@@ -55,8 +53,6 @@ IDLE_GAP = 2.0
 IDLE_SAMPLES = 8
 #: seconds an idle consumer is watched for its statements
 IDLE_WATCH = 6.0
-REDIS_ALWAYS_PORT = 6390
-REDIS_ALWAYS_DIR = Path("/tmp/latency-redis")
 SETUPS = ("sqlinbox", "sqlinbox sync off", "kombu sqla", "redis",
           "redis appendfsync always", "rabbitmq")
 STEPS = (
@@ -209,35 +205,6 @@ def idle_cost(target: Target, ctx: Context) -> Cell:
             child.wait_ready(time.monotonic() + 30)
             _, _, rate = child.next(time.monotonic() + IDLE_WATCH + 30)
     return Cell(rate, f"{rate:.1f}")
-
-
-# -- Redis with appendfsync always ------------------------------------------------------
-@contextlib.contextmanager
-def redis_always() -> Iterator[str]:
-    """A redis-server of our own (AOF, fsync on every write), removed afterwards."""
-    with socket.socket() as probe:
-        if probe.connect_ex(("127.0.0.1", REDIS_ALWAYS_PORT)) == 0:
-            raise RuntimeError(f"port {REDIS_ALWAYS_PORT} is taken")
-    shutil.rmtree(REDIS_ALWAYS_DIR, ignore_errors=True)
-    REDIS_ALWAYS_DIR.mkdir(parents=True)
-    server = subprocess.Popen(
-        ["redis-server", "--port", str(REDIS_ALWAYS_PORT), "--bind", "127.0.0.1",
-         "--appendonly", "yes", "--appendfsync", "always", "--save", "",
-         "--dir", str(REDIS_ALWAYS_DIR)], stdout=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            with socket.socket() as probe:
-                if probe.connect_ex(("127.0.0.1", REDIS_ALWAYS_PORT)) == 0:
-                    break
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("redis-server with appendfsync always did not start")
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{REDIS_ALWAYS_PORT}/0"
-    finally:
-        server.terminate()
-        server.wait(10)
-        shutil.rmtree(REDIS_ALWAYS_DIR, ignore_errors=True)
 
 
 # -- the section --------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
     python bench/mvcc.py [--databases postgresql,mysql] [--mvcc-minutes N]
                          [--mvcc-rate MSG_S] [--mvcc-prefetch N] [--mvcc-sample S]
+                         [--mvcc-snapshot both|held|none]
 
 Also a section of ``bench/run.py`` (``--sections mvcc``; ``--quick``: 1 minute). For
 each server database, at the same time: a publisher process sends ``--mvcc-rate``
@@ -19,6 +20,9 @@ disturb), and the dead rows: PostgreSQL's ``n_dead_tup``/``n_live_tup`` and tabl
 size, MariaDB's history list length and table size. PostgreSQL runs in a database of its
 own (``<db>_mvcc``, created when missing) so the held snapshot stops vacuum there only.
 MariaDB's purge is server-wide: the run holds it back for everyone on the server.
+With ``--mvcc-snapshot both`` (the default) each database runs the same load twice, first
+with no snapshot held, then with one, and a last table puts the two side by side: the
+held run's acked rate over the other's is the cost of the snapshot.
 Not a test: the figures depend on the machine and on whatever else runs on it.
 """
 
@@ -43,14 +47,13 @@ from sqlalchemy.engine import Engine, make_url
 
 import celery_ext
 import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox alias)
-from bench.children import SPAWN
+from bench.children import SPAWN, timed_claims
 from bench.cli import run_alone
 from bench.kombu_bench import body, declared_producer
 from bench.registry import Cell, Row, Section, goal, progress
 from bench.report import grid
 from bench.targets import SERVERS, kombu_queue
 from kombu_sqlinbox.broker import Broker
-from kombu_sqlinbox.dialects.base import Dialect
 from kombu_sqlinbox.tables import TableSpec, table_name_for_queue
 from tests.databases import pages_read, snapshot_held
 
@@ -66,6 +69,12 @@ START_LIMIT = 120.0
 FLAT_SECONDS = 2.0
 #: ... and every window's claim p99 under this many milliseconds
 P99_LIMIT = 50.0
+#: the acked rate with the snapshot held at least this share of the rate without
+RATE_SHARE = 0.9
+#: the runs of each ``--mvcc-snapshot`` choice, in order: (setup, snapshot held)
+HOW = {True: "a snapshot held throughout", False: "no snapshot held"}
+MODES = {"both": (("no snapshot", False), ("snapshot held", True)),
+         "held": (("snapshot held", True),), "none": (("no snapshot", False),)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "concurrency 2 at the default multiplier)")
     group.add_argument("--mvcc-sample", type=float, default=10.0,
                        help="seconds per line of the table (default 10)")
+    group.add_argument("--mvcc-snapshot", choices=tuple(MODES), default="both",
+                       help="run the load with a snapshot held, without, or both in turn "
+                            "(default both: without first)")
     group.add_argument("--mvcc-queue", default=QUEUE,
                        help=f"the queue (default {QUEUE}): runs side by side take one each")
 
@@ -86,10 +98,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def database_url(database: str) -> str:
     """The server's URL; PostgreSQL's pointed at a database of this run's own (created
     when missing): there the held snapshot stops vacuum for no one else."""
-    url = make_url(SERVERS[database])
     if database != "postgresql":
-        return url.render_as_string(hide_password=False)
-    own = f"{url.database}_mvcc"
+        return make_url(SERVERS[database]).render_as_string(hide_password=False)
+    return own_database("mvcc")
+
+
+def own_database(suffix: str) -> str:
+    """The URL of PostgreSQL's ``<db>_<suffix>``, a database created when missing."""
+    url = make_url(SERVERS["postgresql"])
+    own = f"{url.database}_{suffix}"
     admin = create_engine(url, isolation_level="AUTOCOMMIT")
     try:
         with admin.connect() as conn:
@@ -138,19 +155,8 @@ def publisher(url: str, name: str, rate: float, seconds: float, published: Any, 
 def consumer(url: str, name: str, prefetch: int, acked: Any, claims: Any, stop: Any,
              ready: Any) -> None:
     """Consume and ack until ``stop``; every claim statement's duration (and its end time)
-    goes to ``claims`` once a second. The timing wraps the dialect's claim here, in the
-    bench: the transport carries no instrumentation."""
-    timings: list[tuple[float, float]] = []
-    claim = Dialect.claim
-
-    def timed(self: Dialect, *args: Any, **kwargs: Any) -> Any:
-        began = time.perf_counter()
-        try:
-            return claim(self, *args, **kwargs)
-        finally:
-            timings.append((time.time(), time.perf_counter() - began))
-
-    Dialect.claim = timed  # type: ignore[method-assign]
+    goes to ``claims`` once a second (see :func:`~bench.children.timed_claims`)."""
+    timings = timed_claims()
 
     def on_message(payload: dict[str, Any], message: Any) -> None:
         message.ack()
@@ -211,11 +217,37 @@ def percentile(values: list[float], top: float) -> float:
     return ordered[min(len(ordered) - 1, round(top * (len(ordered) - 1)))]
 
 
-def measure(database: str, args: argparse.Namespace, seconds: float) -> Cell:
-    """One database's run: the samples (in ``details``), the figure the claims' worst
-    p99."""
+def next_window(began: float, index: int, seconds: float, publisher: Any, reports: Any,
+                timings: list[tuple[float, float]]) -> tuple[float, list[float]]:
+    """Wait until sample ``index``'s window ends (or the publisher does), reading the
+    consumer's reports of claim timings into ``timings``: the time, and the window's
+    claim milliseconds (taken out of ``timings``)."""
+    window_end = began + (index + 1) * seconds
+    while time.time() < window_end and publisher.is_alive():
+        time.sleep(min(0.5, max(0.0, window_end - time.time())))
+        with contextlib.suppress(stdlib_queue.Empty):
+            while True:
+                timings += reports.get_nowait()
+    now = time.time()
+    window = [d * 1000 for end, d in timings if end <= now]
+    timings[:] = [t for t in timings if t[0] > now]
+    return now, window
+
+
+def claim_figures(window: list[float]) -> dict[str, Any]:
+    """A window's claims: how many, p50 and p99 (None without any)."""
+    return {"claims": len(window), "p50": statistics.median(window) if window else None,
+            "p99": percentile(window, 0.99) if window else None}
+
+
+def measure(database: str, args: argparse.Namespace, seconds: float, held: bool) -> Cell:
+    """One database's run, a snapshot ``held`` throughout or not: the samples (in
+    ``details``), the figure the claims' worst p99."""
     url = database_url(database)
-    table = table_name_for_queue(args.mvcc_queue, PREFIX)
+    # a queue (and table) of each mode's own: the process's broker keeps the first's
+    # declaration after the run drops its table
+    name = args.mvcc_queue if held else f"{args.mvcc_queue}free"
+    table = table_name_for_queue(name, PREFIX)
     engine = create_engine(url, isolation_level="AUTOCOMMIT", pool_size=2)
     published, acked = SPAWN.Value("q", 0), SPAWN.Value("q", 0)
     claims, stop, start = SPAWN.Queue(), SPAWN.Event(), SPAWN.Event()
@@ -224,19 +256,19 @@ def measure(database: str, args: argparse.Namespace, seconds: float) -> Cell:
     with engine.connect() as conn:
         conn.execute(text(f"DROP TABLE IF EXISTS {table}"))
     own = Connection(transport_url(url), transport_options={"table_prefix": PREFIX})
-    kombu_queue(args.mvcc_queue)(own.default_channel).declare()
+    kombu_queue(name)(own.default_channel).declare()
     broker = own.default_channel.broker
-    spec = broker.table(args.mvcc_queue).spec
+    spec = broker.table(name).spec
     samples: list[dict[str, Any]] = []
     timings: list[tuple[float, float]] = []
     children = [SPAWN.Process(target=consumer,
-                              args=(url, args.mvcc_queue, args.mvcc_prefetch, acked, claims,
+                              args=(url, name, args.mvcc_prefetch, acked, claims,
                                     stop, ready[0])),
                 SPAWN.Process(target=publisher,
-                              args=(url, args.mvcc_queue, args.mvcc_rate, seconds, published,
+                              args=(url, name, args.mvcc_rate, seconds, published,
                                     ready[1], start))]
     try:
-        with snapshot_held(engine, database):
+        with snapshot_held(engine, database) if held else contextlib.nullcontext():
             for child in children:
                 child.start()
             if not all(event.wait(START_LIMIT) for event in ready):
@@ -245,26 +277,17 @@ def measure(database: str, args: argparse.Namespace, seconds: float) -> Cell:
             began = time.time()
             last = {"published": 0, "acked": 0}
             while children[1].is_alive() or not samples:
-                window_end = began + (len(samples) + 1) * args.mvcc_sample
-                while time.time() < window_end and children[1].is_alive():
-                    time.sleep(min(0.5, max(0.0, window_end - time.time())))
-                    with contextlib.suppress(stdlib_queue.Empty):
-                        while True:
-                            timings += claims.get_nowait()
+                now, window = next_window(began, len(samples), args.mvcc_sample, children[1],
+                                          claims, timings)
                 if not children[0].is_alive():
                     raise RuntimeError("the consumer process ended")
-                now = time.time()
-                window = [d * 1000 for end, d in timings if end <= now]
-                timings = [t for t in timings if t[0] > now]
                 counts = {"published": published.value, "acked": acked.value}
                 sample = {
                     "t": now - began,
                     "published": counts["published"] - last["published"],
                     "acked": counts["acked"] - last["acked"],
                     "backlog": counts["published"] - counts["acked"],
-                    "claims": len(window),
-                    "p50": statistics.median(window) if window else None,
-                    "p99": percentile(window, 0.99) if window else None,
+                    **claim_figures(window),
                     "pages": claim_pages(broker, spec, database),
                     **dead_rows(engine, database, table),
                 }
@@ -284,7 +307,7 @@ def measure(database: str, args: argparse.Namespace, seconds: float) -> Cell:
     worst = max((s["p99"] for s in samples if s["p99"] is not None), default=None)
     return Cell(worst, "n/a" if worst is None else f"{worst:.1f}",
                 {"samples": samples, "rate": args.mvcc_rate, "seconds": seconds,
-                 "prefetch": args.mvcc_prefetch})
+                 "prefetch": args.mvcc_prefetch, "held": held})
 
 
 def line(sample: dict[str, Any]) -> str:
@@ -293,23 +316,27 @@ def line(sample: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> list[Row]:
-    """Both databases at once, each in a thread with its own processes."""
+    """Both databases at once, each in a thread with its own processes; a database's
+    modes one after the other."""
     seconds = 60 * (args.mvcc_minutes or (1 if args.quick else 10))
     chosen = [d for d in args.databases if d in DATABASES]
-    cells: dict[str, Cell] = {}
+    modes = MODES[getattr(args, "mvcc_snapshot", "held")]
+    rows: dict[str, list[Row]] = {d: [] for d in chosen}
 
     def one(database: str) -> None:
-        try:
-            cells[database] = measure(database, args, seconds)
-        except Exception as exc:
-            cells[database] = Cell.failed(exc)
+        for setup, held in modes:
+            try:
+                cell = measure(database, args, seconds, held)
+            except Exception as exc:
+                cell = Cell.failed(exc)
+            rows[database].append(cell.row(NAME, database, setup, "p99_max"))
 
     threads = [threading.Thread(target=one, args=(d,)) for d in chosen]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return [cells[d].row(NAME, d, "snapshot held", "p99_max") for d in chosen]
+    return [row for d in chosen for row in rows[d]]
 
 
 def figure(value: Any, digits: int = 1) -> str:
@@ -322,7 +349,7 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
     for row in rows:
         samples = row["details"].get("samples")
         if not samples:
-            parts.append(f"{row['database']}: {row['text']}")
+            parts.append(f"{row['database']}, {row['setup']}: {row['text']}")
             continue
         postgres = row["database"] == "postgresql"
         dead = ("n_dead_tup", "n_live_tup") if postgres else ("history list length",)
@@ -342,9 +369,42 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
         details = row["details"]
         parts.append(f"**{row['database']}**, {details['rate']:g} msg/s for "
                      f"{details['seconds'] / 60:g} min, prefetch {details['prefetch']}, "
-                     "a snapshot held throughout\n\n" + grid(headings, lines) + "\n\n"
+                     f"{HOW[details.get('held', True)]}\n\n" + grid(headings, lines) + "\n\n"
                      + summary(row["database"], samples, details["seconds"]))
-    return "\n\n".join(parts)
+    return "\n\n".join([*parts, *side_by_side(rows)])
+
+
+def acked_rate(samples: list[dict[str, Any]]) -> float:
+    return float(sum(s["acked"] for s in samples) / max(1e-9, samples[-1]["t"]))
+
+
+def side_by_side(rows: list[Row]) -> list[str]:
+    """Per database run both ways: one line per run and the held run's acked rate over the
+    other's."""
+    parts = []
+    for database in dict.fromkeys(r["database"] for r in rows):
+        runs = {r["setup"]: r["details"]["samples"] for r in rows
+                if r["database"] == database and r["details"].get("samples")}
+        if len(runs) < 2:
+            continue
+        key = "dead" if database == "postgresql" else "history"
+        lines = [[setup, figure(sum(s["published"] for s in samples)
+                                / max(1e-9, samples[-1]["t"]), 0),
+                  figure(acked_rate(samples), 0),
+                  figure(max((s["p99"] for s in samples if s["p99"] is not None),
+                             default=None), 2),
+                  f"{samples[-1]['backlog']}/{max(s['backlog'] for s in samples)}",
+                  f"{samples[0]['pages']}/{samples[-1]['pages']}",
+                  figure(samples[-1].get(key), 0), figure(samples[-1].get("mb"))]
+                 for setup, samples in runs.items()]
+        share = acked_rate(runs["snapshot held"]) / max(1e-9, acked_rate(runs["no snapshot"]))
+        kept = "n_dead_tup" if key == "dead" else "history list length"
+        parts.append(f"**{database}**, the same load without and with the snapshot\n\n"
+                     + grid(["run", "published/s", "acked/s", "claim p99 max ms",
+                             "backlog last/max", "claim pages first/last", f"{kept} last",
+                             "table+index MB last"], lines)
+                     + f"\n\nAcked rate, snapshot held ÷ none: {share:.2f}.")
+    return parts
 
 
 def summary(database: str, samples: list[dict[str, Any]], seconds: float) -> str:
@@ -369,11 +429,19 @@ def targets(rows: list[Row]) -> list[Row]:
         samples = row["details"].get("samples")
         if not samples:
             continue
-        found.append(goal(NAME, row["database"], "claim p99, worst window (ms)", row["value"],
-                          P99_LIMIT, at_most=True))
-        found.append(goal(NAME, row["database"], "backlog at the end (messages)",
+        setup = row["setup"]
+        found.append(goal(NAME, row["database"], f"{setup}: claim p99, worst window (ms)",
+                          row["value"], P99_LIMIT, at_most=True))
+        found.append(goal(NAME, row["database"], f"{setup}: backlog at the end (messages)",
                           samples[-1]["backlog"], FLAT_SECONDS * row["details"]["rate"],
                           at_most=True))
+    for database in dict.fromkeys(r["database"] for r in rows):
+        runs = {r["setup"]: r["details"]["samples"] for r in rows
+                if r["database"] == database and r["details"].get("samples")}
+        if len(runs) == 2:
+            found.append(goal(NAME, database, "acked msg/s, snapshot held ÷ none",
+                              acked_rate(runs["snapshot held"])
+                              / max(1e-9, acked_rate(runs["no snapshot"])), RATE_SHARE))
     return found
 
 

@@ -1,4 +1,5 @@
-"""Publish benchmark: one message per commit, a bound bulk publish, and Celery's apply_async.
+"""Publish benchmark: one message per commit, a bound bulk publish, and Celery's apply_async,
+beside the message servers at the durability of a committed row.
 
     python bench/publish.py [--quick] [--databases ...] [--publish-count N]
                             [--publish-rounds R] [--json PATH]
@@ -8,18 +9,22 @@ median of its rounds):
 
 * single publish, msg/s: kombu ``Producer.publish`` on the sqlinbox transport, the raw
   driver loop of the same INSERT (``bench/raw.py``: one row per commit, same session
-  setup), kombu sqla, and kombu's ``memory://`` (kombu's own per-message cost); Redis
-  and RabbitMQ once;
+  setup), kombu sqla, kombu's ``memory://`` (kombu's own per-message cost), and the
+  durable peers: RabbitMQ with persistent messages and publisher confirms
+  (``confirm_publish``), and Redis with ``appendfsync always`` (a redis-server of its
+  own, started and stopped here); Redis and RabbitMQ as configured, once;
 * bulk, msg/s: 1,000 ``Producer.publish`` inside ``celery_ext.bind(conn)`` and the
   commit, against the raw driver sending one multi-row INSERT of 1,000 rows and its
   commit;
 * Celery: ``apply_async`` of a task against ``Producer.publish`` of a body of the same
-  size, through the app's producer pool, per broker.
+  size, through the app's producer pool, per broker, and what apply_async costs beyond
+  that publish (µs per call: on ``memory://``, Celery's and kombu's own work alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -41,7 +46,15 @@ from bench.kombu_bench import body, declared_producer
 from bench.raw import RawQueue
 from bench.registry import Cell, Row, Section, alternate, goal, progress, ratio
 from bench.report import table
-from bench.targets import AMQP_URL, REDIS_URL, Context, Target, connect, kombu_queue
+from bench.targets import (
+    AMQP_URL,
+    REDIS_URL,
+    Context,
+    Target,
+    connect,
+    kombu_queue,
+    redis_always,
+)
 from kombu_sqlinbox.database import engine_for
 from kombu_sqlinbox.tables import table_name_for_queue
 
@@ -53,8 +66,16 @@ FIGURES = {
     "apply_async": "apply_async/s",
     "producer": "Producer.publish/s (same app)",
     "celery_ratio": "apply_async ÷ publish",
+    "celery_cost": "apply_async beyond publish µs",
 }
 MEMORY = Target("memory", None, "memory://")
+#: RabbitMQ at a committed row's durability: persistent messages (kombu's and Celery's
+#: default delivery mode, to durable queues), each publish waiting for the broker's confirm
+CONFIRMS = Target("rabbitmq confirms", None, AMQP_URL, {"confirm_publish": True})
+#: Redis at a committed row's durability: its own server, fsync on every write
+ALWAYS = "redis always"
+#: the port of that server (the latency section's is another: both may run at once)
+ALWAYS_PORT = 6391
 SERVERS = (Target("redis", None, REDIS_URL), Target("rabbitmq", None, AMQP_URL), MEMORY)
 #: (what, (setup, figure) over (setup, figure), target)
 RATIOS = (
@@ -63,11 +84,15 @@ RATIOS = (
     ("sqlinbox publish ÷ memory:// publish", ("sqlinbox", "publish"), ("memory", "publish"),
      None),
     (f"sqlinbox bulk ÷ raw multi-row INSERT ({BULK:,} rows)", ("sqlinbox", "bulk"),
-     ("raw", "bulk"), 0.5),
+     ("raw", "bulk"), 0.8),
     ("sqlinbox bulk ÷ memory:// publish (kombu's own per-message cost)",
      ("sqlinbox", "bulk"), ("memory", "publish"), None),
     ("sqlinbox apply_async ÷ Producer.publish", ("sqlinbox", "apply_async"),
-     ("sqlinbox", "producer"), None),
+     ("sqlinbox", "producer"), 0.8),
+    ("sqlinbox publish ÷ RabbitMQ publish (persistent, confirms)", ("sqlinbox", "publish"),
+     (CONFIRMS.broker, "publish"), 1.0),
+    ("sqlinbox publish ÷ Redis publish (appendfsync always)", ("sqlinbox", "publish"),
+     (ALWAYS, "publish"), 1.0),
 )
 #: the ratio each database is held to: SQLite's against kombu's own ceiling
 TARGET_OF = {"sqlite": {"sqlinbox publish ÷ memory:// publish": 0.8,
@@ -198,9 +223,11 @@ def celery(target: Target, ctx: Context, count: int, rounds: int) -> dict[str, C
         apply_async()  # declares the queue, fills the pools
         cells = alternate({"apply_async": apply_async, "producer": publish}, rounds,
                           lambda v: f"{v:,.0f}")
-        value = ratio(cells["apply_async"], cells["producer"])
-        if value is not None:
-            cells["celery_ratio"] = Cell(value, f"{value:.2f}")
+        applied, published = cells["apply_async"].value, cells["producer"].value
+        if applied and published:
+            cells["celery_ratio"] = Cell(applied / published, f"{applied / published:.2f}")
+            cost = 1e6 / applied - 1e6 / published
+            cells["celery_cost"] = Cell(cost, f"{cost:,.0f}")
         return cells
     finally:
         with app.connection_for_write() as conn:
@@ -228,18 +255,25 @@ def run(args: argparse.Namespace) -> list[Row]:
         rows.append(cell.row(NAME, database, setup, figure))
         progress(f"{NAME} {database or '-'} {setup} {figure}: {cell.text}")
 
-    with Context(pg_driver=args.pg_driver) as ctx:
-        servers = {t.broker: t for t in SERVERS}
-        for name, cell in single(servers, ctx, count, rounds).items():
+    with Context(pg_driver=args.pg_driver) as ctx, contextlib.ExitStack() as stack:
+        # the durable peers, measured beside every database (and with the servers)
+        peers = {CONFIRMS.broker: CONFIRMS}
+        unavailable: dict[str, Cell] = {}
+        try:
+            peers[ALWAYS] = Target(ALWAYS, None, stack.enter_context(redis_always(ALWAYS_PORT)))
+        except Exception as exc:  # no redis-server here, or its port taken
+            unavailable[ALWAYS] = Cell.failed(exc)
+        servers = {**{t.broker: t for t in SERVERS}, **peers}
+        for name, cell in {**single(servers, ctx, count, rounds), **unavailable}.items():
             add(None, name, {name: cell}, "publish")
-        for target in SERVERS:
+        for target in servers.values():
             for figure, cell in failing_alone(partial(celery, target, ctx, count, rounds),
                                               ("apply_async", "producer")).items():
                 add(None, target.broker, {target.broker: cell}, figure)
         for database in args.databases:
             targets = {t.broker: t for t in ctx.targets(database, {"sqlinbox", "raw", "sqla"})}
-            targets["memory"] = MEMORY
-            for name, cell in single(targets, ctx, count, rounds).items():
+            targets.update({MEMORY.broker: MEMORY, **peers})
+            for name, cell in {**single(targets, ctx, count, rounds), **unavailable}.items():
                 add(database, name, {name: cell}, "publish")
             for name, cell in failing_alone(partial(bulk, database, ctx, rounds),
                                             ("sqlinbox", "raw")).items():
@@ -252,7 +286,9 @@ def run(args: argparse.Namespace) -> list[Row]:
 
 
 def label(setup: str, database: str | None) -> str:
-    return {"raw": "raw driver ‡", "sqla": "kombu sqla †", "memory": "memory:// *"}.get(
+    return {"raw": "raw driver ‡", "sqla": "kombu sqla †", "memory": "memory:// *",
+            CONFIRMS.broker: "rabbitmq persistent + confirms §",
+            ALWAYS: "redis appendfsync always §"}.get(
         setup, setup + (" *" if database is None else ""))
 
 
@@ -270,8 +306,13 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
         "(database -); memory:// is measured again beside each database. † a tenth of the "
         f"messages. ‡ the transport's INSERT through the bare driver: one row per commit; "
         f"bulk: one INSERT of {BULK:,} rows and its commit. sqlinbox bulk: {BULK:,} "
-        "Producer.publish inside celery_ext.bind(conn), and the commit. apply_async: a "
-        "task of two arguments; Producer.publish: a JSON body of the task body's size. "
+        "Producer.publish inside celery_ext.bind(conn), and the commit. § the durable "
+        "peers, measured again beside each database: RabbitMQ with persistent messages "
+        "and publisher confirms (confirm_publish), Redis with appendfsync always (a "
+        "redis-server of the benchmark's own). apply_async: a task of two arguments; "
+        "Producer.publish: a JSON body of the task body's size; apply_async beyond publish: "
+        "what apply_async costs beyond that publish, µs per call (on memory://, Celery's "
+        "and kombu's own work). "
         f"PostgreSQL: sqlinbox and kombu sqla through {args.pg_driver}, the raw loop "
         "through psycopg2.",
     ])
@@ -290,7 +331,7 @@ def targets(rows: list[Row]) -> list[Row]:
                           cells.get((database, bottom, bottom_figure)))
             if value is not None:
                 found.append(goal(NAME, database, what, value, limit))
-    for server in ("redis", "rabbitmq"):
+    for server in ("redis", "rabbitmq", CONFIRMS.broker, ALWAYS, MEMORY.broker):
         value = ratio(cells.get((None, server, "apply_async")),
                       cells.get((None, server, "producer")))
         if value is not None:

@@ -10,6 +10,7 @@ this process from start to end. Then:
 
 * **ping**: ``app.control.ping`` to both workers by name, Celery's default 1 s timeout;
   the round trip until both replied (a call that lost a reply counts as its timeout);
+  **ping one**: the same to the first worker alone (it returns with its reply);
 * **CLI**: ``celery -A app inspect ping`` as a user runs it (no destination: it waits the
   whole 1 s timeout), wall time including the interpreter's start-up;
 * **events**: tasks sent at random gaps; the latency of every task event the workers send
@@ -67,6 +68,7 @@ CLI_RUNS = 5
 QUICK_CLI_RUNS = 3
 FIGURES = {
     "ping": "ping p50 / p99 ms",
+    "ping1": "ping one p50 / p99 ms",
     "missed": "pings missing a reply",
     "cli": "CLI inspect ping s (p50)",
     "events": "task events p50 / p99 ms",
@@ -174,16 +176,18 @@ def wait_for(check: Callable[[], bool], seconds: float, what: str,
 
 # -- the measurements ------------------------------------------------------------------------
 def ping_rows(app: Celery, names: list[str], calls: int) -> dict[str, Cell]:
-    """``calls`` pings to both workers, one after another: round trip ms, calls short of a
-    reply."""
-    found, missed = [], 0
-    for _ in range(calls):
+    """``calls`` pings to both workers, one after another, then as many to the first alone
+    (a reply limit of one): round trip ms, calls short of a reply."""
+    found: dict[int, list[float]] = {len(names): [], 1: []}
+    missed = 0
+    for many, _ in [(many, call) for many in found for call in range(calls)]:
         began = time.perf_counter()
-        replies = app.control.ping(destination=names, timeout=PING_TIMEOUT)
-        found.append((time.perf_counter() - began) * 1000)
-        missed += len(replies) < len(names)
+        replies = app.control.ping(destination=names[:many], timeout=PING_TIMEOUT)
+        found[many].append((time.perf_counter() - began) * 1000)
+        missed += len(replies) < many
         time.sleep(random.uniform(0, 0.05))
-    return {"ping": spread(found), "missed": Cell(missed, f"{missed} of {calls}")}
+    return {"ping": spread(found[len(names)]), "ping1": spread(found[1]),
+            "missed": Cell(missed, f"{missed} of {calls * 2}")}
 
 
 def cli_ping(env: dict[str, str], names: list[str], runs: int) -> Cell:
@@ -291,7 +295,8 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
         f"Two workers (prefork -c 1, -E, heartbeats every {HEARTBEAT:g} s) on one queue and "
         f"an event receiver in the benchmark process. Ping: {samples} "
         f"app.control.ping calls to both workers by name, timeout {PING_TIMEOUT:g} s (a "
-        f"call short of a reply counts as its timeout). CLI: {cli_runs} runs of "
+        "call short of a reply counts as its timeout); ping one: as many to the first "
+        f"worker alone. CLI: {cli_runs} runs of "
         "`celery -A app inspect ping` (waits its whole 1 s timeout), wall time with "
         f"start-up; (k/n both): runs that listed both workers. Events: {samples} tasks "
         f"at random gaps up to {TASK_GAP * 1000:.0f} ms; task-received/started/succeeded, "

@@ -6,6 +6,8 @@ import gc
 import json
 import os
 import shutil
+import socket
+import subprocess
 import sys
 import time
 import uuid
@@ -30,6 +32,8 @@ SERVERS = {
 }
 REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 AMQP_URL = os.environ.get("BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+#: the port of the latency section's redis-server with ``appendfsync always``
+REDIS_ALWAYS_PORT = 6390
 DATABASES = ("postgresql", "mysql", "sqlite")
 #: database-backed broker kinds; redis and rabbitmq are measured once and shown in every group
 SQL_BROKERS = ("sqlinbox", "sqla", "raw")
@@ -233,3 +237,33 @@ def delete_queue(target: Target, name: str) -> None:
                 queue.exchange(conn.default_channel).delete()
     except Exception as exc:  # cleanup must not hide the figures
         print(f"cleanup of {target.label} queue {name}: {gist(str(exc))}")
+
+
+@contextmanager
+def redis_always(port: int = REDIS_ALWAYS_PORT) -> Iterator[str]:
+    """A redis-server of our own on ``port`` (AOF, fsync on every write: the durability of
+    a committed row), removed afterwards; the shared server's settings are left alone."""
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"port {port} is taken")
+    folder = Path(f"/tmp/sqlinbox-bench-redis-{port}")
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+         "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+         "--dir", str(folder)], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("redis-server with appendfsync always did not start")
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        server.terminate()
+        server.wait(10)
+        shutil.rmtree(folder, ignore_errors=True)

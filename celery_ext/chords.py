@@ -3,9 +3,11 @@
 
 One counter row per chord (``<prefix>chords``): its size, the header tasks counted, and
 its meta, which keeps what the body receives: the header's results in order and the
-results beyond it, ``more`` (tasks added with ``Task.add_to_chord``; for a header given
-as a generator, whose task ids are known only as they run, every part as it is counted,
-ordered by its group index as the Redis backend orders them). The last part counted
+results beyond it, ``more`` (tasks added with ``Task.add_to_chord``). A header given as
+a generator, whose task ids are known only as they run, has each part record its id in a
+row of its own (``<prefix>chord_parts``) as it is counted, ordered by its group index as
+the Redis backend orders them. A count reads and writes the counter's numbers only, so
+it costs the same however large the chord; the last part counted reads the rest and
 publishes the body in the transaction counting it.
 """
 
@@ -51,10 +53,10 @@ def date_done(seconds: float | None) -> datetime | None:
     return None if seconds is None else datetime.fromtimestamp(seconds, tz=timezone.utc)
 
 
-def _in_order(more: list[Any]) -> list[Any]:
-    """``more``'s results by group index (none last), else as they came."""
-    return [entry[1] for entry in sorted(more, key=lambda entry: (entry[0] is None,
-                                                                  entry[0] or 0))]
+def _in_order(parts: list[tuple[int | None, str]]) -> list[tuple[int | None, str]]:
+    """A generator's parts by group index (none last), then by id: the Redis backend's
+    order (a sorted set by group index), an added task beside its adder."""
+    return sorted(parts, key=lambda part: (part[0] is None, part[0] or 0, part[1]))
 
 
 class ChordBackend(BaseBackend):
@@ -67,6 +69,11 @@ class ChordBackend(BaseBackend):
     @property
     def store(self) -> ResultStore:
         """The result tables (the backend's)."""
+        raise NotImplementedError
+
+    def _row(self, task_id: str, result: Any, state: str, traceback: Any,
+             request: Any) -> tuple[str, bytes, Any, Any]:
+        """A task's state, encoded meta, name and worker, as the backend writes them."""
         raise NotImplementedError
 
     def _meta(self, found: StoredResult) -> dict[str, Any]:
@@ -98,10 +105,10 @@ class ChordBackend(BaseBackend):
         if self._chord_broker() is None:
             return super().apply_chord(header_result_args, body, **kwargs)
         group_id, results = header_result_args[0], header_result_args[1]
-        header = None if isinstance(results, _regen) else self.app.GroupResult(
-            *header_result_args).as_tuple()
+        generated = isinstance(results, _regen)
+        header = None if generated else self.app.GroupResult(*header_result_args).as_tuple()
         self.store.save_chord(group_id, ensure_bytes(self.encode(
-            {"header": header, "more": []})), self.store.database.bound_caller())
+            {"header": header, "more": []})), generated, self.store.database.bound_caller())
         return None
 
     def set_chord_size(self, group_id: str, chord_size: int) -> None:
@@ -121,7 +128,7 @@ class ChordBackend(BaseBackend):
             chord = self.decode(meta)
             if chord["header"] is None:
                 return None  # a generator's header: the task keeps its id as it is counted
-            chord.setdefault("more", []).append([None, result.as_tuple()])
+            chord.setdefault("more", []).append([None, result.as_tuple()])  # in order added
             encoded: bytes = ensure_bytes(self.encode(chord))
             return encoded
 
@@ -152,27 +159,30 @@ class ChordBackend(BaseBackend):
         task, or a missing counter row, gives the body's error callbacks a ChordError
         once the transaction is over (what they publish is not part of it)."""
         callback = maybe_signature(request.chord, app=self.app)
-        counted = self.store.count_chord(conn, request.group)
+        counted = self.store.count_chord(conn, request.group, request.id,
+                                         request.group_index)
         if counted is None:
-            if callback.id and self.store.read(callback.id) is not None:
-                return None  # an earlier part found it missing: the body has failed
-            return partial(self._chord_error, callback, ChordError(
+            gone = ChordError(
                 f"chord {request.group}: its counter row is missing from "
                 f"{self.store.sql.names[2]} (expired by result_expires, or deleted); "
-                "its body is not run"))
-        done, size, meta = counted
-        chord = self.decode(meta)
-        if chord["header"] is None:  # a generator's: this part's id, by its group index
-            chord["more"].append([request.group_index,
-                                  self.app.AsyncResult(request.id).as_tuple()])
-            self.store.rewrite_chord(conn, request.group, ensure_bytes(self.encode(chord)))
+                "its body is not run")
+            # the first part to find it gone stores the body's failure, in its counting
+            # transaction: parts counted together (nothing left to lock) fail it once
+            if callback.id and not self.store.write_new(
+                    callback.id, *self._row(callback.id, self.prepare_exception(gone),
+                                            states.FAILURE, None, None), conn):
+                return None  # an earlier part found it missing: the body has failed
+            return partial(self._chord_error, callback, gone)
+        done, size = counted
         if size is None or done < size:
             return None
-        self.store.delete_chord(conn, request.group)
+        meta, parts = self.store.finish_chord(conn, request.group)
+        chord = self.decode(meta)
         header = [] if chord["header"] is None else result_from_tuple(
             chord["header"], self.app).results
-        whole = ResultSet([*header, *(result_from_tuple(entry, self.app)
-                                      for entry in _in_order(chord.get("more", [])))])
+        more = [result_from_tuple(entry[1], self.app) for entry in chord.get("more", [])]
+        whole = ResultSet([*header, *more, *(self.app.AsyncResult(task_id)
+                                             for _, task_id in _in_order(parts))])
         try:
             values = self._values(whole, self.store.read_many(_leaves(whole), conn))
         except ChordError as exc:

@@ -70,19 +70,21 @@ def drop_inbox_table(declaration: Declaration) -> None:
 
 def create_routing_tables(prefix: str = "sqlinbox_") -> None:
     """Create the routing tables under the transport's ``table_prefix``, the table of
-    paused queues every worker reads (``sqlinbox pause``), the concurrency limits' slots
-    and the rate budget of the queues with a ``rate_limit``."""
+    paused queues every worker reads (``sqlinbox pause``), the concurrency limits' slots,
+    the rate budget of the queues with a ``rate_limit`` and the throughput counts."""
     dialect = _dialect()
     for statement in [*dialect.routing_statements(prefix).ddl,
                       *dialect.pause_statements(prefix).ddl,
                       *dialect.limit_statements(prefix).ddl,
-                      *dialect.rate_statements(prefix).ddl]:
+                      *dialect.rate_statements(prefix).ddl,
+                      *dialect.throughput_statements(prefix).ddl]:
         op.execute(statement)
 
 
 def drop_routing_tables(prefix: str = "sqlinbox_") -> None:
     dialect = _dialect()
-    for statement in [*dialect.rate_statements(prefix).drop,
+    for statement in [*dialect.throughput_statements(prefix).drop,
+                      *dialect.rate_statements(prefix).drop,
                       *dialect.limit_statements(prefix).drop,
                       *dialect.pause_statements(prefix).drop,
                       *dialect.routing_statements(prefix).drop]:

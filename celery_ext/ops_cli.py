@@ -38,9 +38,10 @@ from kombu_sqlinbox.history import history_problems
 from kombu_sqlinbox.limits import limited
 from kombu_sqlinbox.operations import DeadFilter, DeadLetter, Operations
 
+from .dashboard_cli import dashboard
 from .history_cli import failures, failures_section
 from .ops_context import operations
-from .ops_render import age_text, render_prometheus, render_text, text_table
+from .ops_render import age_text, decoded_arguments, render_prometheus, render_text, text_table
 from .outbox_cli import outbox, progress
 from .pause_cli import commands as pause_commands
 from .results import backend_options
@@ -209,20 +210,6 @@ def dead_list(ctx: click.Context, /, dlq: tuple[str, ...], limit: int | None, as
           "-" if d.attempts is None else d.attempts,
           age_text(None if d.at is None else now - d.at), d.why)
          for d in found], align="><<<>><"))
-
-
-def decoded_arguments(message: dict[str, Any]) -> str:
-    """A Celery message's arguments (JSON bodies only: nothing else is deserialised)."""
-    if message.get("content-type") != "application/json":
-        return f"not decoded ({message.get('content-type')} body)"
-    body = message.get("body")
-    try:
-        loaded = json.loads(body.decode() if isinstance(body, bytes) else body or "")
-    except ValueError as exc:
-        return f"not decoded (the body is not JSON: {exc})"
-    if isinstance(loaded, list) and len(loaded) == 3:  # Celery's message protocol 2
-        return f"args={json.dumps(loaded[0])} kwargs={json.dumps(loaded[1])}"
-    return json.dumps(loaded)
 
 
 @dead.command(name="show", cls=CeleryCommand)
@@ -409,6 +396,8 @@ def ddl(ctx: click.Context, names: tuple[str, ...]) -> None:
             click.echo(";\n".join(ops.broker.limits.sql.ddl) + ";")
             click.echo("-- rate budget (queues with a rate_limit)")
             click.echo(";\n".join(ops.broker.rates.sql.ddl) + ";")
+            click.echo("-- throughput counts (the dashboard's charts; count_throughput)")
+            click.echo(";\n".join(ops.broker.throughput.sql.ddl) + ";")
 
 
 def result_settings(app: Any, table_prefix: str) -> tuple[str, bool]:
@@ -465,6 +454,7 @@ sqlinbox.add_command(failures)
 sqlinbox.add_command(outbox)
 pause_commands(sqlinbox, operations)
 sqlinbox.add_command(schedules)
+sqlinbox.add_command(dashboard)
 
 
 @click.group(name="sqlinbox", help=sqlinbox.help)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import click
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -16,7 +17,20 @@ from kombu_sqlinbox.urls import client_url, masked
 
 from .outbox_cli import database_failed
 
-__all__ = ["operations"]
+__all__ = ["app_operations", "operations"]
+
+
+def app_url(app: Any) -> str:
+    """The app's broker database as its workers connect to it: its password setting,
+    its first URL."""
+    with app.connection_for_write() as connection:
+        return str(client_url(connection))
+
+
+def app_operations(app: Any) -> Operations:
+    """The operations on the app's broker database, with its options and queues."""
+    return Operations(app_url(app), parse_options(app.conf.broker_transport_options),
+                      list(app.amqp.queues))
 
 
 @contextmanager
@@ -35,9 +49,8 @@ def operations(ctx: click.Context) -> Iterator[Operations]:
     elif not url:
         raise click.UsageError("no sqlinbox database: pass --url URL, or -A proj")
     try:
-        if url is None:  # as the app connects: its password setting, its first URL
-            with app.connection_for_write() as connection:
-                url = client_url(connection)
+        if url is None:
+            url = app_url(app)
         made = Operations(str(url), parse_options(raw), queues)
     except ConfigurationError as exc:
         raise click.UsageError(str(exc)) from None

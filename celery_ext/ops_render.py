@@ -76,6 +76,20 @@ def render_text(figures: Sequence[QueueFigures], now: float) -> str:
     return table + ("\n" + render_paused(paused, now) if paused else "")
 
 
+def decoded_arguments(message: dict[str, Any]) -> str:
+    """A Celery message's arguments (JSON bodies only: nothing else is deserialised)."""
+    if message.get("content-type") != "application/json":
+        return f"not decoded ({message.get('content-type')} body)"
+    body = message.get("body")
+    try:
+        loaded = json.loads(body.decode() if isinstance(body, bytes) else body or "")
+    except ValueError as exc:
+        return f"not decoded (the body is not JSON: {exc})"
+    if isinstance(loaded, list) and len(loaded) == 3:  # Celery's message protocol 2
+        return f"args={json.dumps(loaded[0])} kwargs={json.dumps(loaded[1])}"
+    return json.dumps(loaded)
+
+
 def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 

@@ -13,7 +13,9 @@ adaptive poll rather than a fixed half second.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,16 +29,18 @@ from celery.exceptions import TimeoutError as CeleryTimeout
 from celery.result import result_from_tuple
 from kombu.utils.encoding import ensure_bytes
 from sqlalchemy import Connection
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, ProgrammingError
 
 from kombu_sqlinbox.broker import Broker, same_database
 from kombu_sqlinbox.codec import ROW_KEY
 from kombu_sqlinbox.errors import (
     ConfigurationError,
     DatabaseUnreachable,
+    ResultIdRefused,
     ResultTooLarge,
     reason_of,
 )
+from kombu_sqlinbox.history import ResultsMissing
 from kombu_sqlinbox.options import TransportOptions
 from kombu_sqlinbox.results import ResultStore, check_id, store_for
 from kombu_sqlinbox.urls import URL_PREFIX, masked
@@ -115,6 +119,11 @@ class SqlInboxBackend(ChordBackend):
                 "the sqlinbox result backend needs the database's URL: "
                 "result_backend = 'sqlinbox+postgresql://user@host/db' "
                 "(or sqlinbox+mysql://..., sqlinbox+sqlite:///jobs.db)")
+        if self.expires is not None and not 0 <= self.expires < math.inf:
+            raise ConfigurationError(
+                f"result_expires={self.expires!r}: results expire after a number of "
+                "seconds (or a timedelta) of 0 or more, which backend_cleanup deletes "
+                "them after; None or 0 keeps every result")
         self.options = backend_options(app)
         if app.Task.Request == Task.Request:  # the worker's request for results written
             app.Task.Request = ACKS  # with their row (an app's own request class stays)
@@ -150,8 +159,24 @@ class SqlInboxBackend(ChordBackend):
         completes the task's row; nothing for a result its transactional task stored."""
         if request is not None and getattr(request, STORED, False):
             return result
+        refused = None if request is None else self._refused(task_id)
+        if refused is not None:
+            logger.error("sqlinbox: task %.60r: its result is not stored (%s): %s",
+                         task_id, state, refused)
+            return result
         kwargs.setdefault("completes", self._completes(task_id, result, state, request))
         return super().store_result(task_id, result, state, traceback, request, **kwargs)
+
+    @staticmethod
+    def _refused(task_id: str) -> ResultIdRefused | None:
+        """Why a delivered task's id keys no result row (a producer that did not check it
+        sent it): its result is then not stored, rather than an error stopping the worker
+        at each delivery of its row."""
+        try:
+            check_id(task_id)
+        except ResultIdRefused as exc:
+            return exc
+        return None
 
     def _completes(self, task_id: str, result: Any, state: str,
                    request: Any) -> dict[str, Any] | None:
@@ -248,6 +273,7 @@ class SqlInboxBackend(ChordBackend):
         do; not a redelivery Celery may deduplicate (its skipped run wrote nothing)."""
         task, info = request.task, request.message.delivery_info
         if (info.get(ROW_KEY) is None or get_actual_ignore_result(task, request)
+                or self._refused(request.id) is not None
                 or not _completing(task, states.SUCCESS, None) or (info.get("redelivered")
                 and self.app.conf.worker_deduplicate_successful_tasks)):
             return False
@@ -259,12 +285,19 @@ class SqlInboxBackend(ChordBackend):
         would let the worker's acknowledgement, retried until it lands, complete the row
         without its result. A write with the completion is fenced, so it is never done
         twice; meanwhile the message stays held (its lease, once lapsed, lets another
-        worker run it)."""
+        worker run it). So is a write whose result tables are missing (``create_tables``
+        off and not created yet, or dropped since): held until they are there (created
+        again where ``create_tables`` is on)."""
         pause = RETRY_FIRST
         while True:
             try:
                 return write()
-            except (OperationalError, InterfaceError) as exc:
+            except (OperationalError, InterfaceError, ProgrammingError, ResultsMissing) as exc:
+                gone = False  # a table dropped (SQLite says so with an OperationalError)
+                with contextlib.suppress(DBAPIError):  # the database away: asked next time
+                    gone = self.store.tables_gone()
+                if isinstance(exc, ProgrammingError) and not gone:
+                    raise
                 logger.warning("sqlinbox: task %s: writing its result failed (%s); again "
                                "in %.1f s", task_id,
                                reason_of(exc), pause)

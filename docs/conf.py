@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from kombu_sqlinbox import __version__
+
 project = "kombu-sqlinbox"
 author = "kombu-sqlinbox contributors"
 copyright = "kombu-sqlinbox contributors"
-from kombu_sqlinbox import __version__ as release  # one place for the version
+release = __version__  # one place for the version
 
 extensions: list[str] = []
 root_doc = "index"

@@ -1,11 +1,8 @@
-"""Per-process state behind every Transport on one database.
-
-The process's Transports on one URL and options share one :class:`Broker`
-(:mod:`.brokers`): one engine with a bounded pool, one lease keeper and one view of
-which queue lives in which table.
-
-The broker composes the layers below it: the :class:`~.database.Database`, and on it the claim
-forms (:mod:`.claims`), the lease keeper (:mod:`.keeper`) and the wake-up (:mod:`.wakeups`).
+"""Per-process state behind every Transport on one database: the process's Transports on
+one URL and options share one :class:`Broker` (:mod:`.brokers`), one engine with a bounded
+pool and one view of which queue lives in which table. It composes the layers below it:
+the :class:`~.database.Database`, and on it the claim forms (:mod:`.claims`), the lease
+keeper (:mod:`.keeper`), the wake-up (:mod:`.wakeups`) and the counts (:mod:`.throughput`).
 """
 
 from __future__ import annotations
@@ -35,11 +32,12 @@ from .keeper import LeaseKeeper
 from .limits import Limiter, limited
 from .options import TransportOptions
 from .pausing import Pauses
-from .rates import RateLimits
 from .routing import Declared, Routes
 from .rows import ClaimedRow, Held, Settlement
 from .rows import QueueTable as QueueTable
 from .tables import Role, TableSpec, check_name, default_table, table_name_for_queue
+from .task_rates import TaskRates
+from .throughput import Throughput
 from .transient import TransientQueues
 from .unique import UniqueKey, UniquePublisher
 from .wakeups import Wakeup
@@ -73,11 +71,14 @@ class Broker:
                              sweep_interval=options.sweep_interval,
                              sweep_batch=options.sweep_batch)
         self.routes.restore_table = self._restore_table
-        self.limits = Limiter(self.database, self.keeper, options)
+        self.limits = Limiter(self.database, self.keeper, options,
+                              self.wakeup.claim_in_transaction, self.wakeup.claim)
         self.pauses = Pauses(self.database, self.wakeup, options.table_prefix,
                              options.create_tables, options.pause_check_interval)
-        self.rates = RateLimits(self.database, options.table_prefix, options.create_tables)
-        self.transient = TransientQueues(self.routes, wake=self.wakeup.published)
+        self.rates = TaskRates(self.database, self.keeper, options.table_prefix,
+                               options.create_tables)
+        self.transient = TransientQueues(self.routes, self.wakeup)
+        self.throughput = Throughput(self.database, options)
         #: how a message for transient queues is encoded (the codec's view of their table)
         self.transient_template = QueueTable("", self.transient.spec, options.defaults, False,
                                              True, self.transient, transient=True)
@@ -185,13 +186,12 @@ class Broker:
         """Wake this process's consumers when a message for ``table`` is published
         elsewhere: by NOTIFY where the database has it, else by the same-host signal
         where there is one."""
-        if not table.transient:
-            self.pauses.consuming()  # told when a queue is paused or resumed
-        if not self.dialect.notify:
-            self.wakeup.listen(None)  # the same-host signal alone, where there is one
-        else:
-            self.wakeup.listen(self.transient.channel(table.queue) if table.transient
-                               else self.dialect.channel(table.spec))
+        if table.transient:
+            self.transient.listen(table.queue)
+            return
+        self.pauses.consuming()  # told when a queue is paused or resumed
+        # without NOTIFY, the same-host signal alone, where there is one
+        self.wakeup.listen(self.dialect.channel(table.spec) if self.dialect.notify else None)
 
     def sweep(self) -> None:
         """Delete what expired (bounded, at most every ``sweep_interval``); an expired
@@ -202,8 +202,7 @@ class Broker:
                 self._drop_expired(queue)
 
     def _drop_expired(self, queue: str) -> None:
-        """:meth:`_drop` a queue a sweep took (its registry row and bindings went with
-        it); looked up, never created: another process's sweep may have dropped it first."""
+        """:meth:`_drop` a swept queue, looked up, never created (another sweep may be first)."""
         known = self._tables.get(queue)
         spec = known.spec if known is not None else self.spec_for(queue)
         self.run(lambda conn: self._drop(conn, spec, self.options.for_queue(queue).table is None))
@@ -306,8 +305,8 @@ class Broker:
         if not table.transient and self.pauses.paused(table.queue):
             return []  # its rows wait (:mod:`.pausing`); remote control never pauses
         claims = self.limits if limited(table.options) else table.claims  # :mod:`.limits`
-        if table.options.rate_limit is not None and not table.transient:
-            return self.rates.claim(table, limit, skip, claims.claim)  # as its budget gives
+        if self.rates.applies(table):  # :mod:`.rates`, :mod:`.task_rates`
+            return self.rates.claim(table, limit, skip, claims)  # as its budgets give
         return claims.claim(table, limit, skip)
 
     def dead_letter(
@@ -366,6 +365,7 @@ class Broker:
         self.closed = True
         self.routes.renewer.stop()
         self.keeper.stop()
+        self.throughput.stop()
         self.wakeup.close()
         self.database.dispose()
 
@@ -465,10 +465,9 @@ class Broker:
         statement = self.dialect.statements(table.spec).purge
         return int(self.run(lambda conn: conn.execute(statement).rowcount))
 
-    def delete_queue(self, queue: str) -> None:
-        """Drop the queue's table if the transport created it; a declared (service-owned)
-        table is only emptied. A queue that is not there (deleted already, never made)
-        is left as it is: no table is made to be dropped."""
+    def delete_queue(self, queue: str, later: bool = False) -> None:
+        """Drop the queue's table if the transport created it; a declared (service-owned) table
+        is only emptied; one not there is not made to be dropped (``later``: Routes.forget)."""
         if (queue not in self._tables and not self.has_own_table(queue)
                 and self.bound_caller() is None and not self.routes.is_transient(queue)
                 and not self.known_table(queue)):
@@ -477,7 +476,8 @@ class Broker:
         table = self.table(queue)
         if not table.transient:
             self.run(lambda conn: self._drop(conn, table.spec, table.created_by_transport))
-        self.routes.forget(queue)  # its registry row, bindings and transient messages
+        self.transient.unlisten(queue)  # nothing when it has no channel watched here
+        self.routes.forget(queue, later)  # its registry row, bindings and transient messages
         self.forget_table(queue)
 
     def still_held(self, conn: Connection, table: QueueTable, row_id: int,

@@ -77,12 +77,25 @@ class QoS(virtual.QoS):
 
     def ack(self, delivery_tag: Any) -> None:
         broker = self.channel.broker
-        self._settle(delivery_tag, lambda held, row: broker.settle(Settlement.COMPLETE, held))
+        self._settle(delivery_tag, self._counted(
+            lambda held: broker.settle(Settlement.COMPLETE, held)))
 
     def completed(self, delivery_tag: Any) -> None:
         """The delivery's row was completed by its task's own transaction (its result
         written with it): the delivery leaves as acked, with no statement of its own."""
-        self._settle(delivery_tag, lambda held, row: held.table.claims.completed(held))
+        self._settle(delivery_tag, self._counted(lambda held: held.table.claims.completed(held)))
+
+    def _counted(self, settle: Callable[[Held], None]) -> Callable[[Held, ClaimedRow], None]:
+        """``settle``, then the row counted for its queue's throughput (:mod:`.throughput`):
+        the one point every row a consumer acks or completes passes (a settlement that
+        raised is not counted; transient queues hold no table rows, and are not)."""
+        throughput = self.channel.broker.throughput
+
+        def counted(held: Held, row: ClaimedRow) -> None:
+            settle(held)
+            if not held.table.transient:
+                throughput.count(held.table.queue)
+        return counted
 
     def retry_after(self, delivery_tag: Any, seconds: float) -> None:
         """Requeue in place (same row, attempt counted), hidden for ``seconds``."""
@@ -138,6 +151,9 @@ class Channel(virtual.Channel):
         self._found_empty: dict[str, float] = {}
         #: auto-delete queues declared here: deleted when their last consumer here goes
         self._auto_delete: set[str] = set()
+        #: auto-delete queues the cancel of their last consumer here deleted, not declared
+        #: again since (kombu deletes a reply queue once more after its replies came)
+        self._deleted_on_cancel: set[str] = set()
         #: exclusive queues declared here: deleted when this channel closes
         self._exclusive: set[str] = set()
 
@@ -151,19 +167,20 @@ class Channel(virtual.Channel):
         if limit_key_of(message) is not None:
             self.broker.limits.check(table)  # a table that would lose the key
         columns: tuple[Any, ...] = ()
+        expiration = expiration_seconds(message)
         if stores_plain(table.spec):  # the payload and row columns alone, no envelope
             payload, columns, headers = (*encode_plain(message, table), None)
         else:
             # a transient message's expiry is a column its claim reads, not in the envelope
             expires_at = None if table.transient else expiry(
-                message, self.broker.routes.message_ttl(queue), time())
+                expiration, self.broker.routes.message_ttl(queue), time())
             payload, headers = encode_message(message, table, expires_at)
         priority = priority_of(message["properties"])
         message_headers = message.get("headers") or {}
         self.broker.publish_message(
             table, payload, headers, priority, eta_epoch(message_headers),
             _key(message_headers.get(GROUP_HEADER)), _key(message_headers.get(PARTITION_HEADER)),
-            expiration_seconds(message), (message_headers.get("task"), message_headers.get("id")),
+            expiration, (message_headers.get("task"), message_headers.get("id")),
             columns, unique)
 
     def basic_publish(self, message: dict[str, Any], exchange: str, routing_key: str,
@@ -263,11 +280,14 @@ class Channel(virtual.Channel):
         """Whether a transient queue (a worker's remote-control queue, a reply queue) may
         skip this round, as kombu asks every queue in turn: while another queue of the
         connection has a row ready to go out, and, while the last claim of a queue table
-        found rows, for a polling interval after the queue was found empty. A busy
-        worker then claims its remote-control queue a few times a second, not once per
-        claim of its task queue; an idle one, at every round."""
+        found rows, for a polling interval after the queue was found empty, unless a
+        NOTIFY for it came meanwhile (PostgreSQL). A busy worker then claims its
+        remote-control queue when a command came for it (elsewhere a few times a second),
+        not once per claim of its task queue; an idle one, at every round."""
         if self._ready_elsewhere(queue):
             return True
+        if self.broker.transient.told(queue):  # a NOTIFY: a message came for it
+            return False
         found_empty = self._found_empty.get(queue)
         return (self.connection.working and found_empty is not None
                 and monotonic() - found_empty < self.connection.polling_interval)
@@ -321,8 +341,20 @@ class Channel(virtual.Channel):
                 self.broker.keeper.flush(timeout=SETTLE_LIMIT)
             if queue in self._auto_delete and queue not in self._active_queues:
                 self._auto_delete.discard(queue)
-                self.queue_delete(queue)
+                # AMQP's auto-delete; a transient queue's rows go off this call's way
+                self.broker.delete_queue(queue, later=True)
+                self.state.queue_bindings_delete(queue)
+                self._deleted_on_cancel.add(queue)
         return result
+
+    def after_reply_message_received(self, queue: str) -> None:
+        """kombu deletes a reply queue once its replies came (``app.control.ping``): that
+        of an auto-delete queue the cancel of its consumer deleted already (AMQP's
+        auto-delete) costs no second round of statements."""
+        if queue in self._deleted_on_cancel:
+            self._deleted_on_cancel.discard(queue)
+            return
+        self.queue_delete(queue)
 
     def basic_recover(self, requeue: bool = False) -> Any:
         """Give every unacked message back (kombu's virtual channels refuse
@@ -389,6 +421,7 @@ class Channel(virtual.Channel):
     def _new_queue(self, queue: str, durable: bool = True, exclusive: bool = False,
                    auto_delete: bool = False, arguments: dict[str, Any] | None = None,
                    **kwargs: Any) -> None:
+        self._deleted_on_cancel.discard(queue)
         if auto_delete:
             self._auto_delete.add(queue)
         if exclusive:

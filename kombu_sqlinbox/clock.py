@@ -51,9 +51,15 @@ class Clock:
         return self.pinned
 
 
+#: the port a URL naming none reaches (the servers' default)
+DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mariadb": 3306}
+
+
 def key_of(url: Any) -> tuple[Any, ...]:
-    """Which database a URL (an SQLAlchemy URL) reaches, drivers and credentials aside."""
-    return (url.get_backend_name(), url.host, url.port, url.database)
+    """Which database a URL (an SQLAlchemy URL) reaches, drivers and credentials aside;
+    a port left out is the server's default (``db/app`` and ``db:5432/app`` are one)."""
+    backend = url.get_backend_name()
+    return (backend, url.host, url.port or DEFAULT_PORTS.get(backend), url.database)
 
 
 def install(url: Any) -> Clock:

@@ -7,6 +7,7 @@ run on it without a broker.
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import select
@@ -32,6 +33,8 @@ from .errors import ConfigurationError, SchemaMismatch
 from .options import TransportOptions, unknown_option
 from .tables import TableSpec
 from .urls import masked
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 #: drivers whose connections show their socket (``fileno()``; PyMySQL's ``_sock``)
@@ -329,7 +332,13 @@ class Database:
                         driver.autocommit = switched = True
                 if alone:
                     committing = True  # the statement is the commit
-                    cursor.execute(sql, insert.parameters(rows))
+                    if switched and insert.apart is not None:  # the wake-up after it
+                        plain, wake, values = insert.apart
+                        cursor.execute(plain.sql(len(rows)), plain.parameters(rows))
+                        if not self._wake_after_commit(pooled, cursor, wake, values):
+                            return
+                    else:
+                        cursor.execute(sql, insert.parameters(rows))
                     if switched:
                         driver.autocommit = False
                     return
@@ -349,6 +358,22 @@ class Database:
                 self._retry_or_raise(exc, committing, attempt, attempts)
             finally:
                 pooled.close()
+
+    def _wake_after_commit(self, pooled: Any, cursor: Any, wake: str,
+                           values: Sequence[Any]) -> bool:
+        """Send a committed publish's wake-up; whether its connection is still usable. A
+        failure loses the wake-up, not the row (its consumers find it at their next poll):
+        the publish is not raised as failed, which a caller would retry, writing it twice."""
+        try:
+            cursor.execute(wake, values)
+        except self.engine.dialect.loaded_dbapi.Error as driver_error:
+            pooled.info.pop(PUBLISH_CURSOR, None)
+            exc = self._driver_failure(driver_error, pooled, cursor, wake)
+            logger.warning("A published row's wake-up was not sent (%s); the row is "
+                           "committed, its consumers find it at their next poll",
+                           exc.orig)
+            return not exc.connection_invalidated
+        return True
 
     def _driver_failure(self, error: Any, pooled: Any, cursor: Any, sql: str) -> DBAPIError:
         """A driver error as SQLAlchemy raises it; a connection it shows dead is

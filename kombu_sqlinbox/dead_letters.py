@@ -57,9 +57,7 @@ class DeadLetter:
 
     @property
     def death(self) -> dict[str, Any]:
-        headers = (self.message or {}).get("headers") or {}
-        found = headers.get(DEATH_HEADER)
-        return found if isinstance(found, dict) else {}
+        return read_death((self.message or {}).get("headers") or {})[0]
 
     @property
     def origin(self) -> str | None:
@@ -92,13 +90,14 @@ class DeadLetter:
 @dataclass(frozen=True)
 class DeadFilter:
     """Which dead letters an operation takes: by origin queue, task name (a glob),
-    reason (a substring, any case) and age of the death in seconds."""
+    reason (a substring, any case), age of the death in seconds, or one row's id."""
 
     queue: str | None = None
     task: str | None = None
     reason: str | None = None
     older_than: float | None = None
     newer_than: float | None = None
+    row_id: int | None = None
 
     def __call__(self, dead: DeadLetter, now: float) -> bool:
         age = None if dead.at is None else now - dead.at
@@ -106,11 +105,29 @@ class DeadFilter:
                 and (self.task is None or fnmatch.fnmatchcase(dead.task or "", self.task))
                 and (self.reason is None or self.reason.lower() in dead.why.lower())
                 and (self.older_than is None or (age is not None and age >= self.older_than))
-                and (self.newer_than is None or (age is not None and age <= self.newer_than)))
+                and (self.newer_than is None or (age is not None and age <= self.newer_than))
+                and (self.row_id is None or dead.id == self.row_id))
 
 
 #: the filter that takes every dead letter
 EVERY = DeadFilter()
+
+
+def typed(found: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    """``found[key]`` if it is a ``kind`` (not a bool), else None: what a row written by
+    other code holds there must not break the lists' filters and pages."""
+    value = found.get(key)
+    return value if isinstance(value, kind) and not isinstance(value, bool) else None
+
+
+def read_death(headers: dict[str, Any]) -> tuple[dict[str, Any], str | None, str | None,
+                                                int | None, float | None]:
+    """A message's death record (empty: none), and its queue, reason, attempts and time
+    (see :func:`typed`)."""
+    death = headers.get(DEATH_HEADER)
+    death = death if isinstance(death, dict) else {}
+    return (death, typed(death, "queue", str), typed(death, "reason", str),
+            typed(death, "attempts", int), typed(death, "at", (int, float)))
 
 
 def row_task(spec: TableSpec, queue: str, death: dict[str, Any], message: dict[str, Any]

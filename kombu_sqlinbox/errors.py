@@ -45,9 +45,15 @@ class ResultTooLarge(SqlInboxError, EncodeError):
     the task as failed with this error, which ``AsyncResult.get()`` raises."""
 
 
-class ResultIdTooLong(SqlInboxError, ValueError):
-    """A task or group id longer than the result tables' key holds: refused as the task
-    is sent (its result could never be stored, ``get()`` would wait for it in vain)."""
+class ResultIdRefused(SqlInboxError, ValueError):
+    """A task or group id the result tables cannot key: refused as the task is sent (its
+    result could never be stored, ``get()`` would wait for it in vain); a worker given
+    one by a producer that did not check runs the task and logs that its result is not
+    stored."""
+
+
+class ResultIdTooLong(ResultIdRefused):
+    """A task or group id longer than the result tables' key holds."""
 
 
 class DatabaseUnreachable(SqlInboxError):

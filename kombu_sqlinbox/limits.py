@@ -7,23 +7,24 @@ each key prefix its limit (``"*"``: any key), ``max_in_work`` the queue's own. T
 keeps the key in the envelope's headers, where a claim reads it.
 
 A queue with limits is claimed by :class:`Limiter` instead of its claim form's statement,
-in one transaction: read the first ready rows whose keys are not known to be full, read
+in one transaction: read the first ready rows whose keys are not known to be full, with
 their keys' slots (``<prefix>limit_slots``), lease the rows that found a free slot, and
 take those slots by compare-and-set on the holder each was seen with. A row whose slot
 was taken meanwhile goes back uncounted before the commit, so no other claimer ever sees
 it leased. A slot is free once its holder is no longer in work under the attempt it took
 it with (:mod:`.dialects.limits`): a killed worker's slots free with its leases. Rows of a
 full key are passed over, not delivered; the claim reads on past them (up to
-:data:`ROUNDS` windows), so other keys go on. Queues without limits never come here.
+:data:`ROUNDS` windows), so other keys go on. Where the dialect has one
+(:attr:`.LimitedClaim.whole`: PostgreSQL), a claim is first tried as one statement that
+leases only the rows whose slots it wrote. Queues without limits never come here.
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
@@ -33,8 +34,9 @@ from sqlalchemy.exc import DBAPIError
 
 from .database import Database
 from .dialects import LimitedClaim, LimitStatements
+from .dialects.limits import digest
 from .errors import ConfigurationError, SchemaMismatch
-from .keeper import LeaseKeeper
+from .keeper import ClaimRunner, LeaseKeeper
 from .options import MAX_LIMIT_KEY, QueueOptions, TransportOptions
 from .rows import ClaimedRow, QueueTable
 from .tables import Role, TableSpec
@@ -46,6 +48,9 @@ QUEUE_SLOTS = "queue"
 #: candidate rows read per row wanted; and windows read, each passing over the keys the
 #: ones before found full, before a claim gives up on finding more
 OVERSCAN, ROUNDS = 4, 4
+#: the live slots a key without a limit of its own passes over at (a queue with only a
+#: queue's limit: none of its keys has slots)
+MAX_SLOTS = 2**31 - 1
 #: seconds between two sweeps of a table's dead slots by one process
 SWEEP_INTERVAL = 60.0
 
@@ -97,10 +102,6 @@ def limited(options: QueueOptions) -> bool:
     return bool(options.concurrency_limits) or options.max_in_work is not None
 
 
-def digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
 @dataclass
 class Slots:
     """One key's slots as read: how many are held, and the free ones (slot number, the
@@ -113,6 +114,21 @@ class Slots:
     def available(self) -> bool:
         return self.live < self.limit and bool(self.free)
 
+    @classmethod
+    def read(cls, seen: Iterable[Sequence[int]], limit: int, wanted: int) -> Slots:
+        """A key's slots from the ``(slot, holder_id, holder_attempt, live)`` of each it
+        has: of the free ones, the first ``wanted`` (a claim takes no more), found by
+        walking the slot numbers lazily -- a limit may be far larger than anything in
+        work."""
+        held: dict[int, tuple[int, int] | None] = {}
+        live = 0
+        for slot, holder, attempt, alive in seen:
+            live += bool(alive)
+            held[slot] = None if alive else (holder, attempt)  # None: not free
+        free = list(islice(((slot, held.get(slot)) for slot in range(limit)
+                            if slot not in held or held[slot] is not None), wanted))
+        return cls(limit, live, free)
+
     def take(self) -> tuple[int, tuple[int, int] | None] | None:
         if not self.available():
             return None
@@ -120,12 +136,24 @@ class Slots:
         return self.free.pop(0)
 
 
+def parsed(listed: str | None) -> list[tuple[int, ...]]:
+    """The slots a candidate row brings (:attr:`.LimitedClaim.candidates`)."""
+    return [tuple(int(part) for part in each.split(":")) for each in
+            (listed.split(",") if listed else ())]
+
+
 class Limiter:
     """Claims of the queues with limits on one database and table prefix."""
 
-    def __init__(self, database: Database, keeper: LeaseKeeper,
-                 options: TransportOptions) -> None:
+    def __init__(self, database: Database, keeper: LeaseKeeper, options: TransportOptions,
+                 run_claim: ClaimRunner | None = None,
+                 run_statement: ClaimRunner | None = None) -> None:
         self.database, self.dialect, self.keeper = database, database.dialect, keeper
+        #: run a claim's transaction, and a claim of one statement: by default a
+        #: transaction of the pool's whose commit does not wait for the disk; the broker's
+        #: :meth:`.Wakeup.claim_in_transaction` and :meth:`.Wakeup.claim`
+        self.run_claim: ClaimRunner = run_claim or database.run_fenced
+        self.run_statement: ClaimRunner = run_statement or database.run_fenced
         self.prefix, self.create = options.table_prefix, options.create_tables
         self.sql: LimitStatements = self.dialect.limit_statements(self.prefix)
         self.name = self.sql.names[0]
@@ -146,9 +174,11 @@ class Limiter:
                 "column storing Celery's messages (not a transient queue, a declared publish "
                 "statement, row mode or plain rows)")
 
-    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
-        """Lease up to ``limit`` rows of ``table`` within its limits (see the module). A
-        transient queue (replies, remote control) has none, whatever the defaults say."""
+    def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = (),
+              ids: Sequence[int] | None = None) -> list[ClaimedRow]:
+        """Lease up to ``limit`` rows of ``table`` (of ``ids`` only, when given) within its
+        limits (see the module). A transient queue (replies, remote control) has none,
+        whatever the defaults say."""
         if table.transient:
             return table.claims.claim(table, limit, skip)
         self.check(table)
@@ -158,8 +188,28 @@ class Limiter:
                 lambda conn: conn.execute(probe).first(), read_only=True) is None:
             return []  # as the lease claim does after a claim that took nothing
         self._sweep(table)
-        rows = self.database.run(lambda conn: self._claim(conn, table, limit, set(skip)),
-                                 durable=False, repeatable=True)
+        # the settlements queued so far (a busy consumer's acks) are written with the claim,
+        # as the lease claim's are (in its statement, its transaction, or just before it on
+        # the LISTEN connection): no commit of their own, and the slots of the rows they
+        # complete are free to this very claim
+        reads = self.dialect.limited_claim(table.spec, self.prefix)
+        more = True
+        if (reads.whole is not None and not skip and ids is None
+                and table.options.max_in_work is None):
+            def one(conn: Connection) -> list[ClaimedRow]:
+                return completing(conn, 0, [])[1]
+
+            def completing(conn: Connection, attempt: int,
+                           acked: list[int]) -> tuple[int, list[ClaimedRow]]:
+                nonlocal more
+                touched, rows, more = self._claim_whole(conn, table, reads, limit,
+                                                        attempt, acked)
+                return touched, rows
+
+            rows = self.keeper.folded(one, self.run_statement, (table, completing))
+        if more:
+            rows = self.keeper.folded(
+                lambda conn: self._claim(conn, table, limit, set(skip), ids), self.run_claim)
         if rows:
             self._busy.add(table)
         else:
@@ -167,39 +217,66 @@ class Limiter:
         self.keeper.hold(table, rows)
         return rows
 
-    def _claim(self, conn: Connection, table: QueueTable, limit: int,
-               skip: set[Any]) -> list[ClaimedRow]:
+    def _claim_whole(self, conn: Connection, table: QueueTable, reads: LimitedClaim,
+                     limit: int, attempt: int, acked: list[int]
+                     ) -> tuple[int, list[ClaimedRow], bool]:
+        """Claim in one statement (:attr:`.LimitedClaim.whole`; completing the rows
+        ``acked`` held at ``attempt`` first, when there are any), read again over a
+        window :data:`OVERSCAN` times as long when the first was of full keys only: the
+        rows completed, the rows leased, and whether to claim again by several statements
+        (none leased, and that window too was of full keys only: those pass over the
+        keys found full)."""
+        limits = table.options.concurrency_limits
+        params = self.dialect.claim_parameters(
+            conn, table.spec, limit, table.options.visibility_timeout, wanted=limit,
+            queue_table=spec_name(table.spec), prefixes=[prefix for prefix, _ in limits],
+            limits=[n for _, n in limits], attempt=attempt, ids=acked)
+        completed = 0
+        for window in (limit * OVERSCAN, limit * OVERSCAN**2):
+            statement = reads.whole_completing if acked else reads.whole
+            assert statement is not None  # the caller checked: both or neither
+            found = self.dialect.execute(conn, statement, {**params, "limit": window}).all()
+            if acked:
+                completed, acked = int(found[0].completed), []
+            rows = [row for row in found if row.id is not None]
+            if rows or found[0].seen < window:
+                return completed, self.dialect.claimed(table.spec, rows), False
+        return completed, [], True
+
+    def _claim(self, conn: Connection, table: QueueTable, limit: int, skip: set[Any],
+               ids: Sequence[int] | None = None) -> list[ClaimedRow]:
         options, spec = table.options, table.spec
         reads = self.dialect.limited_claim(spec, self.prefix)
+        name = spec_name(spec)
         queue = None
         if options.max_in_work is not None:
-            queue = self._slots(conn, reads, table, {QUEUE_SLOTS: options.max_in_work},
-                                limit)[QUEUE_SLOTS]
+            queue = self._slots(conn, reads, name, QUEUE_SLOTS, options.max_in_work, limit)
             if not queue.available():
                 return []  # the queue's limit is reached: no row is read
+        # keys holding as many live slots as the largest limit are full whatever their
+        # prefix: the read passes over their rows
+        most = max((n for _, n in options.concurrency_limits), default=MAX_SLOTS)
         slots: dict[str, Slots] = {}
         full: set[str] = set()
         plans: dict[int, list[tuple[str, int, tuple[int, int] | None]]] = {}
         floor = self.dialect.claim_floor(conn, spec)
         for _ in range(ROUNDS):
-            wanted = limit - len(plans)
-            window = wanted * OVERSCAN
-            # a key as text: a row sent before keys were checked may hold a number
-            found = [(row[0], None if row[1] is None else str(row[1]), *row[2:])
-                     for row in conn.execute(reads.candidates, {
-                         "limit": window, "floor": floor, "full": sorted(full)})]
-            keys = {row[1] for row in found if row[1] is not None and row[1] not in slots}
-            limits = {key: limit_of(options, key) for key in keys}
-            read = self._slots(conn, reads, table, {
-                digest(key): n for key, n in limits.items() if n is not None}, limit)
-            slots.update({key: read[digest(key)] for key, n in limits.items() if n is not None})
+            window = (limit - len(plans)) * OVERSCAN
+            found = conn.execute(reads.candidates if ids is None else reads.among, {
+                "limit": window, "floor": floor, "full": sorted(full), "queue_table": name,
+                "most": most, **({} if ids is None else {"ids": list(ids)})}).all()
             for row in found:
-                row_id, key = row[0], row[1]
-                if row_id in plans or (len(row) > 2 and row[2] in skip):
+                # a key as text: a row sent before keys were checked may hold a number
+                row_id, key = row[0], None if row[1] is None else str(row[1])
+                if row_id in plans or (len(row) > 3 and row[3] in skip):
                     continue
                 if queue is not None and not queue.available():
                     break
                 plan = []
+                if key is not None and key not in slots and key not in full:
+                    n = limit_of(options, key)
+                    if n is not None:
+                        slots[key] = Slots.read(parsed(row[2]), n, limit)
                 if key in slots:
                     taken = slots[key].take()
                     if taken is None:
@@ -219,29 +296,11 @@ class Limiter:
             return []
         return self._take(conn, table, plans)
 
-    def _slots(self, conn: Connection, reads: LimitedClaim, table: QueueTable,
-               limits: dict[str, int], wanted: int) -> dict[str, Slots]:
-        """The slots of each key digest in ``limits`` (with its limit), as read now: of
-        the free ones, the first ``wanted`` (a claim takes no more), found by walking the
-        slot numbers lazily -- a limit may be far larger than anything in work."""
-        if not limits:
-            return {}
-        held: dict[str, dict[int, tuple[int, int] | None]] = defaultdict(dict)
-        live: dict[str, int] = defaultdict(int)
-        for key, slot, holder, attempt, alive in conn.execute(reads.holders, {
-                "queue_table": spec_name(table.spec), "keys": sorted(limits)}):
-            if alive:
-                live[key] += 1
-                held[key][slot] = None  # not free
-            else:
-                held[key][slot] = (holder, attempt)
-        made = {}
-        for key, limit in limits.items():
-            seen = held.get(key, {})
-            free = list(islice(((slot, seen.get(slot)) for slot in range(limit)
-                                if slot not in seen or seen[slot] is not None), wanted))
-            made[key] = Slots(limit, live[key], free)
-        return made
+    def _slots(self, conn: Connection, reads: LimitedClaim, name: str, key: str,
+               limit: int, wanted: int) -> Slots:
+        """The slots of ``key`` (a queue's own limit's) with its ``limit``, as read now."""
+        return Slots.read([row[1:] for row in conn.execute(reads.holders, {
+            "queue_table": name, "keys": [key]})], limit, wanted)
 
     def _take(self, conn: Connection, table: QueueTable,
               plans: dict[int, list[tuple[str, int, tuple[int, int] | None]]]
@@ -251,26 +310,21 @@ class Limiter:
         claimer; when they wrote fewer, read which are this claim's. A row that lost a
         slot goes back uncounted, with the slots it took (:meth:`give_back`)."""
         spec, name, dialect = table.spec, spec_name(table.spec), self.dialect
-        rows = dialect.claim(conn, spec, len(plans), table.options.visibility_timeout,
-                             ids=sorted(plans))
+        lease = table.options.visibility_timeout
+        planned = sorted((key, slot, seen, row_id) for row_id, plan in plans.items()
+                         for key, slot, seen in plan)
+        both = dialect.claim_and_take(conn, spec, self.prefix, lease, sorted(plans),
+                                      planned, name) if planned else None
+        if both is None:
+            rows = dialect.claim(conn, spec, len(plans), lease, ids=sorted(plans))
+        else:
+            rows, written = both
         by_id = {row.id: row for row in rows}
-        steps = sorted((key, slot, seen, row_id) for row_id in by_id
-                       for key, slot, seen in plans[row_id])
+        steps = [step for step in planned if step[3] in by_id]
         if not steps:
             return rows
-        written = 0
-        for stealing in (False, True):
-            batch = [step for step in steps if (step[2] is not None) is stealing]
-            if not batch:
-                continue
-            params: dict[str, Any] = {"queue_table": name}
-            for n, (key, slot, seen, row_id) in enumerate(batch):
-                params.update({f"k{n}": key, f"s{n}": slot, f"h{n}": row_id,
-                               f"a{n}": by_id[row_id].attempt})
-                if seen is not None:
-                    params.update({f"e{n}": seen[0], f"f{n}": seen[1]})
-            build = dialect.steal_slots if stealing else dialect.take_slots
-            written += conn.execute(build(self.prefix, len(batch)), params).rowcount
+        if both is None:
+            written = self._write_slots(conn, name, steps, by_id)
         if written == len(steps):
             return rows  # every slot written: each is this claim's
         holders = {(key, slot): (holder, attempt) for key, slot, holder, attempt in
@@ -283,6 +337,25 @@ class Limiter:
             tokens[by_id[row_id].attempt].append(row_id)
         self.give_back(conn, table, tokens)
         return [row for row in rows if row.id not in lost]
+
+    def _write_slots(self, conn: Connection, name: str,
+                     steps: list[tuple[str, int, tuple[int, int] | None, int]],
+                     by_id: dict[int, ClaimedRow]) -> int:
+        """Take the slots of ``steps`` for the rows leased: how many were written."""
+        written = 0
+        for stealing in (False, True):
+            batch = [step for step in steps if (step[2] is not None) is stealing]
+            if not batch:
+                continue
+            params: dict[str, Any] = {"queue_table": name}
+            for n, (key, slot, seen, row_id) in enumerate(batch):
+                params.update({f"k{n}": key, f"s{n}": slot, f"h{n}": row_id,
+                               f"a{n}": by_id[row_id].attempt})
+                if seen is not None:
+                    params.update({f"e{n}": seen[0], f"f{n}": seen[1]})
+            build = self.dialect.steal_slots if stealing else self.dialect.take_slots
+            written += conn.execute(build(self.prefix, len(batch)), params).rowcount
+        return written
 
     def give_back(self, conn: Connection, table: QueueTable, tokens: dict[int, list[int]]
                   ) -> int:

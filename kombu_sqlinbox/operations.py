@@ -1,11 +1,8 @@
-"""Operations on a live inbox: queue figures, dead letters, the schema check.
-
-What ``celery sqlinbox`` runs, usable without a command line. Queues resolve to
-tables as the transport resolves them (a :class:`~.broker.Broker` of its own), every
-statement comes from the dialect, and each move of a dead letter is one transaction:
-a row is never in both tables, nor in neither. It sits beside the transport, at the
-top of the layers; nothing in the core imports it.
-"""
+"""Operations on a live inbox: queue figures, dead letters, the schema check: what ``celery
+sqlinbox`` runs, usable without a command line. Queues resolve to tables as the transport
+resolves them (a :class:`~.broker.Broker` of its own), every statement comes from the
+dialect, and each move of a dead letter is one transaction: a row is never in both tables,
+nor in neither. Beside the transport, at the top of the layers."""
 
 from __future__ import annotations
 
@@ -18,11 +15,11 @@ from functools import partial
 from typing import Any
 
 from sqlalchemy import Connection, TextClause, inspect
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, ProgrammingError
 
 from .broker import Broker, QueueTable
-from .codec import DEATH_HEADER, EXPIRES_KEY, Undecodable, decode_row
-from .dead_letters import EVERY, DeadFilter, DeadLetter, restored, row_task
+from .codec import EXPIRES_KEY, Undecodable, decode_row
+from .dead_letters import EVERY, DeadFilter, DeadLetter, read_death, restored, row_task, typed
 from .dialects.base import json_text, plain_payload
 from .errors import ConfigurationError, SchemaMismatch
 from .options import TransportOptions
@@ -72,10 +69,13 @@ class QueueFigures:
     dead_letter_queue: str | None = None
     dead_letters: int | None = None
     paused: Paused | None = None
+    #: the planner's estimate of the unfinished rows (``total``) where none were counted
+    about: int | None = None
 
     @property
     def total(self) -> int:
-        return self.ready + self.delayed + self.in_work + self.blocked
+        counted = self.ready + self.delayed + self.in_work + self.blocked
+        return counted if self.about is None else self.about
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -139,18 +139,21 @@ class Operations(QueuePausing):
             found.append((name, default_table(table)))
         return found
 
-    def figures(self) -> list[QueueFigures]:
-        """The figures of every queue (:meth:`queues`), read in one transaction."""
-        queues = self.queues()
+    def figures(self, only: Sequence[str] = (),
+                read: Callable[[Connection, str, TableSpec, bool], QueueFigures] | None = None,
+                ) -> list[QueueFigures]:
+        """The figures of every queue (:meth:`queues`; ``only``: of those and their
+        dead-letter queues), read in one transaction, each by ``read`` (default: exact)."""
+        wanted = {*only, *(self.options.for_queue(name).dead_letter_queue for name in only)}
+        queues = [found for found in self.queues() if not only or found[0] in wanted]
 
-        def read(conn: Connection) -> list[QueueFigures]:
+        def look(conn: Connection) -> list[QueueFigures]:
             existing = set(inspect(conn).get_table_names())
             # by table: a queue listed by its table's name shows its own name's pause
             paused = {self.broker.spec_for(found.queue).table: found
                       for found in self.broker.pauses.records(conn)}
-            by_name: dict[str, QueueFigures] = {}
-            for name, spec in queues:
-                by_name[name] = self._figures(conn, name, spec, spec.table in existing)
+            by_name = {name: (read or self.exact_figures)(conn, name, spec, spec.table in existing)
+                       for name, spec in queues}
             result = []
             for name, spec in queues:
                 figures = dataclasses.replace(by_name[name], paused=paused.get(spec.table))
@@ -161,15 +164,18 @@ class Operations(QueuePausing):
                 result.append(figures)
             return result
 
-        return self.broker.run(read, read_only=True, repeatable=True)
+        try:
+            return self.broker.run(look, read_only=True, repeatable=True)
+        except ProgrammingError:  # a queue table dropped once listed: listed again, missing
+            return self.broker.run(look, read_only=True, repeatable=True)
 
-    def _figures(self, conn: Connection, name: str, spec: TableSpec,
-                 exists: bool) -> QueueFigures:
+    def exact_figures(self, conn: Connection, name: str, spec: TableSpec,
+                      exists: bool) -> QueueFigures:
+        """A queue's figures as :meth:`~.dialects.Dialect.queue_stats` counts them."""
         if not exists:
             return QueueFigures(name, spec.table, False)
         row = conn.execute(self.dialect.queue_stats(spec)).one()._mapping
-        lease = self.options.for_queue(name).visibility_timeout
-        lease_left = row["lease_left"]
+        lease, lease_left = self.options.for_queue(name).visibility_timeout, row["lease_left"]
         return QueueFigures(
             name, spec.table, True, int(row["ready"]), int(row["delayed"]),
             int(row["in_work"]), int(row["blocked"]), int(row["blocked_groups"]),
@@ -198,18 +204,17 @@ class Operations(QueuePausing):
         return [self.broker.table(name) for name in names if self.broker.known_table(name)]
 
     def dead_letters(self, chosen: DeadFilter = EVERY, only: Sequence[str] = (),
-                     limit: int | None = None) -> Iterator[DeadLetter]:
+                     limit: int | None = None, after: int = 0) -> Iterator[DeadLetter]:
         """The rows of dead-letter queues that ``chosen`` takes, by dead-letter queue,
-        oldest first."""
+        oldest first (their ids after ``after``: a keyset page)."""
         now, given = time.time(), 0
         for table in self.dead_letter_queues(only):
-            for page in self._pages(table):
-                for dead in page:
-                    if chosen(dead, now):
-                        yield dead
-                        given += 1
-                        if limit is not None and given >= limit:
-                            return
+            for dead in (found for page in self._pages(table, after) for found in page):
+                if chosen(dead, now):
+                    yield dead
+                    given += 1
+                    if limit is not None and given >= limit:
+                        return
 
     def dead_letter(self, row_id: int, only: Sequence[str] = ()) -> list[DeadLetter]:
         """The dead letter of that id in each dead-letter queue holding one."""
@@ -220,11 +225,10 @@ class Operations(QueuePausing):
             found += [self._read(table, row) for row in rows]
         return found
 
-    def _pages(self, table: QueueTable) -> Iterator[list[DeadLetter]]:
-        """The table's stored messages not in work, a page at a time, by id."""
+    def _pages(self, table: QueueTable, after: int = 0) -> Iterator[list[DeadLetter]]:
+        """The table's stored messages not in work after id ``after``, a page at a time."""
         statement = self.dialect.stored_page(table.spec)
         upto = self._last_id(table)
-        after = 0
         while True:
             rows = self.broker.run(partial(_rows, statement, {
                 "after": after, "upto": upto, "limit": self.batch}), read_only=True)
@@ -251,28 +255,24 @@ class Operations(QueuePausing):
             return DeadLetter(table.queue, stored.id, None, None, None, None, None, None,
                               None, str(exc))
         headers = message["headers"]
-        death = headers.get(DEATH_HEADER)
-        death = death if isinstance(death, dict) else {}
-        queue = death.get("queue")
-        task, task_id = headers.get("task"), headers.get("id")
+        death, queue, reason, attempts, at = read_death(headers)
+        task, task_id = typed(headers, "task", str), typed(headers, "id", str)
         if isinstance(death.get("columns"), dict) and isinstance(queue, str):
             task, task_id = row_task(self.broker.spec_for(queue), queue, death, message)
-        return DeadLetter(
-            table.queue, stored.id, queue, death.get("reason"), death.get("attempts"),
-            death.get("at"), task, task_id, message)
+        return DeadLetter(table.queue, stored.id, queue, reason, attempts, at, task, task_id,
+                          message)
 
     def requeue(self, chosen: DeadFilter = EVERY, only: Sequence[str] = (),
                 keep_attempts: bool = False, progress: Progress | None = None,
                 refused: Refused | None = None) -> int:
         """Move the chosen dead letters back to the queues they died in, a batch per
         transaction, in their order, each written as its queue writes rows (through its
-        declared publish statement; a parked row of a queue in row mode as the row it
-        was), with the death record it had before it died (if it died in a dead-letter
-        queue); their attempts start again from 0 unless ``keep_attempts`` (refused for a
-        queue whose declared statement writes its rows). Rows without a death record, or
-        one naming no queue, stay; so does one that cannot be written back (its queue's
-        table does not take it, its parked row does not read back: ``refused`` is told
-        why), and the others go on. Returns how many moved."""
+        declared publish statement; a parked row of a queue in row mode as the row it was),
+        with the death record it had before it died (if it died in a dead-letter queue);
+        attempts start again from 0 unless ``keep_attempts`` (refused for a queue whose
+        declared statement writes its rows). Rows without a death record, or one naming no
+        queue, stay; so does one that cannot be written back (its table does not take it,
+        its parked row does not read back: ``refused`` is told why). How many moved."""
         if keep_attempts:
             for dead in self.dead_letters(chosen, only):
                 if (dead.left(requeue=True) is None and not dead.parked
@@ -302,7 +302,7 @@ class Operations(QueuePausing):
         now = time.time()
         for table in self.dead_letter_queues(only):
             locked = self.dialect.stored_locked(table.spec)
-            for page in self._pages(table):
+            for page in self._pages(table, max(0, (chosen.row_id or 0) - 1)):
                 wanted = {dead.id for dead in page
                           if dead.left(requeue) is None and chosen(dead, now)}
                 targets: dict[str, QueueTable] = {}
@@ -386,7 +386,8 @@ class Operations(QueuePausing):
                 problems.append(Problem(name, spec.table, what))
 
             try:
-                self.broker.run(partial(self._ensure, spec), read_only=True)
+                self.broker.run(partial(self.dialect.ensure_table, spec=spec, create=False),
+                                read_only=True)
             except SchemaMismatch as exc:
                 problem(str(exc))
                 continue
@@ -459,12 +460,9 @@ class Operations(QueuePausing):
         found = [] if more is None else self.broker.run(more, read_only=True)
         return planned, problems + [Problem(label, table, what) for table, what in found]
 
-    def _ensure(self, spec: TableSpec, conn: Connection) -> bool:
-        return self.dialect.ensure_table(conn, spec, create=False)
-
     def statements(self, spec: TableSpec) -> list[tuple[str, TextClause]]:
-        """Every statement run on a queue table, by name: the transport's and these
-        operations' (DDL aside)."""
+        """Every statement run on a queue table, by name: the transport's, these
+        operations' and the dashboard's (DDL aside)."""
         found: list[tuple[str, TextClause]] = []
         statements = self.dialect.statements(spec)
         for field in dataclasses.fields(statements):
@@ -476,13 +474,16 @@ class Operations(QueuePausing):
                       for n, part in enumerate(parts)]
         found += [
             ("queue_stats", self.dialect.queue_stats(spec)),
+            ("bounded_count", self.dialect.bounded_count(spec)),
             ("stored_page", self.dialect.stored_page(spec)),
             ("stored_locked", self.dialect.stored_locked(spec)),
             ("stored_one", self.dialect.stored_one(spec)),
             ("remove", self.dialect.remove(spec)),
+            ("ready_page", self.dialect.ready_page(spec)),
         ]
-        restore = self.dialect.restore(spec)  # None: the declared publish statement
-        return found if restore is None else [*found, ("restore", restore)]
+        more = [("blocked_groups", self.dialect.blocked_groups(spec)),  # None: not FIFO
+                ("restore", self.dialect.restore(spec))]  # None: a declared publish statement
+        return found + [(name, sql) for name, sql in more if sql is not None]
 
 
 def _rows(statement: TextClause, params: Mapping[str, Any], conn: Connection) -> list[Any]:

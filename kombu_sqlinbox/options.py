@@ -43,22 +43,48 @@ class Rate:
         return self.count / self.per
 
 
-def parse_rate(key: str, value: Any) -> Rate | None:
-    """``"50/s"``, ``"10/m"``, ``"100/h"`` (a positive count) as a :class:`Rate`; None
-    stays None (no limit)."""
+def parse_rate(key: str, value: Any, whose: str = "") -> Rate | None:
+    """A rate as Celery writes a task's ``rate_limit`` (:func:`celery.utils.time.rate`):
+    ``"50/s"``, ``"10/m"``, ``"100/h"``, or a bare count per second (``50``, ``"50"``,
+    ``"50/"``); None stays None (no limit). Anything else, zero included (Celery's "no
+    limit", which a limit here would be read as "none may run"), is refused naming
+    ``key`` and ``whose`` limit it is."""
     if value is None:
         return None
-    written = value.strip() if isinstance(value, str) else ""
+    written = str(value) if isinstance(value, (int, float)) and not isinstance(
+        value, bool) else value.strip() if isinstance(value, str) else ""
     count, _, unit = written.partition("/")
+    unit = unit.strip() or "s"
     try:
         number = float(count)
     except ValueError:
         number = 0.0
-    if unit.strip() not in RATE_UNITS or not 0 < number < float("inf"):
+    if unit not in RATE_UNITS or not 0 < number < float("inf"):
         raise ConfigurationError(
-            f"transport option {key}={value!r}: expected a positive count per second, "
-            "minute or hour, such as '50/s', '10/m' or '100/h'")
-    return Rate(number, RATE_UNITS[unit.strip()], written)
+            f"transport option {key}={value!r}{f' ({whose})' if whose else ''}: expected a "
+            "positive count per second, minute or hour, as Celery writes a rate_limit: "
+            "'50/s', '10/m', '100/h', or 50 (per second); None for no limit")
+    return Rate(number, RATE_UNITS[unit], f"{count.strip()}/{unit}")
+
+
+def _task_rates(key: str, value: Any, whose: str) -> tuple[tuple[str, Rate], ...]:
+    """``{task name: rate}`` checked, as pairs (a task whose rate is None has none)."""
+    if not isinstance(value, Mapping):
+        raise ConfigurationError(
+            f"transport option {key}={value!r} ({whose}): expected a dict of task name -> "
+            "rate, such as {'proj.tasks.call_api': '10/s'}")
+    pairs = []
+    for task, rate in value.items():
+        if not isinstance(task, str) or not task or len(task) > 255 or "\x00" in task:
+            raise ConfigurationError(
+                f"transport option {key} ({whose}): task name {task!r} is no non-empty "
+                "string of at most 255 characters without NUL")
+        parsed = parse_rate(f"{key}[{task!r}]", rate, f"{whose}, task {task!r}")
+        if parsed is not None:
+            pairs.append((task, parsed))
+    return tuple(sorted(pairs, key=lambda pair: pair[0]))
+
+
 ISOLATION_LEVELS = ("READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE")
 
 
@@ -82,6 +108,9 @@ class QueueOptions:
     max_in_work: int | None = None
     #: at most this many claims per second/minute/hour across every worker (:mod:`.rates`)
     rate_limit: Rate | None = None
+    #: (task name, rate) pairs: at most that many claims of the task's messages in the
+    #: queue, across every worker (:mod:`.task_rates`)
+    task_rate_limits: tuple[tuple[str, Rate], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,6 +140,8 @@ class TransportOptions:
     idle_queue_expires: float = 600.0
     #: declare the transport asynchronous: Celery consumes from its event loop
     event_loop: bool = False
+    #: count the rows each queue settles per minute (:mod:`.throughput`)
+    count_throughput: bool = True
     defaults: QueueOptions = QueueOptions()
     queues: Mapping[str, QueueOptions] = field(default_factory=dict)
 
@@ -162,7 +193,8 @@ def _declaration(key: str, value: Any) -> TableSpec:
 #: the options of one queue, which also stand at the top as every queue's default
 QUEUE_KEYS = frozenset({"max_attempts", "dead_letter_queue", "claim", "visibility_timeout",
                         "isolation_level", "sqlite_begin", "synchronous_commit",
-                        "concurrency_limits", "max_in_work", "rate_limit"})
+                        "concurrency_limits", "max_in_work", "rate_limit",
+                        "task_rate_limits"})
 #: the longest key prefix a concurrency limit names (a key is at most as long)
 MAX_LIMIT_KEY = 255
 
@@ -195,7 +227,8 @@ def unknown_option(name: str, key: str, known: Iterable[str],
     return ConfigurationError(f"unknown transport option {name!r}{hint}")
 
 
-def _queue_options(prefix: str, raw: Mapping[str, Any], base: QueueOptions) -> QueueOptions:
+def _queue_options(prefix: str, raw: Mapping[str, Any], base: QueueOptions,
+                   whose: str = "every queue's default") -> QueueOptions:
     if not isinstance(raw, Mapping):
         raise ConfigurationError(
             f"transport option {prefix.rstrip('.')}: expected a dict of queue options, "
@@ -237,17 +270,20 @@ def _queue_options(prefix: str, raw: Mapping[str, Any], base: QueueOptions) -> Q
         elif key == "max_in_work":
             changes[key] = None if value is None else _number(name, value, 1, integer=True)
         elif key == "rate_limit":
-            changes[key] = parse_rate(name, value)
+            changes[key] = parse_rate(name, value, whose)
+        elif key == "task_rate_limits":
+            changes[key] = _task_rates(name, value, whose)
         elif key == "dead_letter_queue":
             if value is not None and (not isinstance(value, str) or not value):
                 raise ConfigurationError(
                     f"transport option {name}={value!r}: expected a queue name")
             changes[key] = value
     made = replace(base, **changes)
-    if (made.concurrency_limits or made.max_in_work is not None) and made.claim != "lease":
+    if (made.concurrency_limits or made.max_in_work is not None
+            or made.task_rate_limits) and made.claim != "lease":
         raise ConfigurationError(
-            f"transport option {prefix.rstrip('.') or 'claim'}: concurrency_limits and "
-            f"max_in_work need claim='lease' (not {made.claim!r})")
+            f"transport option {prefix.rstrip('.') or 'claim'}: concurrency_limits, "
+            f"max_in_work and task_rate_limits need claim='lease' (not {made.claim!r})")
     return made
 
 
@@ -265,7 +301,7 @@ def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
         if key == "polling_interval":
             # zero would claim in a busy loop whenever the queues are empty
             result[key] = float(_number(key, value, 0, above=True))
-        elif key in ("create_tables", "notify", "event_loop"):
+        elif key in ("create_tables", "notify", "event_loop", "count_throughput"):
             result[key] = _flag(key, value)
         elif key == "polling_interval_min":
             result[key] = float(_number(key, value, 0, above=True))
@@ -286,7 +322,8 @@ def parse_options(raw: Mapping[str, Any] | None) -> TransportOptions:
                 raise ConfigurationError(f"transport option {key}: expected a dict of queues")
             result[key] = {
                 str(name): _queue_options(f"queues[{name!r}].",
-                                          {} if settings is None else settings, defaults)
+                                          {} if settings is None else settings, defaults,
+                                          f"queue {str(name)!r}")
                 for name, settings in value.items()
             }
         else:

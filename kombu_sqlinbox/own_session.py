@@ -59,6 +59,25 @@ class OwnSession:
         session.commit()
         return result
 
+    @staticmethod
+    def transaction(session: Connection, work: Callable[[Connection], T]) -> T:
+        """Run ``work`` on ``session`` in one transaction, begun and committed as
+        statements (the session stays in autocommit: no settings to switch back); rolled
+        back when ``work`` fails, so that no lock it took outlives it (a connection found
+        dead took its transaction with it: its error is raised, not SQLAlchemy's refusal
+        of a statement on it)."""
+        session.exec_driver_sql("BEGIN")
+        try:
+            result = work(session)
+        except BaseException:
+            if not session.invalidated:
+                session.exec_driver_sql("ROLLBACK")
+            session.rollback()
+            raise
+        session.exec_driver_sql("COMMIT")
+        session.commit()
+        return result
+
     def current(self) -> Connection | None:
         """The session, when there is one of this process (a forked child leaves its
         parent's alone)."""

@@ -17,7 +17,6 @@ import atexit
 import contextlib
 import logging
 import os
-import select
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,17 +30,13 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from .database import Database
 from .dialects import ResultStatements
 from .dialects.results import RESULT_ID_BYTES
-from .errors import ConfigurationError, ResultIdTooLong, ResultTooLarge, reason_of
-from .history import add_history_index
-from .own_session import OwnSession
-from .retries import Cadence
+from .errors import ResultIdRefused, ResultIdTooLong, ResultTooLarge, reason_of
+from .history import ResultsMissing, add_history_index
+from .result_waiters import Waiter
 from .wakeups import LocalSignal
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-#: a polling waiter's first wait, and how much longer each next one is
-POLL_FIRST = 0.005
-POLL_BACKOFF = 1.25
 #: waiters (each a LISTEN connection on PostgreSQL) kept open between waits: threads
 #: come and go (a web server's), the connections they waited on must not stay with them
 IDLE_WAITERS = 4
@@ -93,7 +88,7 @@ class ResultStore:
                 name for name in self.sql.names if not inspect(conn).has_table(name)],
                 read_only=True)
             if missing and not self.create_tables:
-                raise ConfigurationError(
+                raise ResultsMissing(
                     f"the result tables {', '.join(missing)} do not exist (create_tables "
                     "is off); create them with:\n" + ";\n".join(self.sql.ddl) + ";")
             if missing:
@@ -105,6 +100,15 @@ class ResultStore:
             # CREATE TABLE IF NOT EXISTS, which carries it, leaves a kept table as it is
             add_history_index(self.database, self.sql, self.create_tables)
             self._ready = True
+
+    def tables_gone(self) -> bool:
+        """Whether a result table is missing (dropped since :meth:`ensure`): if so, the
+        next use looks for them again, creating them where it may."""
+        gone = self.database.run(lambda conn: not all(
+            inspect(conn).has_table(name) for name in self.sql.names), read_only=True)
+        if gone:
+            self._ready = False
+        return gone
 
     def _create(self, conn: Connection) -> None:
         for statement in self.sql.ddl:
@@ -150,6 +154,16 @@ class ResultStore:
                                       "worker": label(worker)})
         self.dialect.result_notify(conn, self.dialect.result_channel(self.prefix, task_id))
 
+    def write_new(self, task_id: str, status: str, meta: bytes, task_name: str | None,
+                  worker: str | None, conn: Connection) -> bool:
+        """:meth:`write` of a task that has no row yet, in the caller's transaction: True
+        if this wrote it. A writer racing this one waits for its commit, then writes
+        nothing."""
+        label = self.dialect.result_label
+        return bool(conn.execute(self.sql.store_new, {
+            "task_id": task_id, "status": status, "meta": meta,
+            "task_name": label(task_name), "worker": label(worker)}).rowcount)
+
     def announce(self) -> None:
         """Wake this host's waiters after a commit (where the database has no NOTIFY)."""
         if self._sender is not None:
@@ -194,12 +208,20 @@ class ResultStore:
         self._run(lambda conn: conn.execute(self.sql.delete_group, {"group_id": group_id}))
 
     # -- chords --------------------------------------------------------------------------
-    def save_chord(self, group_id: str, meta: bytes, into: Connection | None = None) -> None:
+    def save_chord(self, group_id: str, meta: bytes, generated: bool = False,
+                   into: Connection | None = None) -> None:
         """A chord's counter row, nothing counted and no size yet (a chord applied again
-        under the same id starts over); in ``into``'s transaction if given."""
+        under the same id starts over); ``generated``: its parts record their ids as
+        they are counted (a header given as a generator). In ``into``'s transaction if
+        given."""
         self.check_size(group_id, meta)
-        self._write_in(into, lambda conn: conn.execute(
-            self.sql.chord_save, {"group_id": group_id, "meta": meta}))
+
+        def work(conn: Connection) -> None:
+            conn.execute(self.sql.chord_save,
+                         {"group_id": group_id, "meta": meta, "generated": int(generated)})
+            conn.execute(self.sql.chord_parts_delete, {"group_id": group_id})
+
+        self._write_in(into, work)
 
     def size_chord(self, group_id: str, size: int, into: Connection | None = None) -> None:
         self._write_in(into, lambda conn: conn.execute(
@@ -214,18 +236,13 @@ class ResultStore:
             if conn.execute(self.sql.chord_add, {"group_id": group_id}).rowcount == 0:
                 return False
             meta = change(bytes(conn.execute(self.sql.chord_read,
-                                             {"group_id": group_id}).one()[2]))
+                                             {"group_id": group_id}).one()[0]))
             if meta is not None:
-                self.rewrite_chord(conn, group_id, meta)
+                self.check_size(group_id, meta)
+                conn.execute(self.sql.chord_meta, {"group_id": group_id, "meta": meta})
             return True
 
         return self._write_in(into, work)
-
-    def rewrite_chord(self, conn: Connection, group_id: str, meta: bytes) -> None:
-        """A chord's meta, in the caller's transaction holding its row's lock
-        (:meth:`count_chord`, :meth:`add_to_chord`)."""
-        self.check_size(group_id, meta)
-        conn.execute(self.sql.chord_meta, {"group_id": group_id, "meta": meta})
 
     def _write_in(self, into: Connection | None, work: Callable[[Connection], T]) -> T:
         """``work`` in the caller's open transaction ``into`` (on this database), else in
@@ -237,32 +254,53 @@ class ResultStore:
         self.ensure()
         return work(into)
 
-    def count_chord(self, conn: Connection, group_id: str
-                    ) -> tuple[int, int | None, bytes] | None:
-        """One more header task done, in the caller's transaction: ``(done, size, meta)``
-        after it, or None without a counter row. The UPDATE comes first: it locks the
-        row (SQLite: the database) until the caller's transaction ends, so the parts
-        count one at a time and the one reaching the size sees every other's result."""
+    def count_chord(self, conn: Connection, group_id: str, task_id: str,
+                    group_index: int | None) -> tuple[int, int | None] | None:
+        """One more header task done, in the caller's transaction: ``(done, size)`` after
+        it, or None without a counter row; a generator's part records its id. The UPDATE
+        comes first: it locks the row (SQLite: the database) until the caller's
+        transaction ends, so the parts count one at a time and the one reaching the size
+        sees every other's result. Only the row's numbers are read: a count costs the
+        same at a chord's end as at its start, whatever the header's size."""
         if conn.execute(self.sql.chord_count, {"group_id": group_id}).rowcount == 0:
             return None
-        done, size, meta = conn.execute(self.sql.chord_read, {"group_id": group_id}).one()
-        return int(done), None if size is None else int(size), bytes(meta)
+        done, size, generated = conn.execute(self.sql.chord_numbers,
+                                             {"group_id": group_id}).one()
+        if generated:
+            conn.execute(self.sql.chord_part, {"task_id": task_id, "group_id": group_id,
+                                               "group_index": group_index})
+        return int(done), None if size is None else int(size)
 
-    def delete_chord(self, conn: Connection, group_id: str) -> None:
-        conn.execute(self.sql.chord_delete, {"group_id": group_id})
+    def finish_chord(self, conn: Connection, group_id: str
+                     ) -> tuple[bytes, list[tuple[int | None, str]]]:
+        """A counted chord's meta and its generator's parts (``(group_index, task_id)``,
+        in no order), its rows deleted, in the caller's transaction (:meth:`count_chord`'s,
+        holding the counter row's lock)."""
+        params = {"group_id": group_id}
+        meta = bytes(conn.execute(self.sql.chord_read, params).one()[0])
+        parts = [(None if index is None else int(index), _text(task_id))
+                 for index, task_id in conn.execute(self.sql.chord_parts, params)]
+        conn.execute(self.sql.chord_delete, params)
+        conn.execute(self.sql.chord_parts_delete, params)
+        return meta, parts
 
     # -- expiry --------------------------------------------------------------------------
     def expire(self, older_than: float, batch: int = 1000) -> int:
         """Delete the results and groups done more than ``older_than`` seconds ago, at
         most ``batch`` rows per transaction (a long delete would hold its locks, and on
-        SQLite the whole database, for as long as it runs). Returns how many went."""
+        SQLite the whole database, for as long as it runs). Returns how many went.
+
+        It goes on until a batch deletes none (PostgreSQL picks a batch's rows first: one
+        forgotten meanwhile leaves it short), its cutoff fixed at its start."""
         total = 0
+        started = time.monotonic()
         for statement in self.sql.expire:
             while True:
+                expires = float(older_than) + time.monotonic() - started
                 deleted = self._run(partial(_delete, statement, {
-                    "expires": float(older_than), "limit": batch}))
+                    "expires": expires, "limit": batch}))
                 total += deleted
-                if deleted < batch:
+                if deleted == 0:
                     break
         return total
 
@@ -306,7 +344,7 @@ class ResultStore:
         with self._lock:
             waiter = self._idle.pop() if self._idle else None
         if waiter is None:
-            waiter = Waiter(self)
+            waiter = Waiter(self.database, self.prefix, self.signal_directory)
             with self._lock:
                 self._waiters.append(waiter)
         try:
@@ -335,12 +373,16 @@ class ResultStore:
 
 
 def check_id(task_id: str) -> None:
-    """Refuse a task or group id the result tables cannot key (:data:`RESULT_ID_BYTES`)."""
+    """Refuse a task or group id the result tables cannot key: over
+    :data:`RESULT_ID_BYTES`, or with a NUL (PostgreSQL's text cannot; refused everywhere)."""
     size = len(task_id.encode())
     if size > RESULT_ID_BYTES:
         raise ResultIdTooLong(
             f"task id {task_id[:40]}...: {size} bytes (UTF-8), more than the "
             f"{RESULT_ID_BYTES} the result tables key; use a shorter task_id")
+    if "\0" in task_id:
+        raise ResultIdRefused(f"task id {task_id[:40]!r}: it holds a NUL character, which "
+                              "the result tables cannot key; use another task_id")
 
 
 def _text(value: str | bytes) -> str:
@@ -350,93 +392,6 @@ def _text(value: str | bytes) -> str:
 
 def _delete(statement: TextClause, params: dict[str, Any], conn: Connection) -> int:
     return int(conn.execute(statement, params).rowcount)
-
-
-class Waiter:
-    """One thread's wait for results: LISTEN on a connection of its own (PostgreSQL),
-    else the same-host signal's socket (SQLite, MariaDB/MySQL) and polling at a
-    :class:`Cadence`."""
-
-    def __init__(self, store: ResultStore) -> None:
-        self.store = store
-        dialect = store.dialect
-        listens = dialect.capabilities.wakeups and dialect.notify
-        self._own = OwnSession(store.database) if listens else None
-        self.signal = (LocalSignal(store.signal_directory)
-                       if store.signal_directory is not None else None)
-        self.cadence = Cadence(POLL_FIRST, POLL_BACKOFF)
-        self._channel: str | None = None
-
-    @contextlib.contextmanager
-    def watching(self, task_id: str) -> Iterator[None]:
-        """LISTEN on the task's channel (or bind the same-host signal's socket) for the
-        wait, before its first read, so that no announcement falls between the two;
-        UNLISTEN after."""
-        self.cadence.active()
-        if self.signal is not None:
-            self.signal.bind()
-        channel = self.store.dialect.result_channel(self.store.prefix, task_id)
-        self._channel = channel if self._listen(f"LISTEN {self._quoted(channel)}") else None
-        try:
-            yield
-        finally:
-            if self._channel is not None:
-                self._listen(f"UNLISTEN {self._quoted(channel)}")
-                self._channel = None
-
-    def _quoted(self, channel: str) -> str:
-        return self.store.dialect.quote(channel)
-
-    def _listen(self, statement: str) -> bool:
-        """Run (UN)LISTEN on the connection of this waiter, connected on first need;
-        False where there is none (no NOTIFY here, or the database is away: it polls)."""
-        if self._own is None:
-            return False
-        try:
-            session = self._own.session or self._own.connect()
-            session.exec_driver_sql(statement)
-            session.commit()
-            return True
-        except Exception as exc:  # polled until the next wait connects again
-            logger.warning("sqlinbox: the result waiter's LISTEN failed (%s); polling", exc)
-            self._own.drop()
-            return False
-
-    def wait(self, seconds: float) -> None:
-        """Return after a wake-up or ``seconds`` (LISTEN: every writer announces); a
-        waiter that may miss writers (the same-host signal reaches this host's only, and
-        polling none) reads again at a :class:`Cadence`, soon at first."""
-        listening = self._channel is not None and self._own is not None and self._own.driver
-        sources: list[Any] = [self._own.driver] if listening and self._own else []
-        if self.signal is not None and self.signal.socket is not None:
-            sources.append(self.signal.socket)
-        wait = seconds if listening else self.cadence.idle(seconds)
-        if not sources:
-            time.sleep(wait)
-            return
-        try:
-            ready, _, _ = select.select(sources, [], [], wait)
-        except (OSError, ValueError):  # the listener's socket died: connect again next time
-            self._drop()
-            return
-        if self.signal is not None and self.signal.socket in ready:
-            self.signal.take()
-        if self._own is not None and self._own.driver in ready:
-            try:
-                self.store.dialect.take_notifications(self._own.driver)
-            except Exception:
-                self._drop()
-
-    def _drop(self) -> None:
-        if self._own is not None:
-            self._own.drop()
-        self._channel = None
-
-    def close(self, mine: bool) -> None:
-        if self._own is not None and mine:
-            self._own.drop()
-        if self.signal is not None and mine:
-            self.signal.close()
 
 
 _STORES: dict[tuple[str, str, bool, int | None, str], ResultStore] = {}

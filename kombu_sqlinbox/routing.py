@@ -33,8 +33,10 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from .database import Database
 from .dialects import RoutingStatements
 from .errors import SchemaMismatch
-from .renewal import Renewer
+from .lapsing import Lapsing
+from .renewal import Doomed, Renewer
 from .tables import check_name
+from .written import Written
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,6 +66,12 @@ def matches(kind: str, routing_key: str, bound_key: str, pattern: str) -> bool:
     return bound_key == routing_key
 
 
+def _renewal(expires: float) -> float:
+    """How long after a queue's expiry was pushed back it is pushed back again while
+    consumed: a quarter of its x-expires, at most 30 s."""
+    return min(expires / 4, 30.0)
+
+
 class Routes:
     """The routing tables of one table prefix, for this process: the queue registry, the
     bindings and the sweep (the transient messages themselves: :mod:`.transient`)."""
@@ -85,16 +93,21 @@ class Routes:
         self._declared: dict[str, Declared] = {}
         self._bound: dict[str, set[tuple[str, str, str, str, str]]] = {}
         self._touched: dict[str, float] = {}
-        self._tables_of: dict[str, tuple[float, list[tuple[str, str, str, str, int]]]] = {}
+        self._written = Written(database, BINDINGS_CACHE)
+        #: each exchange's bindings, as read at most every BINDINGS_CACHE seconds
+        self._tables_of: Lapsing[str, list[tuple[str, str, str, str, int]]] = Lapsing()
         self._next_sweep = 0.0
-        #: queues' message TTLs as registered elsewhere: (read again after, seconds)
-        self._ttls: dict[str, tuple[float, float | None]] = {}
+        #: queues' message TTLs (seconds) as registered elsewhere
+        self._ttls: Lapsing[str, float | None] = Lapsing()
         #: how many consumers of this process are on each queue: those never expire
         self._consumers: Counter[str] = Counter()
         #: the x-expires (seconds) of queues consumed here that another process declared
         self._consumed_expires: dict[str, float | None] = {}
         self._renewing = threading.Lock()
-        self.renewer = Renewer(self.renew)
+        #: transient queues deleted here whose rows the renewal thread deletes (:meth:`forget`)
+        self._doomed = Doomed(lambda doomed: self.database.run(
+            lambda conn: self._forget(conn, doomed), durable=False))
+        self.renewer = Renewer(self.renew, self._doomed.delete)
         #: called with a table-backed queue as it is registered again (a sweep may have
         #: dropped its table): the broker creates the table again
         self.restore_table: Callable[[str], None] = lambda queue: None
@@ -206,9 +219,15 @@ class Routes:
                 self.forget(queue)  # declared durable now: no transient row of it stays
             return
         self.require(f"queue {queue!r} (transient, or with x-expires or x-message-ttl)")
+        self._doomed.spare(queue)
+        if self._declared.get(queue) == declared and self._written.holds((queue,)):
+            return  # declared again by kombu for another use (see :class:`.Written`)
         self._declared[queue] = declared
         self.write(lambda conn: conn.execute(self.sql.declare, self._declare_params(
-            queue, declared)))
+            queue, declared)), durable=not declared.transient)  # lost as its queue is
+        self._written.wrote((queue,), declared.expires, _renewal)
+        if declared.expires is not None:  # the declaration pushed its expiry back
+            self._touched[queue] = time.monotonic() + _renewal(declared.expires)
 
     @staticmethod
     def _declare_params(queue: str, declared: Declared) -> dict[str, Any]:
@@ -234,16 +253,15 @@ class Routes:
         declared = self._declared.get(queue)
         if declared is not None:
             return declared.message_ttl
-        now = time.monotonic()
-        cached = self._ttls.get(queue)
-        if cached is None or cached[0] < now:
-            if not self.available():
-                return None
+        if not self._ttls.fresh(queue) and not self.available():
+            return None
+
+        def load() -> float | None:
             found = self.read(lambda conn: conn.execute(
                 self.sql.message_ttl, {"name": queue}).scalar())
-            cached = self._ttls[queue] = (now + BINDINGS_CACHE,
-                                          None if found is None else float(found))
-        return cached[1]
+            return None if found is None else float(found)
+
+        return self._ttls.read(queue, BINDINGS_CACHE, load)
 
     def registered(self, queue: str) -> bool:
         """Whether the queue is in the registry (committed)."""
@@ -285,6 +303,8 @@ class Routes:
         if not self._renewing.acquire(blocking=queues is None):
             return None  # the renewal thread is at it: a claim does not wait for it
         try:
+            if queues is None:  # the renewal thread: first the deletes left to it (forget)
+                self._doomed.delete()
             now = time.monotonic()
             due: dict[str, float] = {}
             next_at: float | None = None
@@ -294,7 +314,7 @@ class Routes:
                     continue
                 at = self._touched.get(queue, 0.0)
                 if at <= now:
-                    at = due[queue] = now + min(expires / 4, 30.0)
+                    at = due[queue] = now + _renewal(expires)
                 next_at = at if next_at is None else min(next_at, at)
             if due:
                 self._touch(list(due))
@@ -332,6 +352,7 @@ class Routes:
             return
         logger.warning("sqlinbox: queue %r expired while consumed; registering it again",
                        queue)
+        self._written.drop(queue)
         try:
             self.declare(queue, declared)
             if not declared.transient:
@@ -344,16 +365,25 @@ class Routes:
             logger.warning("sqlinbox: queue %r could not be registered again yet (%s)",
                            queue, exc)
 
-    def forget(self, queue: str) -> None:
-        """Delete a queue's registry row, bindings and transient messages."""
+    def forget(self, queue: str, later: bool = False) -> None:
+        """Delete a queue's registry row, bindings and transient messages (a transient
+        queue that expires: without waiting for the disk, as a crash that lost the delete
+        leaves it to expire; deleted ``later``, an auto-delete's, e.g. every ping's reply
+        queue: by the renewal thread, off the caller's way)."""
+        declared = self._declared.get(queue)
+        expiring = declared is not None and declared.transient and declared.expires is not None
         self._forget_here(queue)
-        if self.available():
-            self.write(lambda conn: self._forget(conn, [queue]))
+        if later and expiring and self.database.bound_caller() is None:
+            self._doomed.add(queue)
+            self.renewer.start()
+        elif self.available():
+            self.write(lambda conn: self._forget(conn, [queue]), durable=not expiring)
 
     def _forget_here(self, queue: str) -> None:
         """Drop what this process remembers of a deleted queue."""
         for remembered in (self._declared, self._bound, self._transient, self._touched):
             remembered.pop(queue, None)  # type: ignore[attr-defined]
+        self._written.drop(queue)
 
     def _forget(self, conn: Connection, queues: list[str]) -> None:
         for statement in self.sql.forget:
@@ -373,22 +403,29 @@ class Routes:
     def bind(self, exchange: str, kind: str, queue: str, routing_key: str, pattern: str) -> None:
         check_name(exchange, "exchange name")
         check_name(routing_key, "routing key", empty=True)
-        self._bound.setdefault(queue, set()).add((exchange, kind, queue, routing_key, pattern))
-        self._tables_of.pop(exchange, None)
+        binding = (exchange, kind, queue, routing_key, pattern)
+        self._doomed.spare(queue)
+        self._bound.setdefault(queue, set()).add(binding)
+        if self._written.holds(binding):
+            return
+        self._tables_of.forget(exchange)
         if self.available():
             self._wrote_bindings()
             self._write_binding(exchange, kind, queue, routing_key, pattern)
+            self._written.wrote(binding, self._expires(queue), _renewal)
 
     def _write_binding(self, exchange: str, kind: str, queue: str, routing_key: str,
                        pattern: str) -> None:
+        transient = self._transient.get(queue, False)  # lost in a crash as its queue is
         self.write(lambda conn: conn.execute(self.sql.bind, {
             "exchange": exchange, "type": kind, "queue": queue, "routing_key": routing_key,
-            "pattern": pattern}))
+            "pattern": pattern}), durable=not transient)
 
     def unbind(self, exchange: str, queue: str, routing_key: str) -> None:
         self._bound[queue] = {b for b in self._bound.get(queue, ())
                               if (b[0], b[3]) != (exchange, routing_key)}
-        self._tables_of.pop(exchange, None)
+        self._written.drop(queue, exchange, routing_key)
+        self._tables_of.forget(exchange)
         if not self.available():
             return
         self._wrote_bindings()
@@ -396,7 +433,8 @@ class Routes:
             "exchange": exchange, "queue": queue, "routing_key": routing_key}))
 
     def delete_exchange(self, exchange: str) -> None:
-        self._tables_of.pop(exchange, None)
+        self._tables_of.forget(exchange)
+        self._written.drop(exchange=exchange)
         if self.available():
             self._wrote_bindings()
             self.write(lambda conn: conn.execute(self.sql.unbind_exchange,
@@ -413,14 +451,10 @@ class Routes:
         if caller is not None and caller in _BINDING_CALLERS:
             rows = self._read_bindings(exchange)
         else:
-            now = time.monotonic()
-            cached = self._tables_of.get(exchange)
-            if cached is None or cached[0] < now:
-                if not self.available():
-                    return None
-                cached = self._tables_of[exchange] = (now + BINDINGS_CACHE,
-                                                      self._read_bindings(exchange))
-            rows = cached[1]
+            if not self._tables_of.fresh(exchange) and not self.available():
+                return None
+            rows = self._tables_of.read(exchange, BINDINGS_CACHE,
+                                        lambda: self._read_bindings(exchange))
         taking = [(queue, transient) for bound_key, pattern, queue, kind, transient in rows
                   if matches(kind, routing_key, bound_key, pattern)]
         return ({queue for queue, transient in taking if not transient},

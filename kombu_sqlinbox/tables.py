@@ -142,6 +142,12 @@ class TableSpec(RoleTable[Role, ColumnSpec]):
                     f"{where}: the publish statement binds :{unknown[0]}; it may bind "
                     f"{', '.join(':' + name for name in allowed)}")
 
+    def __json__(self) -> str:
+        """What kombu's JSON writes for a declared table: its name. A worker's ``stats``
+        reply (``celery inspect stats``, the dashboard's workers page, Flower) holds the
+        transport options, which hold the declared tables."""
+        return self.table
+
     def __hash__(self) -> int:
         """The hash of the table and its columns, computed once: statements and settlements
         are looked up by spec several times per claim, and hashing every column costs

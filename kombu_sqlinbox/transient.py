@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection
@@ -21,6 +22,7 @@ from .errors import SchemaMismatch
 from .routing import Routes
 from .rows import ClaimedRow, Held, QueueTable, Settlement
 from .tables import TableBuilder, TableSpec, check_name
+from .wakeups import Wakeup
 
 T = TypeVar("T")
 
@@ -38,13 +40,19 @@ class TransientQueues:
     """The transient messages of one table prefix, for this process; also the claim form
     of transient queues (:class:`~.rows.Claims`)."""
 
-    def __init__(self, routes: Routes, wake: Callable[[], None]) -> None:
+    def __init__(self, routes: Routes, wakeup: Wakeup) -> None:
         self.routes = routes
         self.database = routes.database
         self.dialect = routes.dialect
         self.prefix = routes.prefix
         self.sql = routes.sql
-        self.wake = wake
+        self.wakeup = wakeup
+        #: where a claim of one statement runs: the wake-up's LISTEN connection (one round
+        #: trip, straight after the wake-up) where there is one; two statements (a read,
+        #: then its delete) need a transaction of the pool's
+        self._claim_on = wakeup.claim if len(self.sql.claim) == 1 else self.database.run_fenced
+        #: queues consumed here whose NOTIFY came since they were last claimed
+        self._told: set[str] = set()
         #: the transient messages' table, as the codec and the claim glue see a queue table
         self.spec: TableSpec = TableBuilder(self.sql.names[2]).id().payload().headers().build()
 
@@ -76,10 +84,33 @@ class TransientQueues:
         self._current()
         params["channel_prefix"] = self.prefix + "t_"
         self.routes.write(lambda conn: conn.execute(statement, params), durable=False)
-        self.wake()
+        self.wakeup.published()
 
     def channel(self, queue: str) -> str:
         return self.dialect.transient_channel(self.prefix, queue)
+
+    def listen(self, queue: str) -> None:
+        """Wake this process's consumers when a message for ``queue`` is published
+        elsewhere: by NOTIFY on the queue's channel where the database has it (noted for
+        :meth:`told`), else by the same-host signal where there is one."""
+        if not self.dialect.notify:
+            self.wakeup.listen(None)
+        else:
+            self.wakeup.watch(self.channel(queue), partial(self._told.add, queue))
+
+    def unlisten(self, queue: str) -> None:
+        """``queue`` was deleted here: nothing of it is watched any more."""
+        if self.dialect.notify:
+            self.wakeup.unwatch(self.channel(queue))
+        self._told.discard(queue)
+
+    def told(self, queue: str) -> bool:
+        """Whether a NOTIFY said that a message for ``queue`` came since this was last
+        asked (also when the LISTEN connection was made: what came before is unknown)."""
+        if queue not in self._told:
+            return False
+        self._told.discard(queue)
+        return True
 
     def size(self, queue: str) -> int:
         return int(self.routes.read(
@@ -104,7 +135,7 @@ class TransientQueues:
                     conn.execute(statement, {"ids": [row[0] for row in rows]})
             return rows
 
-        rows = self.database.run_fenced(take)
+        rows: list[Any] = self._claim_on(take)
         rows.sort(key=lambda row: (-row[3], row[0]))  # higher priority first, then oldest
         return [ClaimedRow(id=row[0], attempt=1, payload=plain_payload(row[1]),
                            headers=row[2], group=None, partition_key=None) for row in rows]

@@ -29,17 +29,22 @@ _ANY_PASSWORD = re.compile(r"(//[^/@:]*:).*@")
 #: the same in one without even ``//`` (``postgresql:/app:pw@db``): from its first ``:``
 #: on, the scheme's, as nothing tells where the user ends
 _BARE_PASSWORD = re.compile(r"^([^@:]*:).*@")
+#: the value of a query argument a driver takes a secret in (``?password=``,
+#: ``sslpassword``, a token or key), up to the next argument
+_SECRET_ARGUMENT = re.compile(r"([?&][^=&#]*(?:pass|pwd|secret|token|key)[^=&#]*=)[^&#]*",
+                              re.IGNORECASE)
 #: where a list of failover URLs is split: a ``;`` followed by the next URL's scheme
 _NEXT_URL = re.compile(r";(?=[A-Za-z][A-Za-z0-9+.-]*://)")
 
 
 def masked(url: str, mask: str = "***") -> str:
-    """``url`` (or each of ``;``-separated failover URLs) with its password, if any,
-    shown as ``mask`` (by default as SQLAlchemy shows one), whether or not the rest of it
-    parses."""
+    """``url`` (or each of ``;``-separated failover URLs) with its password, if any, and
+    the values of its query arguments that name a secret shown as ``mask`` (by default as
+    SQLAlchemy shows a password), whether or not the rest of it parses."""
     urls = failover_urls(url)
     if len(urls) > 1:
         return ";".join(masked(each, mask) for each in urls)
+    url = _SECRET_ARGUMENT.sub(lambda found: found.group(1) + mask, url)
     parsed = _parsed(url)
     if parsed is not None and parsed.password is None:
         return url  # nothing to hide (a ``:`` and ``@`` further on are not a password)

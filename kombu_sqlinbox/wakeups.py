@@ -169,6 +169,9 @@ class Wakeup:
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
         self._channels: set[str] = set()
+        #: channels no queue here is on any more, still LISTENed by the session: UNLISTENed
+        #: with the next channel added, in its round trip (:meth:`unwatch`)
+        self._dropped: set[str] = set()
         #: what to call when a wake-up says that what it watches changed (:meth:`watch`)
         self._watchers: dict[str | None, Callable[[], None]] = {}
         #: it only claims, settles and listens: see :class:`OwnSession`
@@ -200,8 +203,12 @@ class Wakeup:
 
     def listen(self, name: str | None) -> None:
         """This process consumes: ask for a NOTIFY wake-up on channel ``name`` (a consumed
-        queue's) where the database has them, and for the same-host signal."""
+        queue's) where the database has them, and for the same-host signal, whose socket
+        is bound here, before the consumer's first claim: bound at its first wait, a
+        publish between that claim and the wait would find no socket to wake."""
         self._consuming = True
+        if self.signal is not None:
+            self.signal.bind()
         if name is None:
             return
         with self._lock:
@@ -209,8 +216,13 @@ class Wakeup:
                 return
             self._channels.add(name)
             if self._listener is not None:
+                if name in self._dropped:  # the session still LISTENs on it
+                    self._dropped.discard(name)
+                    return
                 try:
-                    self.dialect.listen(self._listener, [name])
+                    self.dialect.listen(self._listener, [name], connecting=False,
+                                        dropped=sorted(self._dropped))
+                    self._dropped.clear()
                 except Exception:
                     self._drop_listener()
                 return
@@ -223,6 +235,17 @@ class Wakeup:
         none is lost)."""
         self._watchers[name] = changed
         self.listen(name)
+
+    def unwatch(self, name: str) -> None:
+        """No queue of this process is on channel ``name`` any more (deleted here): its
+        watcher goes, and the session UNLISTENs it with the next channel added (each
+        ping's reply queue has a channel of its own: the session's grew by one a call)."""
+        with self._lock:
+            self._watchers.pop(name, None)
+            if name in self._channels:
+                self._channels.discard(name)
+                if self._listener is not None:
+                    self._dropped.add(name)
 
     def _marked(self) -> None:
         """Tell the watchers when the same-host signal's stamp changed."""
@@ -264,6 +287,7 @@ class Wakeup:
         """Drop the LISTEN connection: what was notified on it may be lost, so the
         watchers look again."""
         self._own.drop()
+        self._dropped.clear()  # the next session LISTENs on what is watched alone
         self._changed(list(self._watchers))
 
     def claim(self, work: Callable[[Connection], T]) -> T:
@@ -271,11 +295,21 @@ class Wakeup:
         and its driver keeps what arrives during a statement (a notification that did is
         a pending wake-up); else, or when that connection fails, in a transaction of the
         pool's. Either way its commit does not wait for the disk."""
+        return self._claim(work, self._own.commit)
+
+    def claim_in_transaction(self, work: Callable[[Connection], T]) -> T:
+        """Run a claim of several statements (fenced: repeatable) as :meth:`claim` does,
+        in one transaction on the LISTEN connection: no pool checkout, no setting of the
+        commit's durability, its statements prepared there."""
+        return self._claim(work, self._own.transaction)
+
+    def _claim(self, work: Callable[[Connection], T],
+               run: Callable[[Connection, Callable[[Connection], T]], T]) -> T:
         with self._lock:
             session = self._listening()
             if session is not None and self.dialect.keeps_notifications(self._listener):
                 try:
-                    result = self._own.commit(session, work)
+                    result = run(session, work)
                     arrived = self.dialect.take_notifications(self._listener)
                     if arrived:
                         self._changed(arrived)

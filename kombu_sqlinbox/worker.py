@@ -1,4 +1,5 @@
-"""What a ``celery worker`` consuming from this transport changes in itself at start-up.
+"""What a worker consuming from this transport changes in itself at start-up (a ``celery
+worker``, or one built in Python, such as Celery's ``start_worker``).
 
 Connected when the package is imported (the app's module imports it for the
 ``sqlinbox+`` alias), so it is in place before Celery's worker reads its settings.
@@ -13,7 +14,7 @@ import traceback
 from typing import Any
 
 import click
-from celery.signals import celeryd_init
+from celery.signals import celeryd_init, worker_init
 from celery.utils.log import mlevel
 from kombu import Connection
 from kombu.transport import resolve_transport
@@ -95,35 +96,40 @@ celeryd_init.connect(check_configuration, weak=False,
                      dispatch_uid="sqlinbox.check_configuration")
 
 
-def transport_of(app: Any) -> tuple[type, dict[str, Any]]:
-    """The transport class a Celery app consumes from, and its transport options."""
+def transport_of(app: Any) -> Any:
+    """The transport class a Celery app consumes from."""
     with app.connection_for_read() as conn:
         assert isinstance(conn, Connection)
-        return resolve_transport(conn.transport_cls), dict(conn.transport_options or {})
+        return resolve_transport(conn.transport_cls)
 
 
-def consume_without_pool_waits(instance: Any, conf: Any, options: dict[str, Any],
-                               **_: Any) -> None:
+def consume_without_pool_waits(sender: Any, **_: Any) -> None:
     """Celery's blocking loop (this transport's unless :confval:`event_loop`) hands each
     task to the prefork pool with a wait for a free process: the worker then answers no
     remote control (ping, revoke, inspect) until a running task ends, seconds while a
     backlog comes in. Without that wait a task waits in the pool instead, and the loop
     goes on serving control commands (as Celery's event loop does on Redis).
 
+    Connected to ``worker_init``, which every worker sends before it builds its pool: a
+    ``celery worker`` and a worker built in Python (Celery's ``start_worker``, which its
+    integration suite and pytest plugin run, sends no ``celeryd_init``). The worker has
+    read its settings by then, so its own ``pool_putlocks`` is what changes.
+
     A warm shutdown runs what waits in the pool, so the wait stays without a prefetch
     limit (``worker_prefetch_multiplier`` 0: the pool would take in the whole queue, and
     a shutdown would run it all), and a ``worker_pool_putlocks`` the user set (in the
-    app's settings or a config object) is kept."""
+    app's settings, a config object, or the worker's ``pool_putlocks`` argument) is
+    kept."""
     from .transport import Transport  # here: importing the package loads no transport
 
-    multiplier = options.get("prefetch_multiplier")
-    if multiplier is None:
-        multiplier = conf.worker_prefetch_multiplier
-    if chosen(conf, "worker_pool_putlocks") or not multiplier:
+    worker = sender
+    if (chosen(worker.app.conf, "worker_pool_putlocks")
+            or worker.options.get("pool_putlocks") is not None
+            or not worker.prefetch_multiplier or worker.use_eventloop):
         return
-    transport, transport_options = transport_of(instance.app)
-    if issubclass(transport, Transport) and not parse_options(transport_options).event_loop:
-        conf.worker_pool_putlocks = False
+    transport = transport_of(worker.app)
+    if isinstance(transport, type) and issubclass(transport, Transport):
+        worker.pool_putlocks = False
 
 
 def chosen(conf: Any, key: str) -> bool:
@@ -132,8 +138,8 @@ def chosen(conf: Any, key: str) -> bool:
     return any(key in layer for layer in conf.maps[:-1])
 
 
-celeryd_init.connect(consume_without_pool_waits, weak=False,
-                     dispatch_uid="sqlinbox.consume_without_pool_waits")
+worker_init.connect(consume_without_pool_waits, weak=False,
+                    dispatch_uid="sqlinbox.consume_without_pool_waits")
 
 
 def user_mistake(exc: BaseException | None) -> ConfigurationError | DatabaseUnreachable | None:

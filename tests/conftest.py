@@ -100,6 +100,9 @@ def table_prefix(engine: Engine) -> Iterator[str]:
     """A prefix no other test uses; every table carrying it is dropped afterwards."""
     prefix = f"t{uuid.uuid4().hex[:8]}_"
     yield prefix
+    from kombu_sqlinbox.brokers import close_all
+
+    close_all()  # no thread of a broker writes to the tables as they are dropped
     drop_tables(engine, prefix)
 
 

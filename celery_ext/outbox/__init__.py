@@ -172,8 +172,9 @@ class Outbox:
         retention), in batches (``progress`` is told each one's count); returns how many."""
         return self.store.prune(older_than, progress)
 
-    def status(self) -> OutboxStatus:
-        return self.store.status()
+    def status(self, exact_upto: int | None = None) -> OutboxStatus:
+        """The outbox table's counts (see :meth:`.RecordStore.status`)."""
+        return self.store.status(exact_upto)
 
     def beat_schedule(self, prune_every: float = 3600.0,
                       republish_every: float | None = None) -> dict[str, dict[str, Any]]:

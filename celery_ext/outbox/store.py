@@ -54,11 +54,13 @@ class WriteLockHeld(RecordFailed):
 
 @dataclass(frozen=True)
 class OutboxStatus:
-    """Counts of the outbox table; ``oldest_unprocessed_age`` in seconds, None when none."""
+    """Counts of the outbox table; ``oldest_unprocessed_age`` in seconds, None when none;
+    ``about``: the counts are the planner's estimates (the table was too large to count)."""
 
     unprocessed: int
     processed: int
     oldest_unprocessed_age: float | None
+    about: bool = False
 
 
 @dataclass(frozen=True)
@@ -401,10 +403,35 @@ class RecordStore:
             if count < self.batch:
                 return removed
 
-    def status(self) -> OutboxStatus:
+    def status(self, exact_upto: int | None = None) -> OutboxStatus:
+        """The table's counts; with ``exact_upto``, a table of more records than that is
+        not counted: its counts are the planner's estimates (where the database gives
+        them), and the oldest unprocessed record is the first by id."""
         engine = self.engine
+        prepared = self.prepared(engine)
+        statements = prepared.statements
         with engine.connect() as conn:
-            unprocessed, processed, age = conn.execute(
-                self.prepared(engine).statements["status"]).one()
+            if exact_upto is not None and "records_estimate" in statements:
+                records = int(conn.execute(statements["records_upto"],
+                                           {"limit": exact_upto + 1}).scalar_one())
+                if records > exact_upto:
+                    return self._estimated(conn, prepared, exact_upto, records)
+            unprocessed, processed, age = conn.execute(statements["status"]).one()
         return OutboxStatus(int(unprocessed), int(processed),
                             None if age is None else max(0.0, float(age)))
+
+    @staticmethod
+    def _estimated(conn: Connection, prepared: Prepared, exact_upto: int,
+                   counted: int) -> OutboxStatus:
+        """The estimates, never below the ``counted`` records the bound read: a planner
+        that last looked when the table was smaller (or never did) says fewer."""
+        statements, dialect = prepared.statements, prepared.dialect
+        records = max(counted, dialect.estimated_rows(conn, statements["records_estimate"]))
+        unprocessed = int(conn.execute(statements["unprocessed_upto"],
+                                       {"limit": exact_upto + 1}).scalar_one())
+        if unprocessed > exact_upto:
+            unprocessed = max(unprocessed, dialect.estimated_rows(
+                conn, statements["unprocessed_estimate"]))
+        age = conn.execute(statements["oldest_unprocessed"]).scalar()
+        return OutboxStatus(unprocessed, max(0, records - unprocessed),
+                            None if age is None else max(0.0, float(age)), about=True)

@@ -13,6 +13,14 @@ django.setup()
 
 
 @pytest.fixture(scope="session", autouse=True)
+def test_environment() -> None:
+    """Django's test environment (its test server among the allowed hosts), once."""
+    from django.test.utils import setup_test_environment
+
+    setup_test_environment()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def migrated() -> None:
     from django.core.management import call_command
 

@@ -17,7 +17,7 @@ from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.db import connection, connections
 from django.test import Client
-from django.test.utils import override_settings, setup_test_environment
+from django.test.utils import override_settings
 from django.utils.html import escape
 from sqlalchemy import text
 
@@ -25,11 +25,6 @@ from celery_ext.django import admin
 from celery_ext.django.admin import schedules
 
 PAGES = "/admin/sqlinbox/schedule/"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def test_environment() -> None:
-    setup_test_environment()
 
 
 @pytest.fixture

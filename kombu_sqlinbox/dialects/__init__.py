@@ -23,6 +23,7 @@ from .base import (
     RowsInsert,
     ScheduleStatements,
     Statements,
+    ThroughputStatements,
     Tokens,
     UniqueStatements,
     plain_payload,
@@ -35,7 +36,7 @@ __all__ = [
     "SPELLINGS", "Capabilities", "ClaimedRow", "Dialect", "LimitStatements", "LimitedClaim",
     "MySQLDialect", "PauseStatements", "PostgreSQLDialect", "RateStatements",
     "ResultStatements", "RoutingStatements", "RowsInsert", "SQLiteDialect",
-    "ScheduleStatements", "Statements", "Tokens", "UniqueStatements",
+    "ScheduleStatements", "Statements", "ThroughputStatements", "Tokens", "UniqueStatements",
     "dialect_class", "dialect_for", "plain_payload", "register", "url_schemes",
 ]
 

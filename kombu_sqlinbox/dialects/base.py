@@ -45,6 +45,7 @@ from .results import ResultFamily, ResultStatements
 from .routing import RoutingFamily, RoutingStatements
 from .schedules import ScheduleFamily, ScheduleStatements
 from .selection import FLOOR_REFRESH, FLOOR_STEP
+from .throughput import ThroughputFamily, ThroughputStatements
 from .unique import UniqueFamily, UniqueStatements
 from .wakeups import WakeupFamily, no_wakeups
 
@@ -52,11 +53,12 @@ __all__ = [
     "CANDIDATES", "FLOOR_MARGIN", "FLOOR_REFRESH", "FLOOR_STEP", "Capabilities", "ClaimedRow",
     "Dialect", "DriverSql", "LimitStatements", "LimitedClaim", "PauseStatements",
     "RateStatements", "ResultStatements", "RoutingStatements", "RowsInsert",
-    "ScheduleStatements", "Statements", "Tokens", "UniqueStatements",
+    "ScheduleStatements", "Statements", "ThroughputStatements", "Tokens", "UniqueStatements",
     "json_text", "no_wakeups", "plain_payload",
 ]
 
 
 class Dialect(LimitFamily, QueueFamily, UniqueFamily, OperationsFamily, PauseFamily, RateFamily,
-              RoutingFamily, OutboxFamily, ResultFamily, ScheduleFamily, WakeupFamily):
+              ThroughputFamily, RoutingFamily, OutboxFamily, ResultFamily, ScheduleFamily,
+              WakeupFamily):
     """Base of the per-database dialects. Subclasses supply the SQL text."""

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from sqlalchemy import TextClause, bindparam
+from sqlalchemy import Connection, TextClause, bindparam
 from sqlalchemy.engine import Engine
 
 from ..clock import PARAMETER, Clock, clock_for
@@ -52,6 +52,9 @@ class DialectCore:
     #: reads "now" from here (or from ``later``, ``eta_value``, ``outbox_ago``,
     #: ``age``, which build on it), so a pinned clock replaces it in one place
     now: str
+    #: the database's time at the moment the expression is evaluated, after any lock wait
+    #: of its statement (``now`` may be the statement's or transaction's start)
+    instant: str
     #: ``now`` at a pinned moment: the bound ``:sqlinbox_now`` (epoch seconds, or NULL
     #: while the clock runs) as this database's time value
     pinned_now: ClassVar[str]
@@ -77,6 +80,7 @@ class DialectCore:
         if self.clock is not None:
             database_now = self.now
             self.now = f"COALESCE({self.pinned_now}, {database_now})"
+            self.instant = f"COALESCE({self.pinned_now}, {self.instant})"
             self.eta_value = self.eta_value.replace(database_now, self.now)
 
     def clocked(self, statement: TextClause) -> TextClause:
@@ -97,6 +101,16 @@ class DialectCore:
 
     def epoch(self, moment: str) -> str:
         """SQL: a time as :attr:`now` gives it, in epoch seconds (a DOUBLE)."""
+        raise NotImplementedError
+
+    def estimate_of(self, select: str) -> TextClause | None:
+        """The EXPLAIN of ``select`` whose plan gives the planner's estimate of the rows it
+        returns (:meth:`estimated_rows`): what the dashboard shows of a table too large to
+        count; None where the database gives none cheaply."""
+        return None
+
+    def estimated_rows(self, conn: Connection, statement: TextClause) -> int:
+        """The rows :meth:`estimate_of`'s plan expects."""
         raise NotImplementedError
 
     def quote(self, name: str) -> str:

@@ -56,6 +56,8 @@ class MySQLDialect(MySQLUniqueKeys, Dialect):
     capabilities = Capabilities(row_locks=True, skip_locked=True, key_locks=True)
     lock_clause = "FOR UPDATE SKIP LOCKED"
     now = NOW
+    #: SYSDATE, unlike NOW, is read when evaluated (the session's time zone is UTC)
+    instant = "SYSDATE(6)"
     pinned_now = "FROM_UNIXTIME(:sqlinbox_now)"
     eta_value = f"COALESCE(FROM_UNIXTIME(:eta), {NOW})"
     generated_id_type = "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY"
@@ -78,12 +80,16 @@ class MySQLDialect(MySQLUniqueKeys, Dialect):
     def later(self, seconds: str) -> str:
         return f"{self.now} + INTERVAL ({seconds} * 1000000) MICROSECOND"
 
+    def envelope_header(self, column: str, header: str) -> str:
+        return f"JSON_UNQUOTE(JSON_EXTRACT({column}, '$.headers.{header}'))"
+
     def limit_key_of(self, column: str) -> str:
-        return f"JSON_UNQUOTE(JSON_EXTRACT({column}, '$.headers.limit_key'))"
+        return self.envelope_header(column, "limit_key")
 
     def exact_key(self, key: str) -> str:
-        """Byte for byte: JSON_UNQUOTE's collation ignores trailing spaces, which would
-        pass over ``Tenant `` with ``Tenant`` full."""
+        """Byte for byte: JSON_UNQUOTE's collation ignores trailing spaces (and may
+        ignore case), which would pass over ``Tenant `` with ``Tenant`` full, or
+        ``proj.call_api `` with ``proj.call_api`` spent."""
         return f"CAST({key} AS BINARY)"
 
     def epoch(self, moment: str) -> str:
@@ -237,6 +243,14 @@ class MySQLDialect(MySQLUniqueKeys, Dialect):
     #: MySQL commits the open transaction before any DDL
     transactional_ddl = False
 
+    # -- operations: the dashboard's estimates --------------------------------------------
+    def estimate_of(self, select: str) -> TextClause | None:
+        """The plan's rows: InnoDB's running count of the table's rows."""
+        return text(f"EXPLAIN {select}")
+
+    def estimated_rows(self, conn: Connection, statement: TextClause) -> int:
+        return int(conn.execute(statement).mappings().one()["rows"] or 0)
+
     # -- routing: bindings, the queue registry, transient queues ---------------------------
     #: names compare byte for byte, as kombu compares them: binary strings (255 characters
     #: of UTF-8), since no text collation MySQL and MariaDB share does (the default folds
@@ -294,15 +308,22 @@ class MySQLDialect(MySQLUniqueKeys, Dialect):
                     f"MODIFY headers {self.column_types[Role.HEADERS]};")))
         return problems
 
-    def upsert(self, table: str, keys: Sequence[str], values: Sequence[str]) -> str:
-        columns = [*keys, *values]
-        updates = ", ".join(f"{c} = VALUES({c})" for c in values or keys[:1])
+    def upsert(self, table: str, keys: Sequence[str], values: Sequence[str],
+               added: Sequence[str] = ()) -> str:
+        columns = [*keys, *values, *added]
+        updates = ", ".join([*(f"{c} = VALUES({c})" for c in values or ([] if added else keys[:1])),
+                             *(f"{c} = {c} + VALUES({c})" for c in added)])
         return (f"INSERT INTO {table} ({', '.join(columns)}) "
                 f"VALUES ({', '.join(':' + c for c in columns)}) "
                 f"ON DUPLICATE KEY UPDATE {updates}")
 
     def delete_some(self, table: str, condition: str) -> str:
         return f"DELETE FROM {table} WHERE {condition} LIMIT :limit"
+
+    def prune_rows(self, budget: str) -> str:
+        """One statement, in key order (no subquery of the table a DELETE writes)."""
+        return self.delete_some(budget, "name = :name AND window_no < :window "
+                                "ORDER BY window_no, shard")
 
     def transient_claim(self, messages: str, fresh: str) -> tuple[TextClause, ...]:
         return (text(f"SELECT id, payload, headers, priority FROM {messages} "
@@ -381,10 +402,12 @@ class MySQLDialect(MySQLUniqueKeys, Dialect):
         return ([f"SET SESSION wait_timeout = {seconds}"],
                 ["SET SESSION wait_timeout = DEFAULT"])
 
-    def insert_new(self, table: str, columns: str, values: str, key: str) -> str:
+    def insert_new(self, table: str, columns: str, values: str, key: str,
+                   only_if: str = "") -> str:
         """INSERT IGNORE: a taken key writes nothing and counts no row (ON DUPLICATE KEY
         UPDATE would count one, the driver reporting rows found)."""
-        return f"INSERT IGNORE INTO {table} ({columns}) VALUES ({values})"
+        rows = f"SELECT {values} FROM DUAL WHERE {only_if}" if only_if else f"VALUES ({values})"
+        return f"INSERT IGNORE INTO {table} ({columns}) {rows}"
 
     # -- outbox: the outbox's statements (celery_ext.outbox) -------------------------------
     outbox_column_types = {

@@ -25,15 +25,9 @@ class OperationsFamily(SelectionFamily, PublishFamily):
         (seconds until the soonest live lease ends) and ``blocked_groups`` (FIFO groups
         whose head is in work with rows behind it)."""
         f = self.fields(spec)
-        live = f"r.{f['locked_until']} >= {self.now}"
-        free = f"(r.{f['locked_until']} IS NULL OR r.{f['locked_until']} < {self.now})"
-        due = (f"r.{f['available_at']} <= {self.now}" if spec.has(Role.AVAILABLE_AT)
-               else "1 = 1")
+        live, free, due, head, unfinished = self._states(spec)
         group = spec.column(Role.GROUP)
         fifo = group is not None and group.fifo
-        head = self.head_of(spec, Role.GROUP) if fifo else "1 = 1"
-        unfinished = (f"r.{f['processed_at']} IS NULL" if spec.has(Role.PROCESSED_AT)
-                      else "1 = 1")
         ready = f"{free} AND {due} AND {head}"
         soonest_end = f"MIN(CASE WHEN {live} THEN r.{f['locked_until']} END)"
         oldest_ready = (self.age(f"MIN(CASE WHEN {ready} THEN r.{f['available_at']} END)")
@@ -63,6 +57,71 @@ class OperationsFamily(SelectionFamily, PublishFamily):
         return text("SELECT " + ", ".join(f"{sql} AS {self.quote(name)}"
                                           for name, sql in figures.items())
                     + f" FROM {f['table']} AS r WHERE {unfinished}")
+
+    def bounded_count(self, spec: TableSpec) -> TextClause:
+        """How many unfinished rows the table has, counting no further than ``:limit``:
+        what tells a table the dashboard counts exactly from one it estimates, at the cost
+        of reading ``:limit`` rows at most."""
+        f = self.fields(spec)
+        unfinished = self._states(spec)[4]
+        return text(f"SELECT COUNT(*) FROM (SELECT 1 AS one FROM {f['table']} AS r "
+                    f"WHERE {unfinished} LIMIT :limit) AS s")
+
+    def row_estimate(self, spec: TableSpec) -> TextClause | None:
+        """The planner's estimate of the table's unfinished rows (:meth:`estimate_of`)."""
+        f = self.fields(spec)
+        return self.estimate_of(f"SELECT 1 FROM {f['table']} AS r WHERE {self._states(spec)[4]}")
+
+
+    def _states(self, spec: TableSpec) -> tuple[str, str, str, str, str]:
+        """The conditions on a row ``r`` that tell its state: a live lease, no live lease,
+        due, the head of its FIFO group (or not in one), unfinished."""
+        f = self.fields(spec)
+        live = f"r.{f['locked_until']} >= {self.now}"
+        free = f"(r.{f['locked_until']} IS NULL OR r.{f['locked_until']} < {self.now})"
+        due = (f"r.{f['available_at']} <= {self.now}" if spec.has(Role.AVAILABLE_AT)
+               else "1 = 1")
+        group = spec.column(Role.GROUP)
+        head = (self.head_of(spec, Role.GROUP) if group is not None and group.fifo
+                else "1 = 1")
+        unfinished = (f"r.{f['processed_at']} IS NULL" if spec.has(Role.PROCESSED_AT)
+                      else "1 = 1")
+        return live, free, due, head, unfinished
+
+    def ready_page(self, spec: TableSpec) -> TextClause:
+        """Up to ``:limit`` ready rows (claimable now) after id ``:after``, by id: a
+        keyset page walking the primary key, never a count or an offset. Each with its
+        stored columns, ``ready_age`` (seconds since due), ``priority`` and ``grp``."""
+        f = self.fields(spec)
+        _, free, due, head, unfinished = self._states(spec)
+        age = self.age(f"r.{f['available_at']}") if spec.has(Role.AVAILABLE_AT) else "NULL"
+        priority = f"r.{f['priority']}" if spec.has(Role.PRIORITY) else "NULL"
+        group = f"r.{f['group']}" if spec.has(Role.GROUP) else "NULL"
+        return text(f"SELECT {self.stored_columns(spec)}, {age} AS ready_age, "
+                    f"{priority} AS priority, {group} AS grp FROM {f['table']} AS r "
+                    f"WHERE r.{f['id']} > :after AND {unfinished} AND {free} AND {due} "
+                    f"AND {head} ORDER BY r.{f['id']} LIMIT :limit")
+
+    def blocked_groups(self, spec: TableSpec) -> TextClause | None:
+        """A FIFO table's groups whose head is in work with rows behind it (None for any
+        other table): up to ``:limit`` heads after id ``:after``, by id, each with its
+        group ``grp``, ``attempt``, ``lease_left`` (seconds) and ``behind`` (its group's
+        unfinished rows after it, counted on the ``(group, id)`` index)."""
+        group = spec.column(Role.GROUP)
+        if group is None or not group.fifo:
+            return None
+        f = self.fields(spec)
+        live, _, _, _, unfinished = self._states(spec)
+        after = (f"FROM {f['table']} AS b WHERE b.{f['group']} = r.{f['group']} "
+                 f"AND b.{f['id']} > r.{f['id']}"
+                 + (f" AND b.{f['processed_at']} IS NULL" if spec.has(Role.PROCESSED_AT)
+                    else ""))
+        lease_left = self.age(f"r.{f['locked_until']}")
+        return text(f"SELECT r.{f['id']} AS id, r.{f['group']} AS grp, "
+                    f"r.{f['attempt']} AS attempt, -({lease_left}) AS lease_left, "
+                    f"(SELECT COUNT(*) {after}) AS behind FROM {f['table']} AS r "
+                    f"WHERE r.{f['id']} > :after AND {live} AND {unfinished} "
+                    f"AND EXISTS (SELECT 1 {after}) ORDER BY r.{f['id']} LIMIT :limit")
 
     def stored_columns(self, spec: TableSpec) -> str:
         """A stored message's columns as operations read it: id, payload, headers (NULL

@@ -100,7 +100,20 @@ class OutboxFamily(DialectCore):
                 f"COALESCE(SUM(CASE WHEN {unprocessed} THEN 0 ELSE 1 END), 0), "
                 f"{self.age(oldest)} FROM {f['table']}"),
             "drop": text(f"DROP TABLE IF EXISTS {f['table']}"),
+            # the dashboard's: the records, and the unprocessed ones (on the index), counted
+            # no further than :limit; the oldest unprocessed (the first by id) on the index
+            "records_upto": text(f"SELECT COUNT(*) FROM (SELECT 1 AS one FROM {f['table']} "
+                                 "LIMIT :limit) AS s"),
+            "unprocessed_upto": text(f"SELECT COUNT(*) FROM (SELECT 1 AS one FROM {f['table']} "
+                                     f"WHERE {unprocessed} LIMIT :limit) AS s"),
+            "oldest_unprocessed": text(
+                f"SELECT {self.age(f['created_at'])} FROM {f['table']} WHERE {unprocessed} "
+                f"ORDER BY {f['processed_at']}, {f['id']} LIMIT 1"),
         }
+        estimates = {"records_estimate": self.estimate_of(f"SELECT 1 FROM {f['table']}"),
+                     "unprocessed_estimate": self.estimate_of(
+                         f"SELECT 1 FROM {f['table']} WHERE {unprocessed}")}
+        statements.update({name: found for name, found in estimates.items() if found is not None})
         return {name: self.clocked(statement) for name, statement in statements.items()}
 
     def outbox_insert(self, conn: Connection, statement: TextClause,

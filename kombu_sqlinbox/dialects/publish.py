@@ -4,7 +4,7 @@ it binds, and the same INSERT for many rows in the driver's own parameter style.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -40,6 +40,11 @@ class RowsInsert:
     #: whatever the number of rows, which neither the driver nor the server parses row
     #: by row; None where the table or the database has none
     arrays: tuple[str, tuple[str, ...]] | None = None
+    #: for a publish in a transaction of its own that waits for the disk: the rows' INSERT
+    #: without the wake-up the statement carries, and the wake-up as a statement of its
+    #: own with its values, sent once the INSERT committed (:meth:`Dialect.wake_apart`);
+    #: None where the statement wakes nobody
+    apart: tuple[RowsInsert, str, tuple[Any, ...]] | None = None
 
     def sql(self, rows: int) -> str:
         if rows == 1:
@@ -170,17 +175,35 @@ class PublishFamily(DriverFamily):
             parts = self.insert_parts(spec)
             found = None
             if parts is not None and paramstyle in POSITIONAL_MARKERS:
-                *texts, fixed = parts
-                converted = [_driver_style(part, paramstyle) for part in texts]
-                head, row, tail = (sql for sql, _ in converted)
-                names = (converted[0][1], converted[1][1], converted[2][1])
-                arrays = self.array_insert(spec, parts)
-                found = RowsInsert(head, row, tail, names, fixed, self.clock,
-                                   max(1, self.max_bind_params // max(1, len(names[1]))),
-                                   self.max_statement_bytes, None if arrays is None else
-                                   _driver_style(arrays, paramstyle, self.array_marker(driver)))
+                found = self._rows_insert_of(spec, parts, paramstyle, driver)
+                apart = self.wake_apart(spec)
+                if apart is not None:
+                    plain, wake, values = apart
+                    sql, names = _driver_style(wake, paramstyle)
+                    found = replace(found, apart=(
+                        self._rows_insert_of(spec, plain, paramstyle, driver), sql,
+                        tuple(values[name] for name in names)))
             self._rows_inserts[key] = found
         return self._rows_inserts[key]
+
+    def _rows_insert_of(self, spec: TableSpec, parts: tuple[str, str, str, dict[str, Any]],
+                        paramstyle: str, driver: str) -> RowsInsert:
+        *texts, fixed = parts
+        converted = [_driver_style(part, paramstyle) for part in texts]
+        head, row, tail = (sql for sql, _ in converted)
+        names = (converted[0][1], converted[1][1], converted[2][1])
+        arrays = self.array_insert(spec, parts)
+        return RowsInsert(head, row, tail, names, fixed, self.clock,
+                          max(1, self.max_bind_params // max(1, len(names[1]))),
+                          self.max_statement_bytes, None if arrays is None else
+                          _driver_style(arrays, paramstyle, self.array_marker(driver)))
+
+    def wake_apart(self, spec: TableSpec) -> tuple[tuple[str, str, str, dict[str, Any]],
+                                                   str, dict[str, Any]] | None:
+        """:meth:`insert_parts` without the wake-up they carry, and the wake-up as a
+        statement of its own with its values (:attr:`RowsInsert.apart`); None where the
+        publish statement carries none."""
+        return None
 
     def array_insert(self, spec: TableSpec,
                      parts: tuple[str, str, str, dict[str, Any]]) -> str | None:

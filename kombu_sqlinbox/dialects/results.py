@@ -17,10 +17,11 @@ from sqlalchemy import Connection, TextClause, bindparam, text
 from sqlalchemy.engine import Engine
 
 from ..roles import check_identifier
-from .driver import DriverFamily
+from .schedules import ScheduleFamily
 
-#: the result tables under a table prefix: tasks' results, saved groups, chords' counters
-RESULT_TABLES = ("task_results", "group_results", "chords")
+#: the result tables under a table prefix: tasks' results, saved groups, chords' counters,
+#: and the ids of the parts of chords whose header was a generator
+RESULT_TABLES = ("task_results", "group_results", "chords", "chord_parts")
 #: the longest task or group id the result tables key (bytes, UTF-8): Celery takes any
 #: string a caller gives (``task_id=...``); within what a PostgreSQL btree entry and an
 #: InnoDB key hold
@@ -33,8 +34,9 @@ FAILED = "FAILURE"
 #: values the schema check binds to every statement it plans
 PLAN_PARAMS = {"task_id": "-", "group_id": "-", "status": "PENDING", "task_name": None,
                "worker": None, "meta": b"", "expires": 0.0, "limit": 1,
-               "size": 1, "task_ids": ["-"], "since": 3600.0, "last": 0.0}
-Names = tuple[str, str, str]
+               "size": 1, "task_ids": ["-"], "since": 3600.0, "last": 0.0,
+               "generated": 0, "group_index": 0}
+Names = tuple[str, str, str, str]
 #: the history index's columns: a task table's failures by time, each listing a range of it
 HISTORY_COLUMNS = "(status, date_done)"
 
@@ -54,6 +56,9 @@ class ResultStatements:
     #: write a task's state and encoded meta (``:task_id, :status, :task_name, :worker,
     #: :meta, :ready``); a row already in SUCCESS is left as it is
     store: TextClause
+    #: :attr:`store` of a task that has no row yet, else nothing (no row counted): the
+    #: failure of a chord's body, written once by whichever part finds its counter gone
+    store_new: TextClause
     #: ``status, meta, date_done`` of ``:task_id``
     read: TextClause
     #: ``task_id, status, meta, date_done`` of each of ``:task_ids`` stored
@@ -63,7 +68,8 @@ class ResultStatements:
     #: ``meta, date_done`` of ``:group_id``
     restore_group: TextClause
     delete_group: TextClause
-    #: a chord's counter row (``:group_id, :meta``): no size yet, nothing done
+    #: a chord's counter row (``:group_id, :meta``, ``:generated`` 1 for a header given
+    #: as a generator, whose parts record their ids): no size yet, nothing done
     chord_save: TextClause
     #: ``:size`` of chord ``:group_id``, set once its header is published
     chord_size: TextClause
@@ -75,9 +81,18 @@ class ResultStatements:
     chord_add: TextClause
     #: the ``:meta`` of chord ``:group_id``, rewritten under the lock of one of the above
     chord_meta: TextClause
-    #: ``done, size, meta`` of ``:group_id``
+    #: ``done, size, generated`` of ``:group_id``: what a count reads (nothing that grows
+    #: with the chord)
+    chord_numbers: TextClause
+    #: ``meta`` of ``:group_id``
     chord_read: TextClause
     chord_delete: TextClause
+    #: a generator's part counted: ``:task_id`` (once) of chord ``:group_id`` at
+    #: ``:group_index``
+    chord_part: TextClause
+    #: ``group_index, task_id`` of every part recorded for ``:group_id``
+    chord_parts: TextClause
+    chord_parts_delete: TextClause
     #: at most ``:limit`` rows of each table done (a chord: saved) more than ``:expires``
     #: seconds ago
     expire: tuple[TextClause, ...]
@@ -99,12 +114,12 @@ class ResultStatements:
 
     @staticmethod
     def tables(prefix: str) -> Names:
-        tasks, groups, chords = (check_identifier(prefix + name, "table")
-                                 for name in RESULT_TABLES)
-        return tasks, groups, chords
+        tasks, groups, chords, parts = (check_identifier(prefix + name, "table")
+                                        for name in RESULT_TABLES)
+        return tasks, groups, chords, parts
 
 
-class ResultFamily(DriverFamily):
+class ResultFamily(ScheduleFamily):
     """The result tables' statements, built once per table prefix."""
 
     #: a task or group id (any string Celery is given, up to :data:`RESULT_ID_BYTES`;
@@ -191,7 +206,7 @@ class ResultFamily(DriverFamily):
         tasks' also on ``(status, date_done)``: the history's failures, latest first."""
         key, label = self.result_id_type, self.result_text_type
         meta, seconds = self.result_meta_type, self.result_time_type
-        tasks, groups, chords = quoted
+        tasks, groups, chords, parts = quoted
         return [
             f"CREATE TABLE IF NOT EXISTS {tasks} (task_id {key} NOT NULL PRIMARY KEY, "
             f"task_name {label}, worker {label}, date_done {seconds}, "
@@ -205,22 +220,31 @@ class ResultFamily(DriverFamily):
             f"ON {groups} (date_done)",
             f"CREATE TABLE IF NOT EXISTS {chords} (group_id {key} NOT NULL PRIMARY KEY, "
             f"date_done {seconds} NOT NULL, size INTEGER, done INTEGER NOT NULL, "
-            f"meta {meta} NOT NULL)",
+            f"generated INTEGER NOT NULL, meta {meta} NOT NULL)",
             f"CREATE INDEX IF NOT EXISTS {self.quote(names[2] + '_done')} "
             f"ON {chords} (date_done)",
+            f"CREATE TABLE IF NOT EXISTS {parts} (task_id {key} NOT NULL PRIMARY KEY, "
+            f"group_id {key} NOT NULL, group_index INTEGER, date_done {seconds} NOT NULL)",
+            f"CREATE INDEX IF NOT EXISTS {self.quote(names[3] + '_group')} "
+            f"ON {parts} (group_id)",
+            f"CREATE INDEX IF NOT EXISTS {self.quote(names[3] + '_done')} "
+            f"ON {parts} (date_done)",
         ]
 
     def build_results(self, prefix: str) -> ResultStatements:
         names = ResultStatements.tables(prefix)
-        quoted: Names = (self.quote(names[0]), self.quote(names[1]), self.quote(names[2]))
-        tasks, groups, chords = quoted
+        quoted: Names = (self.quote(names[0]), self.quote(names[1]), self.quote(names[2]),
+                         self.quote(names[3]))
+        tasks, groups, chords, parts = quoted
         now = self.epoch(self.now)
         # status last: MySQL's guard reads it as each assignment leaves it
         stored = [("task_id", ":task_id"), ("task_name", ":task_name"), ("worker", ":worker"),
                   ("date_done", now), ("meta", ":meta"),
                   ("status", ":status")]
         saved = [("group_id", ":group_id"), ("date_done", now), ("meta", ":meta")]
-        counted = [*saved, ("size", "NULL"), ("done", "0")]
+        counted = [*saved, ("size", "NULL"), ("done", "0"), ("generated", ":generated")]
+        part = [("task_id", ":task_id"), ("group_id", ":group_id"),
+                ("group_index", ":group_index"), ("date_done", now)]
         history = "task_id, task_name, worker, date_done, meta"
         window = f"WHERE status = '{FAILED}' AND date_done >= {now} - :since"
         failed = f"SELECT {history} FROM {tasks} {window}"
@@ -237,6 +261,9 @@ class ResultFamily(DriverFamily):
             ddl=self.result_ddl(quoted, names),
             drop=[f"DROP TABLE IF EXISTS {table}" for table in quoted],
             store=sql(self.result_upsert(tasks, "task_id", stored, guarded=True)),
+            store_new=sql(self.insert_new(
+                tasks, ", ".join(column for column, _ in stored),
+                ", ".join(value for _, value in stored), "task_id")),
             read=sql(f"SELECT status, meta, date_done FROM {tasks} WHERE task_id = :task_id"),
             read_many=sql(f"SELECT task_id, status, meta, date_done FROM {tasks} "
                           "WHERE task_id IN :task_ids").bindparams(
@@ -251,11 +278,19 @@ class ResultFamily(DriverFamily):
             chord_count=sql(f"UPDATE {chords} SET done = done + 1 WHERE group_id = :group_id"),
             chord_add=sql(f"UPDATE {chords} SET done = done - 1 WHERE group_id = :group_id"),
             chord_meta=sql(f"UPDATE {chords} SET meta = :meta WHERE group_id = :group_id"),
-            chord_read=sql(f"SELECT done, size, meta FROM {chords} WHERE group_id = :group_id"),
+            chord_numbers=sql(
+                f"SELECT done, size, generated FROM {chords} WHERE group_id = :group_id"),
+            chord_read=sql(f"SELECT meta FROM {chords} WHERE group_id = :group_id"),
             chord_delete=sql(f"DELETE FROM {chords} WHERE group_id = :group_id"),
+            chord_part=sql(self.insert_new(parts, ", ".join(column for column, _ in part),
+                                           ", ".join(value for _, value in part), "task_id")),
+            chord_parts=sql(
+                f"SELECT group_index, task_id FROM {parts} WHERE group_id = :group_id"),
+            chord_parts_delete=sql(f"DELETE FROM {parts} WHERE group_id = :group_id"),
             expire=(sql(self.result_expire_sql(tasks, "task_id")),
                     sql(self.result_expire_sql(groups, "group_id")),
-                    sql(self.result_expire_sql(chords, "group_id"))),
+                    sql(self.result_expire_sql(chords, "group_id")),
+                    sql(self.result_expire_sql(parts, "task_id"))),
             failures=sql(f"{failed} ORDER BY date_done DESC LIMIT :limit"),
             task_failures=sql(f"{failed}{of_task} ORDER BY date_done DESC LIMIT :limit"),
             failure_summary=sql(f"{per_task} {grouped}"),

@@ -119,12 +119,15 @@ class RoutingFamily(DialectCore):
         """SQL: ``value`` matches the regular expression ``pattern`` (a topic binding)."""
         return f"{value} REGEXP {pattern}"
 
-    def upsert(self, table: str, keys: Sequence[str], values: Sequence[str]) -> str:
-        """INSERT of ``keys + values`` from same-named parameters; on a key conflict
-        the values are updated (none: the row is left alone)."""
-        columns = [*keys, *values]
-        updates = ", ".join(f"{c} = excluded.{c}" for c in values)
-        action = f"DO UPDATE SET {updates}" if values else "DO NOTHING"
+    def upsert(self, table: str, keys: Sequence[str], values: Sequence[str],
+               added: Sequence[str] = ()) -> str:
+        """INSERT of ``keys + values + added`` from same-named parameters; on a key
+        conflict the values are updated and the ``added`` counts added to the row's
+        (none: the row is left alone)."""
+        columns = [*keys, *values, *added]
+        updates = ", ".join([*(f"{c} = excluded.{c}" for c in values),
+                             *(f"{c} = {table}.{c} + excluded.{c}" for c in added)])
+        action = f"DO UPDATE SET {updates}" if updates else "DO NOTHING"
         return (f"INSERT INTO {table} ({', '.join(columns)}) "
                 f"VALUES ({', '.join(':' + c for c in columns)}) "
                 f"ON CONFLICT ({', '.join(keys)}) {action}")

@@ -109,10 +109,12 @@ class ScheduleFamily(DriverFamily):
             cached = self._schedules[prefix] = self.build_schedules(prefix)
         return cached
 
-    def insert_new(self, table: str, columns: str, values: str, key: str) -> str:
+    def insert_new(self, table: str, columns: str, values: str, key: str,
+                   only_if: str = "") -> str:
         """INSERT of one row that writes nothing where ``key`` is taken (no error: a
-        transaction that loses a race goes on)."""
-        return f"INSERT INTO {table} ({columns}) VALUES ({values}) ON CONFLICT ({key}) DO NOTHING"
+        transaction that loses a race goes on), nor unless ``only_if`` (SQL) holds."""
+        rows = f"SELECT {values} WHERE {only_if}" if only_if else f"VALUES ({values})"
+        return f"INSERT INTO {table} ({columns}) {rows} ON CONFLICT ({key}) DO NOTHING"
 
     def schedule_ddl(self, schedules: str, ticks: str) -> list[str]:
         name, word, label = (self.schedule_name_type, self.schedule_word_type,

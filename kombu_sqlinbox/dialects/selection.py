@@ -43,6 +43,12 @@ class SelectionFamily(DialectCore):
         self.floor_refresh = FLOOR_REFRESH
         self.floor_step = FLOOR_STEP
 
+    def exact_key(self, key: str) -> str:
+        """SQL: a value read from a message's envelope (a limit key, a task name) as
+        compared with the values a claim passes over (keys found full, tasks found
+        spent), character for character."""
+        return key
+
     def ready_filter(self, spec: TableSpec, alias: str = "r", heads: bool = True,
                      gone: str = "") -> str:
         """Rows of ``alias`` that may be claimed now: not leased, due, not processed and,

@@ -12,7 +12,7 @@ import re
 import sqlite3
 import threading
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,6 +26,7 @@ from ..tables import ColumnSpec, Role, TableSpec
 from .base import Dialect
 from .core import Capabilities
 from .driver import _expanding
+from .limits import digest
 
 NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 #: seconds a statement waits for the database's write lock
@@ -106,10 +107,18 @@ def _regexp(pattern: str, value: str) -> bool:
     return re.match(pattern, value) is not None
 
 
+def _sha256(key: object) -> str | None:
+    """SQLite's ``sqlinbox_sha256(key)``: the slots' name of a limit key (a number as
+    the text Python reads it as)."""
+    return None if key is None else digest(str(key))
+
+
 class SQLiteDialect(Dialect):
     # -- core: time, identifiers, capabilities ---------------------------------------------
     names = ("sqlite",)
     now = NOW
+    #: read at each statement's step, after the write lock was had
+    instant = NOW
     pinned_now = ":sqlinbox_now"
     eta_value = f"COALESCE(:eta, {NOW})"
     #: a single writer: claims need no row locks
@@ -131,8 +140,18 @@ class SQLiteDialect(Dialect):
     def later(self, seconds: str) -> str:
         return f"{self.now} + {seconds}"
 
+    def envelope_header(self, column: str, header: str) -> str:
+        return f"json_extract({column}, '$.headers.{header}')"
+
     def limit_key_of(self, column: str) -> str:
-        return f"json_extract({column}, '$.headers.limit_key')"
+        return self.envelope_header(column, "limit_key")
+
+    def key_digest(self, key: str) -> str:
+        return f"sqlinbox_sha256({key})"
+
+    def slot_list(self, parts: Sequence[str]) -> str:
+        joined = " || ':' || ".join(parts)
+        return f"group_concat({joined})"
 
     def epoch(self, moment: str) -> str:
         return moment  # times are epoch seconds here already
@@ -186,6 +205,8 @@ class SQLiteDialect(Dialect):
         cursor.close()
         # topic bindings match with Python's re, as kombu's own topic exchange does
         dbapi_connection.create_function("regexp", 2, _regexp, deterministic=True)
+        # a limit key's slots are named by its digest (see ``key_digest``)
+        dbapi_connection.create_function("sqlinbox_sha256", 1, _sha256, deterministic=True)
 
     #: seconds a statement waits for the database's write lock
     busy_timeout = BUSY_TIMEOUT

@@ -33,7 +33,10 @@ class WakeupFamily(DialectCore):
     def wake(self, conn: Connection, spec: TableSpec) -> None:
         """Wake the table's idle consumers in other processes when ``conn`` commits."""
 
-    def listen(self, dbapi_connection: Any, channels: Iterable[str]) -> None:
+    def listen(self, dbapi_connection: Any, channels: Iterable[str],
+               connecting: bool = True, dropped: Iterable[str] = ()) -> None:
+        """LISTEN on ``channels`` and UNLISTEN ``dropped``; ``connecting``: the
+        connection's first, as it is made."""
         raise NotImplementedError
 
     def keeps_notifications(self, dbapi_connection: Any) -> bool:

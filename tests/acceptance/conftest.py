@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sqlite3
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 import pytest
 from celery import Celery
-from sqlalchemy import text
+from sqlalchemy import bindparam, text
 from sqlalchemy.engine import Engine
 
+from bench.chaos_faults import process_ports
 from kombu_sqlinbox.tables import table_name_for_queue
 from tests.acceptance.apps import tasks
 from tests.processes import Proc, Processes, wait_until
@@ -147,6 +151,41 @@ class Acceptance:
         with self.engine.connect() as conn:
             return int(conn.execute(text(f"SELECT COUNT(*) FROM {self.table(queue)}")).scalar_one())
 
+    def suspend(self, proc: Proc) -> None:
+        """SIGSTOP ``proc``'s main process between two of its transactions. Stopped inside
+        one it would keep its locks (on SQLite the whole database's) until resumed: the
+        other processes of the test would wait on it instead of taking its rows over."""
+        pid = proc.popen.pid
+        for _ in range(SUSPEND_TRIES):
+            wait_until(lambda: not self.in_transaction(pid), 10,
+                       f"{proc.name} to end its transaction", alive=[proc])
+            os.kill(pid, signal.SIGSTOP)
+            wait_until(lambda: process_state(pid) == "T", 10, f"{proc.name} to stop")
+            if not self.in_transaction(pid):
+                return
+            os.kill(pid, signal.SIGCONT)
+        raise AssertionError(f"{proc.name} was inside a transaction at {SUSPEND_TRIES} stops")
+
+    def in_transaction(self, pid: int) -> bool:
+        """Whether a session of the process ``pid`` is inside a transaction (on SQLite:
+        whether any process holds the write lock, which is what blocks the others)."""
+        if self.engine.dialect.name == "sqlite":
+            with closing(sqlite3.connect(str(self.engine.url.database), timeout=0.2,
+                                         isolation_level=None)) as conn:
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                except sqlite3.OperationalError:
+                    return True
+                conn.execute("ROLLBACK")
+                return False
+        ports = sorted(process_ports(pid))
+        if not ports:
+            return False
+        with self.engine.connect() as conn:
+            return bool(conn.execute(
+                text(OPEN_TRANSACTIONS[self.engine.dialect.name]).bindparams(
+                    bindparam("ports", expanding=True)), {"ports": ports}).scalar_one())
+
     def wait_acked(self, worker: Proc, queue: str = "celery") -> None:
         """Wait until ``worker`` has acknowledged every task of ``queue`` (its table is empty),
         before a warm shutdown of a prefork worker in Celery's event loop. Celery acks a task
@@ -158,6 +197,23 @@ class Acceptance:
         worker's exit then takes more than the tests allow, by Celery's doing alone."""
         wait_until(lambda: self.rows(queue) == 0, 30, f"{worker.name} to ack every task",
                    alive=[worker])
+
+
+#: how many times :meth:`Acceptance.suspend` stops a process before giving up
+SUSPEND_TRIES = 50
+#: per server: how many of the sessions at the client ports ``:ports`` are in a transaction
+OPEN_TRANSACTIONS = {
+    "postgresql": "SELECT count(*) FROM pg_stat_activity "
+                  "WHERE client_port IN :ports AND xact_start IS NOT NULL",
+    "mysql": "SELECT count(*) FROM information_schema.innodb_trx t "
+             "JOIN information_schema.processlist p ON p.id = t.trx_mysql_thread_id "
+             "WHERE SUBSTRING_INDEX(p.host, ':', -1) IN :ports",
+}
+
+
+def process_state(pid: int) -> str:
+    """The state letter of ``/proc/<pid>/stat`` (``T``: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 #: how long the caller waits for a result: a worker takes a second or two to start

@@ -190,3 +190,40 @@ def test_a_header_given_as_a_generator_is_published_as_it_comes(
     assert worker.stop() == 0, worker.tail()
     assert acceptance.runs.starts()["body"] == 1
     assert chord_rows(acceptance, engine) == 0
+
+
+def test_adding_to_a_chord_whose_counter_row_is_gone_fails_the_adding_task_alone(
+        acceptance: Acceptance, caller: Celery, db_url: str, engine: Engine) -> None:
+    """``add_to_chord`` from the header tasks of a chord whose counter row was deleted
+    (a task and a chord added): each adding task fails with a ChordError naming the
+    missing row, before it sends anything; the body fails as with any missing row (its
+    error callback once, the body never), and the worker goes on: a chord applied after
+    it grows and runs its body."""
+    gone = chord([caller.signature("acc.adds_to_chord", args=([1], 4)),
+                  caller.signature("acc.adds_to_chord", args=([1, 2], 4, True))])(
+        caller.signature("acc.collect").on_error(caller.signature("acc.errback")))
+    adders = [result.id for result in gone.parent.results]
+    table = engine.dialect.identifier_preparer.quote(acceptance.table_prefix + "chords")
+    with engine.begin() as conn:
+        assert conn.execute(text(f"DELETE FROM {table}")).rowcount == 1
+    worker = acceptance.worker("prefork", 2, **results_conf(db_url))
+    for adder in adders:
+        with pytest.raises(ChordError, match=r"its counter row is missing from \S+chords "
+                                             r"\(done, expired or deleted\): no task can"):
+            caller.AsyncResult(adder).get(timeout=RESULT_LIMIT)
+    with pytest.raises(ChordError, match=r"its counter row is missing from \S+chords"):
+        gone.get(timeout=RESULT_LIMIT, follow_parents=False)
+
+    grown = chord([caller.signature("acc.adds_to_chord", args=([1], 4))])(
+        caller.signature("acc.collect"))
+    assert grown.get(timeout=RESULT_LIMIT) == [0, 5]
+    wait_until(lambda: acceptance.rows() == 0, 30, "the callbacks to run", alive=[worker])
+    assert worker.stop() == 0, worker.tail()
+    assert acceptance.runs.starts()["errback"] == 1
+    assert acceptance.runs.starts()["body"] == 1  # the grown chord's
+    results = engine.dialect.identifier_preparer.quote(acceptance.table_prefix + "task_results")
+    with engine.connect() as conn:
+        added = conn.execute(text(f"SELECT COUNT(*) FROM {results} WHERE task_name = :name"),
+                             {"name": "acc.add_late"}).scalar_one()
+    assert added == 1, "a task added to the chord whose row was gone was sent"
+    assert chord_rows(acceptance, engine) == 0

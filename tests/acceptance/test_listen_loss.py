@@ -6,26 +6,33 @@ nothing is logged as an error (log-based alerts fire on errors and tracebacks).
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import bindparam, text
 from sqlalchemy.engine import make_url
 
+from bench.chaos_faults import group_ports
 from kombu_sqlinbox.dialects.postgresql import LISTEN_APPLICATION
 from tests.acceptance.conftest import Acceptance
-from tests.processes import wait_until
+from tests.processes import Proc, wait_until
 
 #: the worker's idle wait: it sits in ``select`` on the LISTEN socket when that dies
 POLLING = 2.0
 ROUNDS = 2
 
 
-def listen_sessions(acceptance: Acceptance, idle_for: float = 0.0) -> list[int]:
-    """The backend pids of the LISTEN sessions on the database, as an operator finds them;
-    only those without a statement for ``idle_for`` seconds (the worker waits on them)."""
+def listen_sessions(acceptance: Acceptance, worker: Proc, idle_for: float = 0.0) -> list[int]:
+    """The backend pids of the worker's LISTEN sessions, as an operator finds them (told from
+    other workers' on the same database by their client ports); only those without a
+    statement for ``idle_for`` seconds (the worker waits on them)."""
+    ports = sorted(group_ports(worker.popen.pid))
+    if not ports:
+        return []
     with acceptance.engine.connect() as conn:
         return list(conn.execute(text(
             "SELECT pid FROM pg_stat_activity WHERE application_name = :name "
-            "AND state = 'idle' AND state_change < now() - make_interval(secs => :idle)"
-        ), {"name": LISTEN_APPLICATION, "idle": idle_for}).scalars())
+            "AND state = 'idle' AND state_change < now() - make_interval(secs => :idle) "
+            "AND client_port IN :ports"
+        ).bindparams(bindparam("ports", expanding=True)),
+            {"name": LISTEN_APPLICATION, "idle": idle_for, "ports": ports}).scalars())
 
 
 @pytest.mark.databases("postgresql")
@@ -37,12 +44,12 @@ def test_a_terminated_listen_session_is_replaced_quietly(
     worker = acceptance.worker(
         "prefork", 2, broker_url="sqlinbox+" + url.render_as_string(hide_password=False))
     for n in range(ROUNDS):
-        (pid,) = wait_until(lambda: listen_sessions(acceptance, POLLING / 2), 30,
+        (pid,) = wait_until(lambda: listen_sessions(acceptance, worker, POLLING / 2), 30,
                             "the worker to wait on its LISTEN session", alive=[worker])
         with acceptance.engine.connect() as conn:
             assert conn.execute(text("SELECT pg_terminate_backend(:pid)"),
                                 {"pid": pid}).scalar_one()
-        wait_until(lambda pid=pid: listen_sessions(acceptance) not in ([], [pid]), 30,
+        wait_until(lambda pid=pid: listen_sessions(acceptance, worker) not in ([], [pid]), 30,
                    "a new LISTEN session", alive=[worker])
         acceptance.send("acc.run", [f"after{n}"])
         wait_until(lambda n=n: acceptance.runs.done()[f"after{n}"], 30,

@@ -4,11 +4,15 @@ broker), where Celery's own ``rate_limit`` would allow each of them that many.""
 
 from __future__ import annotations
 
+import socket
+import time
+
 import pytest
 
 from kombu_sqlinbox.options import parse_options
 from kombu_sqlinbox.rates import Budget
 from tests.acceptance.conftest import Acceptance, check_exactly_once
+from tests.acceptance.test_control_latency import REPLY_LIMIT
 from tests.integration.test_rate_limits import most_in_any
 from tests.processes import wait_until
 
@@ -34,3 +38,31 @@ def test_two_workers_together_start_no_more_than_the_rate_limit(
     for span in (1.0, 2.0):
         assert most_in_any(times, span) <= 20 * span + 2 * tokens, (span, sorted(times))
     assert max(times) - min(times) >= (len(BACKLOG) - 20) / 20
+
+
+@pytest.mark.parametrize("event_loop", [False, True], ids=["blocking", "event-loop"])
+def test_a_tiny_rate_limit_for_every_queue_leaves_remote_control_prompt(
+        acceptance: Acceptance, event_loop: bool) -> None:
+    """``rate_limit="1/m"`` as every queue's default: the task queue's window (one token
+    a minute) is spent by its first claim, yet the worker's remote-control queue and the
+    caller's reply queue (transient: never limited) answer a ``ping`` as promptly as
+    without a limit, idle and while the backlog waits for its windows; a wake-up brings
+    the answer, not the polling interval (2 s here) the spent window stretches the idle
+    wait to."""
+    acceptance.configure(event_loop=event_loop, rate_limit="1/m", polling_interval=2.0)
+    worker = acceptance.worker("prefork", 2, name="w1")
+    node = f"w1@{socket.gethostname()}"
+
+    def ping() -> float:
+        started = time.monotonic()
+        replies = acceptance.app.control.ping(destination=[node], timeout=5.0)
+        assert replies == [{node: {"ok": "pong"}}], replies
+        return time.monotonic() - started
+
+    ping()  # the caller's reply queue exists from here on
+    idle = [ping() for _ in range(3)]
+    acceptance.send("acc.run", [f"t{n}" for n in range(5)])
+    wait_until(lambda: acceptance.runs.starts(), 30, "the first task", alive=[worker])
+    spent = [ping() for _ in range(5)]
+    assert sum(acceptance.runs.starts().values()) == 1  # one a minute: the rest wait
+    assert max(idle + spent) < REPLY_LIMIT, (idle, spent)

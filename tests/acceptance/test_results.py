@@ -146,3 +146,24 @@ def test_the_workers_banner_shows_the_backend_url_without_its_password(
     assert "s3cret-pw" not in worker.output()
     assert banner.split("results:", 1)[1].strip() == "sqlinbox+" + make_url(url).render_as_string(
         hide_password=True).replace(":***@", ":**@")
+
+
+def test_a_task_whose_id_no_result_row_keys_runs_once_and_leaves_the_worker_running(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """Ids the result tables cannot key (longer than their key; with a NUL, which
+    PostgreSQL's text refuses), sent by a producer that does not check them (an app
+    without this backend): a solo worker runs each task once, logs that its result is not
+    stored, acknowledges it and goes on, where the write's error stopped the worker at
+    each start (the row, never acknowledged, came back to the next one). A caller of
+    this backend is refused such an id as it sends."""
+    from kombu_sqlinbox.dialects.results import RESULT_ID_BYTES
+    from kombu_sqlinbox.errors import ResultIdRefused
+
+    worker = acceptance.worker("solo", 1, **results_conf(db_url))
+    for task_id in ("x" * (RESULT_ID_BYTES + 1), "nul\x00id"):
+        acceptance.app.send_task("acc.add_late", args=(1, 2), task_id=task_id)
+    acceptance.wait_acked(worker)
+    assert caller.send_task("acc.add_late", args=(2, 2)).get(timeout=RESULT_LIMIT) == 4
+    assert worker.output().count("its result is not stored") == 2, worker.tail()
+    with pytest.raises(ResultIdRefused, match="NUL"):
+        caller.send_task("acc.add", args=(1, 2), task_id="nul\x00id")

@@ -77,7 +77,7 @@ def claimed_again_behind_a_stopped_worker(acceptance: Acceptance, db_url: str
     first = acceptance.worker("prefork", 1, name="first", **results_conf(db_url))
     wait_until(lambda: acceptance.runs.starts()["held"] >= 1, 30, "the first run",
                alive=[first])
-    os.kill(first.popen.pid, signal.SIGSTOP)
+    acceptance.suspend(first)
     second = acceptance.worker("prefork", 1, name="second", **results_conf(db_url))
     wait_until(lambda: acceptance.runs.starts()["held"] >= 2, 30,
                "the row to be claimed again", alive=[second])
@@ -250,7 +250,7 @@ def test_a_row_its_worker_claimed_again_keeps_its_lease_after_the_first_run_ends
     sent = caller.send_task("acc.run_late", args=("twice", 10.0))
     wait_until(lambda: acceptance.runs.starts()["twice"] >= 1, 30, "the first run",
                alive=[worker])
-    os.kill(worker.popen.pid, signal.SIGSTOP)
+    acceptance.suspend(worker)
     claim_and_give_back(caller)
     stopped_until = time.monotonic() + 2 * LEASE  # the second run ends 2 leases after the first
     wait_until(lambda: time.monotonic() > stopped_until, 10, "two more leases")
@@ -288,3 +288,45 @@ def test_a_success_whose_result_was_not_written_with_its_row_is_acked_once(
     for task_id in [result.id for result in failed] + [ignored.id]:
         assert worker.output().count(f"[{task_id}] received") == 1, worker.tail()
     assert acceptance.runs.starts()["ignored"] == 1
+
+
+def test_a_result_whose_tables_are_missing_is_written_once_they_are_created(
+        acceptance: Acceptance, caller: Celery, db_url: str) -> None:
+    """With ``create_tables`` off and the result tables not created yet (an operator's
+    migration not run), a late-acked task's result is held and written again, as for a
+    database that does not answer, until they are there: the write's error used to
+    complete the row with no result (prefork) or stop the worker (solo), the row then
+    running again at each start."""
+    conf = results_conf(db_url)
+    conf["result_backend_transport_options"] = {"create_tables": False}
+    worker = acceptance.worker("solo", 1, **conf)
+    sent = caller.send_task("acc.run_late", args=("early",))
+    wait_until(lambda: "writing its result failed" in worker.output(), RESULT_LIMIT,
+               "the result's write to fail for want of its tables", [worker])
+    assert acceptance.rows() == 1  # held, not completed without its result
+    caller.backend.store.ensure()  # the migration runs
+    assert sent.get(timeout=RESULT_LIMIT) == acceptance.runs.records("early")[0]["token"]
+    wait_until(lambda: acceptance.rows() == 0, RESULT_LIMIT, "the row to be completed",
+               [worker])
+    assert acceptance.runs.starts()["early"] == 1
+
+
+def test_result_tables_dropped_under_a_running_worker_are_created_again_for_its_next_result(
+        acceptance: Acceptance, caller: Celery, db_url: str, engine: Engine) -> None:
+    """The result tables dropped while a worker runs (found there at its first result):
+    its next late-acked result's write fails, finds them gone, creates them again and is
+    written, where the error used to complete the row with no result or stop the
+    worker."""
+    from kombu_sqlinbox.dialects import dialect_for
+
+    worker = acceptance.worker("solo", 1, **results_conf(db_url))
+    first = caller.send_task("acc.run_late", args=("first",))
+    assert first.get(timeout=RESULT_LIMIT) == acceptance.runs.records("first")[0]["token"]
+    with engine.begin() as conn:
+        for statement in dialect_for(engine).result_statements(acceptance.table_prefix).drop:
+            conn.exec_driver_sql(statement)
+    second = caller.send_task("acc.run_late", args=("second",))
+    wait_until(lambda: acceptance.runs.done()["second"] and acceptance.rows() == 0,
+               RESULT_LIMIT, "the second task to run and its row to be completed", [worker])
+    assert second.get(timeout=RESULT_LIMIT) == acceptance.runs.records("second")[0]["token"]
+    assert acceptance.runs.starts()["second"] == 1

@@ -61,7 +61,7 @@ def test_the_site_tests_pass(site_database: str, pytester: pytest.Pytester,
                     ignore=shutil.ignore_patterns("*.sqlite3", "__pycache__"))
     monkeypatch.setenv("SHOP_DATABASE", site_database)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=23)
+    result.assert_outcomes(passed=27)
 
 
 @pytest.mark.parametrize("site_database", ["sqlite", "postgresql", "mysql"], indirect=True)

@@ -26,7 +26,8 @@ FIELDS = {"date": str, "round": str, "section": str, "machine": str, "notes": st
           "tables": list}
 #: the guide's sections that each give the command of their table
 MEASURED = ("Publish", "Consume", "Latency", "Celery end to end", "FIFO groups",
-            "Long transactions elsewhere in the database", "Remote control")
+            "Consumer processes on one server", "Long transactions elsewhere in the database",
+            "Remote control", "Many publishers")
 
 
 def guide_commands() -> list[tuple[str, list[str]]]:

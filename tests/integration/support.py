@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from multiprocessing.synchronize import Event
 from typing import Any, TypeVar
 
-from kombu import Connection
+from kombu import Connection, Consumer, Queue
 from kombu.message import Message
 from sqlalchemy import TextClause, event, text
 from sqlalchemy.engine import Engine
@@ -22,6 +25,8 @@ from kombu_sqlinbox.tables import table_name_for_queue
 from tests.processes import wait_until
 
 T = TypeVar("T")
+#: what a consumer process's task notes in the ledger before its start and end
+Task = Callable[[Any, Message], tuple[Any, ...]]
 
 #: the type MariaDB/MySQL routing tables gave names before they were binary strings: a
 #: collation that ignores trailing spaces when it compares
@@ -171,3 +176,97 @@ def fifo_jobs(connect: Callable[..., Connection], table_prefix: str) -> Connecti
     for n in (1, 2):
         publish(conn, "jobs", {"n": n}, headers={"group_key": "g"})
     return conn
+
+
+@contextmanager
+def session_ended_after(engine: Engine, admin: Engine,
+                        marker: Callable[[str], bool]) -> Iterator[list[str]]:
+    """End, for real, the session of the first of ``engine``'s connections that runs a
+    statement ``marker`` accepts, just after it ran (its transaction open): PostgreSQL
+    and MariaDB by ``pg_terminate_backend`` / ``KILL`` from ``admin`` (waited for until the
+    server dropped it), SQLite by closing the driver's connection. Yields the statements
+    after which a session ended."""
+    ended: list[str] = []
+
+    def end(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if ended or not marker(statement):
+            return
+        ended.append(statement)
+        driver = cursor.connection
+        if engine.dialect.name == "sqlite":
+            driver.close()
+            return
+        postgresql = engine.dialect.name == "postgresql"
+        own = driver.cursor()
+        own.execute("SELECT pg_backend_pid()" if postgresql else "SELECT CONNECTION_ID()")
+        backend = int(own.fetchone()[0])
+        own.close()
+        kill, alive = (("SELECT pg_terminate_backend(:id)",
+                        "SELECT COUNT(*) FROM pg_stat_activity WHERE pid = :id")
+                       if postgresql else
+                       ("KILL :id", "SELECT COUNT(*) FROM information_schema.PROCESSLIST "
+                        "WHERE ID = :id"))
+        with admin.begin() as session:
+            session.execute(text(kill), {"id": backend})
+
+        def gone() -> bool:  # a transaction each: PostgreSQL's statistics hold still in one
+            with admin.connect() as session:
+                return not session.execute(text(alive), {"id": backend}).scalar_one()
+
+        wait_for(gone, "the ended session to go")
+
+    event.listen(engine, "after_cursor_execute", end)
+    try:
+        yield ended
+    finally:
+        event.remove(engine, "after_cursor_execute", end)
+
+
+def consume(broker_url: str, options: dict[str, Any], queue: str, prefetch: int, task: Task,
+            ready: Event, stop: Event,
+            ledger: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    """A consumer process: consume ``queue`` until ``stop`` (``ready`` once consuming);
+    each message runs ``task`` (a module's function: it crosses to a spawned process),
+    which notes what it returns, its start and its end (one host clock) in ``ledger``,
+    then is acknowledged."""
+    with Connection(broker_url, transport_options=options) as conn:
+        def run(body: Any, message: Message) -> None:
+            start = time.monotonic()
+            noted = task(body, message)
+            ledger.put((*noted, start, time.monotonic()))
+            message.ack()
+
+        conn.default_channel.queue_declare(queue)
+        with Consumer(conn, [Queue(queue, routing_key=queue)], callbacks=[run],
+                      prefetch_count=prefetch):
+            ready.set()
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=0.2)
+
+
+@contextmanager
+def consumer_processes(count: int, broker_url: str, options: dict[str, Any], queue: str,
+                       prefetch: int, task: Task, wait: float = 60.0,
+                       ) -> Iterator[multiprocessing.Queue]:  # type: ignore[type-arg]
+    """``count`` spawned processes racing over ``queue`` (see :func:`consume`), each
+    consuming before this yields their ledger; stopped after (each within ``wait``, else
+    killed), and each must have exited cleanly."""
+    context = multiprocessing.get_context("spawn")
+    stop, ledger = context.Event(), context.Queue()
+    readies = [context.Event() for _ in range(count)]
+    children = [context.Process(target=consume, args=(
+        broker_url, options, queue, prefetch, task, ready, stop, ledger)) for ready in readies]
+    for child in children:
+        child.start()
+    try:
+        for ready in readies:
+            assert ready.wait(wait), "a consumer process did not start"
+        yield ledger
+    finally:
+        stop.set()
+        for child in children:
+            child.join(wait)
+            if child.is_alive():
+                child.kill()
+    assert all(child.exitcode == 0 for child in children), [c.exitcode for c in children]

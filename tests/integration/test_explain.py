@@ -12,6 +12,7 @@ from sqlalchemy import URL, Connection, TextClause, create_engine, text
 
 from kombu_sqlinbox import TableBuilder
 from kombu_sqlinbox.dialects.base import DriverSql
+from kombu_sqlinbox.limits import parsed
 from kombu_sqlinbox.own_session import OwnSession
 
 from .conftest import Connect
@@ -357,3 +358,53 @@ def test_claims_read_a_few_rows_of_a_big_queue_whatever_its_statistics(
                                         f"({'generic' if generic else 'custom'} plan)")
     finally:
         own.drop()
+
+
+#: a limit key per four rows in a row of a big table, as the envelope's header, in SQL
+KEYED_HEADERS = {"postgresql": """'{"headers": {"limit_key": "k' || (id / 4) || '"}}'""",
+                 "mysql": """CONCAT('{"headers": {"limit_key": "k', id DIV 4, '"}}')"""}
+
+
+@pytest.mark.parametrize("database", ["postgresql", "mysql"], indirect=True)
+def test_limited_claim_candidates_read_a_few_rows_of_a_big_queue(
+        connect: Connect, database: str) -> None:
+    """READY_ROWS ready rows, four of each limit key in a row, the first keys' slots all
+    held by rows in work: a limited claim's candidates read a few rows from the claim
+    index, each with its key's slots; where the scan reads them (MariaDB/MySQL), by the
+    slots' primary key (not every slot), passing over the full keys' rows."""
+    conn = connect(queues={"jobs": {"concurrency_limits": {"*": 2}}})
+    conn.default_channel.queue_declare("jobs")
+    broker = broker_of(conn)
+    table_ = broker.table("jobs")
+    spec = table_.spec
+    table = quoted(broker.engine, spec.table)
+    broker.limits.ensure()
+    slots = quoted(broker.engine, broker.limits.name)
+    with broker.engine.begin() as db:
+        db.execute(text(bulk_insert_sql(database, table)))
+    with broker.engine.begin() as db:
+        db.execute(text(f"UPDATE {table} SET headers = {KEYED_HEADERS[database]}"))
+    with broker.engine.begin() as db:
+        db.execute(text(f"{ANALYZE[database]} {table}"))
+    # the first five keys in line: two rows of each in work, holding both slots
+    held = broker.limits.claim(table_, 10)
+    keys = {json.loads(str(row.headers))["headers"]["limit_key"] for row in held}
+    assert len(keys) == 5, keys
+    with broker.engine.begin() as db:
+        assert db.execute(text(f"SELECT COUNT(*) FROM {slots}")).scalar_one() == 10
+        floor = broker.dialect.claim_floor(db, spec)
+    reads = broker.dialect.limited_claim(spec, broker.limits.prefix)
+    candidates = reads.candidates
+    params: dict[str, object] = {"limit": 32, "floor": floor, "full": [], "most": 2,
+                                 "queue_table": spec.table}
+    with broker.engine.connect() as db, db.begin() as transaction:
+        found = db.execute(candidates, params).all()
+        read = rows_read(db, database, candidates, params)
+        transaction.rollback()
+    # where the scan reads the slots, the full keys' rows are passed over; every row
+    # brings its key's slots: the full keys' two each
+    passed_over = broker.dialect.slots_in_scan
+    assert len(found) == 32 and not (passed_over and keys & {row[1] for row in found}), found
+    assert all(len(parsed(row[2])) == 2 for row in found if row[1] in keys), found
+    # the rows taken, the full keys' three left each, and the candidates with their slots
+    assert read < 300, f"{read} rows read: {candidates.text}"

@@ -16,6 +16,7 @@ from sqlalchemy import create_engine, inspect, make_url, text
 from sqlalchemy.engine import Engine
 
 from celery_ext.results import SqlInboxBackend
+from kombu_sqlinbox.dialects.results import RESULT_TABLES
 from kombu_sqlinbox.history import History, ResultsMissing, history_problems
 from kombu_sqlinbox.results import ResultStore
 
@@ -147,7 +148,7 @@ def writer_url(database: str, db_url: str, table_prefix: str) -> Iterator[str]:
     before the history index) but may not change them, as a deployment's worker."""
     admin = create_engine(db_url, isolation_level="AUTOCOMMIT")
     user = f"rw_{uuid.uuid4().hex[:8]}"
-    tables = [table_prefix + name for name in ("task_results", "group_results", "chords")]
+    tables = [table_prefix + name for name in RESULT_TABLES]
     mysql = database == "mysql"
     who = f"'{user}'@'%%'" if mysql else user
     with admin.connect() as conn:

@@ -166,6 +166,29 @@ def test_a_claim_on_a_dead_listen_connection_goes_to_the_pool(
     consumer.cancel()
 
 
+@pytest.mark.parametrize("database", ["sqlite", "mysql"])
+def test_a_publish_between_a_consumers_first_claim_and_its_first_wait_wakes_it(
+        db_url: str) -> None:
+    """The same-host signal's socket is bound as the consumer registers, before its first
+    claim: a publish committed by another process after that claim and before the
+    consumer's first wait wakes the wait (bound at the wait, the socket was not there for
+    the publish's byte, and the consumer slept its whole polling interval)."""
+    consumer_db, publisher_db = Database.open(db_url), Database.open(db_url)
+    consumer, publisher = Wakeup(consumer_db), Wakeup(publisher_db)
+    try:
+        consumer.listen(None)  # registered, as where there is no NOTIFY; its first claim
+        # finds nothing
+        publisher.published()  # another process's commit, before the consumer waits
+        started = time.monotonic()
+        consumer.wait(10.0)
+        assert time.monotonic() - started < 5.0, "the first wait missed the publish"
+    finally:
+        consumer.close()
+        publisher.close()
+        consumer_db.engine.dispose()
+        publisher_db.engine.dispose()
+
+
 @pytest.mark.parametrize("database", ["postgresql"])
 def test_a_listen_connection_that_breaks_while_it_is_set_up_is_given_up_then_made_anew(
         db_url: str, proxy: Proxy, caplog: pytest.LogCaptureFixture) -> None:

@@ -6,6 +6,7 @@ claim could read is refused at publish, and nothing is written."""
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import signal
@@ -20,10 +21,12 @@ from sqlalchemy.engine import Engine
 
 from bench.ledger import most_at_once
 from kombu_sqlinbox.errors import ConfigurationError
+from kombu_sqlinbox.rows import ClaimedRow, Held, Settlement
 
 from .conftest import Connect
 from .support import (
     broker_of,
+    consumer_processes,
     get,
     get_within,
     never_delivered,
@@ -35,30 +38,18 @@ from .support import (
 
 QUEUE = "limited"
 PROCESSES, KEYS, PER_KEY, ROUNDS = 5, 4, 6, 3
-#: seconds a task "runs" (between its start and finish in the ledger)
-WORK = 0.02
+#: seconds a task "runs" (between its start and finish in the ledger): long enough for
+#: two processes to run rows of one key at once on a loaded machine (a claim there can
+#: take longer than a short task)
+WORK = 0.1
 #: the longest wait for a child or a round
 WAIT = 60.0
 
 
-def worker(broker_url: str, options: dict[str, Any], ready: Event, stop: Event,
-           ledger: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-    """Consume ``QUEUE`` until ``stop``: each message is a task noting its start and
-    finish in the ledger, then acknowledged."""
-    with Connection(broker_url, transport_options=options) as conn:
-        def run(body: Any, message: Message) -> None:
-            start = time.monotonic()
-            time.sleep(WORK)  # the task's work
-            ledger.put((body["key"], start, time.monotonic()))
-            message.ack()
-
-        conn.default_channel.queue_declare(QUEUE)
-        with Consumer(conn, [Queue(QUEUE, routing_key=QUEUE)], callbacks=[run],
-                      prefetch_count=2):
-            ready.set()
-            while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    conn.drain_events(timeout=0.2)
+def job(body: Any, message: Message) -> tuple[str]:
+    """A task of ``WORK`` seconds, noting its key in the ledger."""
+    time.sleep(WORK)  # the task's work
+    return (body["key"],)
 
 
 @pytest.mark.timeout(240)
@@ -71,17 +62,8 @@ def test_racing_processes_never_exceed_a_limit(
                      else {"max_in_work": 3})
     options = {"table_prefix": table_prefix, "polling_interval": 0.05,
                "queues": {QUEUE: queue_options}}
-    context = multiprocessing.get_context("spawn")
-    stop, ledger = context.Event(), context.Queue()
-    readies = [context.Event() for _ in range(PROCESSES)]
-    children = [context.Process(target=worker, args=(broker_url, options, ready, stop, ledger))
-                for ready in readies]
-    for child in children:
-        child.start()
     runs: list[tuple[str, float, float]] = []
-    try:
-        for ready in readies:
-            assert ready.wait(WAIT), "a worker did not start"
+    with consumer_processes(PROCESSES, broker_url, options, QUEUE, 2, job, WAIT) as ledger:
         conn = connect(**{"queues": {QUEUE: queue_options}})
         for _ in range(ROUNDS):
             for _ in range(PER_KEY):
@@ -90,12 +72,6 @@ def test_racing_processes_never_exceed_a_limit(
                 publish(conn, QUEUE, {"key": "-"})  # no key
             for _ in range(PER_KEY * (KEYS + 1)):
                 runs.append(ledger.get(timeout=WAIT))
-    finally:
-        stop.set()
-        for child in children:
-            child.join(WAIT)
-            if child.is_alive():
-                child.kill()
     assert len(runs) == ROUNDS * PER_KEY * (KEYS + 1)
     if limit == "key":
         most = most_at_once(run for run in runs if run[0] != "-")
@@ -104,7 +80,6 @@ def test_racing_processes_never_exceed_a_limit(
         most = most_at_once(("queue", start, end) for _, start, end in runs)
         # never passed; on a loaded machine the third at once may never come together
         assert 2 <= most["queue"] <= 3, most
-    assert all(child.exitcode == 0 for child in children)
 
 
 def holder(broker_url: str, options: dict[str, Any], holding: Event) -> None:
@@ -164,6 +139,45 @@ def test_rows_of_a_full_key_are_passed_over_not_waited_behind(connect: Connect) 
         assert keys == ["None", "busy", "vip-1", "vip-1"], keys
         for message in got:
             message.ack()
+
+
+@pytest.mark.parametrize("ahead", [2, 10, 70])
+def test_a_claim_reads_on_past_any_run_of_a_full_keys_rows(connect: Connect,
+                                                           ahead: int) -> None:
+    """A key at its limit with ``ahead`` more rows before a free row: a claim of one row
+    takes the free row, whether it lies in the first window read (four rows per row
+    wanted), in a longer one, or beyond both (then windows passing over the full key)."""
+    conn = connect(queues={QUEUE: {"concurrency_limits": {"*": 1}}})
+    for _ in range(ahead + 1):
+        publish(conn, QUEUE, {"key": "busy"}, limit_key="busy")
+    publish(conn, QUEUE, {"key": "free"}, limit_key="free")
+    broker = broker_of(conn)
+    table = broker.table(QUEUE)
+    held = broker.limits.claim(table, 1)
+    assert [key_of(row) for row in held] == ["busy"]
+    taken = broker.limits.claim(table, 1)
+    assert [key_of(row) for row in taken] == ["free"]
+    assert broker.limits.claim(table, 1) == []  # both keys at their limit
+
+
+def test_an_acked_rows_slot_is_free_to_the_claim_that_writes_the_ack(
+        connect: Connect) -> None:
+    """A key at its limit of one: its row acked, the next claim (which writes that ack
+    first, in its own statement or transaction) takes the key's next row."""
+    conn = connect(queues={QUEUE: {"concurrency_limits": {"*": 1}}})
+    for _ in range(3):
+        publish(conn, QUEUE, {"key": "one"}, limit_key="one")
+    broker = broker_of(conn)
+    table = broker.table(QUEUE)
+    (first,) = broker.limits.claim(table, 2)
+    assert broker.limits.claim(table, 2) == []  # the key is at its limit
+    broker.settle(Settlement.COMPLETE, Held(table, first.id, first.attempt))
+    (second,) = broker.limits.claim(table, 2)
+    assert second.id != first.id and key_of(second) == "one"
+
+
+def key_of(row: ClaimedRow) -> str:
+    return str(json.loads(str(row.headers))["headers"]["limit_key"])
 
 
 def never_delivered_while_draining(conn: Connection, got: list[Message],

@@ -5,9 +5,9 @@ budget's update loses no message; queues without a limit never touch the budget.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import time
-from multiprocessing.synchronize import Event
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 from kombu import Connection, Consumer, Queue
@@ -16,17 +16,20 @@ from sqlalchemy import event, inspect, text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox.dialects import RateStatements
+from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.options import parse_rate
-from kombu_sqlinbox.rates import Budget
+from kombu_sqlinbox.rates import PRUNE_ROWS, Budget
 from tests.tcp_proxy import Proxy
 
 from .conftest import Connect
 from .support import (
     broker_of,
+    consumer_processes,
     count_rows,
     get_within,
     publish,
     quoted,
+    session_ended_after,
     settled,
     statements_run,
     table_of,
@@ -44,18 +47,9 @@ def limited(prefix: str) -> dict[str, object]:
             "queues": {"rated": {"rate_limit": RATE}}}
 
 
-def consumer(broker_url: str, prefix: str, stop: Event,
-             started: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-    """Consume queue ``rated`` (10 prefetch slots), reporting when each message came."""
-    with Connection(broker_url, transport_options=limited(prefix)) as conn:
-        def arrived(body: object, message: Message) -> None:
-            started.put(time.time())
-            message.ack()
-
-        with Consumer(conn, [Queue("rated")], callbacks=[arrived], prefetch_count=10):
-            while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    conn.drain_events(timeout=0.2)
+def arrived(body: Any, message: Message) -> tuple[()]:
+    """A consumer process's task: nothing to note but when it started."""
+    return ()
 
 
 def most_in_any(times: list[float], span: float) -> int:
@@ -77,23 +71,13 @@ def test_racing_processes_together_stay_within_the_rate_limit(
     two windows' more (one starting inside it, and the last one's rows delivered late
     behind a slow start). The backlog takes about 6 s, not the quarter of it four
     unlimited processes would."""
-    with Connection(broker_url, transport_options=limited(table_prefix)) as conn:
+    options = limited(table_prefix)
+    with Connection(broker_url, transport_options=options) as conn:
         for number in range(BACKLOG):
             publish(conn, "rated", {"n": number})
-    context = multiprocessing.get_context("spawn")
-    stop, started = context.Event(), context.Queue()
-    children = [context.Process(target=consumer, args=(broker_url, table_prefix, stop, started))
-                for _ in range(PROCESSES)]
-    for child in children:
-        child.start()
-    try:
-        times = [started.get(timeout=WAIT) for _ in range(BACKLOG)]
-    finally:
-        stop.set()
-        for child in children:
-            child.join(WAIT)
-            if child.is_alive():
-                child.kill()
+    with consumer_processes(PROCESSES, broker_url, options, "rated", 10, arrived,
+                            WAIT) as ledger:
+        times = [start for start, _ in (ledger.get(timeout=WAIT) for _ in range(BACKLOG))]
     budget = Budget.of(parse_rate("rate", RATE))  # type: ignore[arg-type]
     for span in (1.0, 2.0, 4.0):
         assert most_in_any(times, span) <= 40 * span + 2 * budget.tokens, (span, sorted(times))
@@ -202,3 +186,194 @@ def test_a_spent_window_is_waited_out_without_a_statement_and_ends_on_time(
              and any(name in sql for name in watched) and not sql.startswith("DELETE")]
     assert not early, early  # nothing while the window lasted (the ack aside)
     assert arrived[1] - spent_until <= 0.5
+
+
+def test_a_session_lost_as_unused_tokens_go_back_fails_no_claim(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """At ``10/s`` a window holds two tokens in one shard: a claim takes both, finds one
+    row, and gives one back. The session giving it back ends for real before its commit:
+    the claim still delivers its row at once (not after its lease), and the token is let
+    go, never given back twice (the window's row still counts both). A give-back comes
+    only while its window lasts, so messages go one at a time until one is cut."""
+    conn = connect(queues={"rated": {"rate_limit": "10/s"}})
+    broker = broker_of(conn)
+    got: list[Message] = []
+    with session_ended_after(broker.engine, engine,
+                             lambda sql: "used = used -" in sql) as ended, \
+            Consumer(conn, [Queue("rated")], prefetch_count=10,
+                     callbacks=[lambda body, message: got.append(message)]):
+        for number in range(20):
+            publish(conn, "rated", {"n": number})
+            deadline = time.monotonic() + 5
+            while len(got) <= number and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=1)
+            assert len(got) == number + 1, f"message {number} was not delivered in 5 s"
+            got[-1].ack()
+            if ended:
+                break
+    assert ended, "no give-back came in 20 messages"
+    settled(conn)
+    table = quoted(engine, RateStatements.tables(table_prefix)[0])
+    with engine.begin() as db:
+        last = db.execute(text(f"SELECT SUM(used) FROM {table} WHERE window_no = "
+                               f"(SELECT MAX(window_no) FROM {table})")).scalar_one()
+    assert last == 2
+
+
+@pytest.mark.parametrize("tasks", [False, True], ids=["queue", "tasks"])
+def test_an_idle_limited_queue_costs_at_most_one_budget_statement_a_poll(
+        connect: Connect, table_prefix: str, tasks: bool) -> None:
+    """A consumer of a limited queue gone idle polls (every 50 ms) for a second: each
+    poll runs one statement on the queue's table (a read for a ready row) and at most one
+    on the budget (none, in fact: it was ten or more, taking tokens for every free
+    prefetch slot, claiming nothing, giving them back shard by shard). Rate-limited tasks
+    (``task_rate_limits``) alike."""
+    limits = {"task_rate_limits": {"proj.call": "50/s"}} if tasks else {"rate_limit": "50/s"}
+    conn = connect(queues={"rated": limits})
+    publish(conn, "rated", {"n": 0})
+    broker = broker_of(conn)
+    queue_table = table_of("rated", table_prefix)
+    got: list[Message] = []
+    with Consumer(conn, [Queue("rated")], prefetch_count=10,
+                  callbacks=[lambda body, message: (got.append(message), message.ack())]):
+        conn.drain_events(timeout=10)  # the one message: the queue is idle from here on
+        settled(conn)
+        with contextlib.suppress(TimeoutError):
+            conn.drain_events(timeout=0.5)  # the round that finds it idle
+        with statements_run(broker.engine) as seen:
+            until = time.monotonic() + 1.0
+            while time.monotonic() < until:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=until - time.monotonic())
+    polls = [sql for sql in seen if queue_table in sql]
+    budget = [sql for sql in seen if "rate_budget" in sql]
+    assert len(got) == 1 and len(polls) >= 5, seen
+    assert len(budget) <= len(polls), budget
+    # each poll's BEGIN aside (SQLite), and a sweep of expired queues
+    assert len(seen) <= 2 * len(polls) + 6, "\n".join(seen)
+
+
+def seed_windows(engine: Engine, table_prefix: str, name: str, windows: range,
+                 shards: int = 8) -> None:
+    """Rows of the budget for ``name``: ``shards`` shards of each window in ``windows``."""
+    table = quoted(engine, RateStatements.tables(table_prefix)[0])
+    with engine.begin() as db:
+        db.execute(text(f"INSERT INTO {table} (name, window_no, shard, used) "
+                        "VALUES (:name, :window, :shard, 1)"),
+                   [{"name": name, "window": window, "shard": shard}
+                    for window in windows for shard in range(shards)])
+
+
+def windows_of(engine: Engine, table_prefix: str, name: str) -> int:
+    table = quoted(engine, RateStatements.tables(table_prefix)[0])
+    with engine.begin() as db:
+        return int(db.execute(text(f"SELECT COUNT(*) FROM {table} WHERE name = :name"),
+                              {"name": name}).scalar_one())
+
+
+@pytest.mark.timeout(120)
+def test_pruning_is_bounded_and_a_lost_session_during_it_fails_no_claim(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """1,600 rows of old windows wait for the claims of a ``50/s`` queue draining a
+    backlog: a claim opening every 16th window prunes, at most PRUNE_ROWS rows a
+    statement. The first prune's session ends for real after its DELETE (rolled back):
+    that claim still delivers, and the prune run again deletes rows. The rows left are
+    the seeded ones, plus at most those the run's windows made, less the committed
+    deletes. Another queue's windows stay."""
+    conn = connect(queues={"rated": {"rate_limit": "50/s"}})
+    broker = broker_of(conn)
+    rates = broker.rates
+    budget = Budget.of(parse_rate("rate_limit", "50/s"))  # type: ignore[arg-type]
+    rates.ensure()
+    seed_windows(engine, table_prefix, "rated", range(1, 201))
+    seed_windows(engine, table_prefix, "other", range(1, 11))
+    for number in range(300):
+        publish(conn, "rated", {"n": number})
+    deleted: list[int] = []
+
+    def pruning(statement: str) -> bool:
+        return statement.startswith("DELETE") and "rate_budget" in statement
+
+    def count(conn: object, cursor: Any, statement: str, *args: object) -> None:
+        if pruning(statement):
+            deleted.append(cursor.rowcount)
+
+    got: list[int] = []
+    first_window = int(rates.now() // budget.width)
+    event.listen(broker.engine, "after_cursor_execute", count)
+    try:
+        with session_ended_after(broker.engine, engine, pruning) as ended, \
+                Consumer(conn, [Queue("rated")], prefetch_count=10, callbacks=[
+                    lambda body, message: (got.append(body["n"]), message.ack())]):
+            deadline = time.monotonic() + 60
+            # the first DELETE is the lost one: wait for one committed after it
+            while (len(got) < 300 or len(deleted) < 2) and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=1)
+    finally:
+        event.remove(broker.engine, "after_cursor_execute", count)
+    # the take's windows follow this clock, which never goes back
+    made = (int(rates.now() // budget.width) - first_window + 1) * budget.shards
+    assert ended and sorted(got) == list(range(300))
+    committed = deleted[1:]  # after the lost one
+    assert committed and max(deleted) <= PRUNE_ROWS, deleted
+    assert sum(committed) >= PRUNE_ROWS, deleted  # the 1,600 old rows are all due
+    assert windows_of(engine, table_prefix, "other") == 80
+    left = windows_of(engine, table_prefix, "rated")
+    assert 1600 - sum(committed) <= left <= 1600 - sum(committed) + made, (left, deleted)
+
+
+@pytest.mark.timeout(120)
+def test_pruning_twice_and_at_once_deletes_each_old_window_once(
+        connect: Connect, engine: Engine, table_prefix: str) -> None:
+    """Four threads prune the same queue twice each, at once: none fails or waits on
+    another for long, the old windows go (each deleted once), the current one stays."""
+    conn = connect(queues={"rated": {"rate_limit": "50/s"}})
+    rates = broker_of(conn).rates
+    rates.ensure()
+    seed_windows(engine, table_prefix, "rated", range(1, 201))
+    seed_windows(engine, table_prefix, "rated", range(500, 501))
+    with ThreadPoolExecutor(4) as pool:
+        counts = list(pool.map(lambda _: rates.prune("rated", 500), range(8)))
+    assert sum(counts) == 1600, counts
+    assert windows_of(engine, table_prefix, "rated") == 8
+
+
+def test_the_window_clock_never_goes_back_when_the_host_clock_steps_back(
+        connect: Connect, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host's clock steps back a minute (NTP, a VM resumed) after a claim spent its
+    window: the windows counted from then on are that one or later, never the 300 before
+    it, which would give out their tokens a second time."""
+    conn = connect(queues={"rated": {"rate_limit": "50/s"}})
+    rates = broker_of(conn).rates
+    budget = Budget.of(parse_rate("rate_limit", "50/s"))  # type: ignore[arg-type]
+    rates.ensure()
+    first = rates.take("rated", budget, budget.tokens)
+    before = rates.now()
+    stepped = time.time
+    monkeypatch.setattr(time, "time", lambda: stepped() - 60.0)
+    rates._spent.clear()  # ask the database, not this process's note of the spent window
+    second = rates.take("rated", budget, budget.tokens)
+    assert rates.now() >= before
+    assert second.window >= first.window, (first.window, second.window)
+
+
+@pytest.mark.parametrize("written", [50, "50", 50.0, "50/"])
+def test_celerys_own_rate_forms_are_per_second(connect: Connect, written: object) -> None:
+    """``rate_limit=50`` and ``"50"`` mean 50 a second, as Celery reads a task's
+    ``rate_limit``: the queue's windows hold 10 tokens."""
+    conn = connect(queues={"rated": {"rate_limit": written}})
+    publish(conn, "rated", {"n": 1})
+    broker = broker_of(conn)
+    rate = broker.table("rated").options.rate_limit
+    assert rate is not None and rate.per_second == 50
+    get_within(conn, "rated").ack()
+    assert Budget.of(rate).tokens == 10
+
+
+@pytest.mark.parametrize("written", ["50/x", "0/s", "0", 0, "-1", "fast", True, ""])
+def test_a_bad_rate_limit_is_refused_naming_its_queue(
+        connect: Connect, written: object) -> None:
+    with pytest.raises(ConfigurationError, match=r"queue 'rated'"):
+        publish(connect(queues={"rated": {"rate_limit": written}}), "rated", {"n": 1})

@@ -247,7 +247,8 @@ def test_without_create_tables_a_missing_table_is_an_error_giving_the_ddl(
     app = make_app(options={"create_tables": False})
     with pytest.raises(ConfigurationError, match=(
             rf"the result tables {table_prefix}task_results, {table_prefix}group_results, "
-            rf"{table_prefix}chords do not exist \(create_tables is off\); create them "
+            rf"{table_prefix}chords, {table_prefix}chord_parts do not exist \(create_tables "
+            r"is off\); create them "
             r"with:\nCREATE TABLE")):
         app.backend.mark_as_done("t-6", 1)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ PASSWORD_ENV = "SQLINBOX_OPS_PASSWORD"
 #: "create_tables": bool, "url": "sqlinbox+...", "serializer": "json"}`` (the URL
 #: defaults to the broker's, the serializer to Celery's)
 RESULTS_ENV = "SQLINBOX_OPS_RESULTS"
+#: more queues' transport options, where a test gives some: JSON ``{queue: options}``
+QUEUES_ENV = "SQLINBOX_OPS_QUEUES"
 
 
 def fifo_table(prefix: str) -> TableSpec:
@@ -81,8 +84,10 @@ def make_app(broker_url: str, prefix: str, results: str | None = None) -> Celery
     import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox alias)
 
     made = Celery("ops", broker=broker_url, set_as_current=False)
+    options = transport_options(prefix)
+    options["queues"].update(json.loads(os.environ.get(QUEUES_ENV) or "{}"))
     made.conf.update(
-        broker_transport_options=transport_options(prefix),
+        broker_transport_options=options,
         broker_connection_retry_on_startup=True,
         task_queues=[Queue("jobs"), Queue("fifo")],
         task_default_queue="jobs",
@@ -103,6 +108,7 @@ def make_app(broker_url: str, prefix: str, results: str | None = None) -> Celery
     made.task(name="ops.add")(add)
     made.task(name="ops.fail")(fail)
     made.task(name="ops.record")(record)
+    made.task(name="ops.hold")(hold)
     return made
 
 
@@ -122,6 +128,15 @@ def record(key: int, poisoned: str) -> None:
     if poisoned == "always" or (poisoned == "cured" and not (runs / "cured").exists()):
         raise Reject(f"poisoned ({poisoned})", requeue=False)
     (runs / f"{key}.{uuid.uuid4().hex}").touch()
+
+
+def hold(seconds: float) -> None:
+    """Stay in work until the file ``release`` exists in the runs directory, at most
+    ``seconds``."""
+    release = Path(os.environ[RUNS_ENV]) / "release"
+    deadline = time.monotonic() + seconds
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 app = make_app(os.environ.get(BROKER_ENV, "memory://"), os.environ.get(PREFIX_ENV, "ops_"),

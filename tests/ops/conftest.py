@@ -1,10 +1,9 @@
 """Fixtures of the operations tests: the app, real rows in every state, the CLI run as a
-user runs it (a subprocess)."""
+user's shell runs it (in the test's process: :mod:`tests.ops.runner`)."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -16,9 +15,11 @@ import pytest
 from celery import Celery
 
 from kombu_sqlinbox.broker import Broker
+from kombu_sqlinbox.operations import Operations
+from kombu_sqlinbox.options import parse_options
 from kombu_sqlinbox.rows import Held
 from tests.ops.apps import BROKER_ENV, PREFIX_ENV, RUNS_ENV, make_app, transport_options
-from tests.processes import ROOT
+from tests.ops.runner import invoke
 
 #: the CLI's own limit: every command here finishes in seconds
 CLI_LIMIT = 120.0
@@ -38,6 +39,15 @@ def app(broker_url: str, table_prefix: str) -> Celery:
     return make_app(broker_url, table_prefix)
 
 
+@pytest.fixture
+def ops(broker_url: str, table_prefix: str, app: Celery) -> Iterator[Operations]:
+    """The operations on the test's database, with the app's options and queues."""
+    made = Operations(broker_url, parse_options(transport_options(table_prefix)),
+                      list(app.amqp.queues))
+    yield made
+    made.close()
+
+
 def standalone_options(prefix: str, **more: Any) -> str:
     """The app's transport options (and ``more``) as ``--transport-options`` JSON (the
     FIFO table by its import path)."""
@@ -48,11 +58,11 @@ def standalone_options(prefix: str, **more: Any) -> str:
 
 @pytest.fixture
 def cli(ops_env: dict[str, str], db_url: str, table_prefix: str) -> Cli:
-    """Run ``celery -A tests.ops.apps sqlinbox ARGS`` (or, ``standalone``, the ``sqlinbox``
-    console script with ``--url`` and ``--transport-options``: the app's and ``more``, or
-    ``options`` alone under this test's prefix; ``--url url`` in place of the test's
-    database URL) and return what it did; ``check`` (the default) fails the test on a
-    non-zero exit."""
+    """Run ``celery -A tests.ops.apps sqlinbox ARGS`` in this process (or, ``standalone``,
+    the ``sqlinbox`` console script's group with ``--url`` and ``--transport-options``:
+    the app's and ``more``, or ``options`` alone under this test's prefix; ``--url url``
+    in place of the test's database URL) and return what it did; ``check`` (the default)
+    fails the test on a non-zero exit."""
 
     def run(*args: str, standalone: bool = False, stdin: str | None = None,
             check: bool = True, options: dict[str, object] | None = None,
@@ -61,15 +71,13 @@ def cli(ops_env: dict[str, str], db_url: str, table_prefix: str) -> Cli:
         url = url or db_url
         if options is not None:
             given = json.dumps({"table_prefix": table_prefix, **options})
-            argv = [SQLINBOX, "--url", url, "--transport-options", given, *args]
+            argv = ["sqlinbox", "--url", url, "--transport-options", given, *args]
         elif standalone or more:
-            argv = [SQLINBOX, "--url", url, "--transport-options",
+            argv = ["sqlinbox", "--url", url, "--transport-options",
                     standalone_options(table_prefix, **(more or {})), *args]
         else:
-            argv = [sys.executable, "-m", "celery", "-A", "tests.ops.apps", "sqlinbox", *args]
-        env = {**os.environ, **ops_env, "PYTHONPATH": str(ROOT)}
-        done = subprocess.run(argv, cwd=ROOT, env=env, input=stdin or "", text=True,
-                              capture_output=True, timeout=CLI_LIMIT)
+            argv = ["celery", "-A", "tests.ops.apps", "sqlinbox", *args]
+        done = invoke(argv, ops_env, stdin or "")
         if check and done.returncode != 0:
             raise AssertionError(f"{argv} exited {done.returncode}:\n{done.stdout}\n"
                                  f"{done.stderr}")

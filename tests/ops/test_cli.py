@@ -1,6 +1,7 @@
-"""Each ``celery sqlinbox`` command run as a user runs it (a subprocess: under ``celery -A``
-or as the standalone ``sqlinbox`` script), on every database, against real rows in every
-state; the figures are checked against the rows."""
+"""Each ``celery sqlinbox`` command run as a user runs it (under ``celery -A`` or as the
+standalone ``sqlinbox`` script, in the test's process: :mod:`tests.ops.runner`), on
+every database, against real rows in every state; the figures are checked against the
+rows."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,6 +25,7 @@ from sqlalchemy.engine import Engine
 from kombu_sqlinbox.codec import DEATH_HEADER
 from tests.integration.support import quoted, rows
 from tests.ops.conftest import CLI_LIMIT, Cli, Seeded
+from tests.ops.runner import invoke
 from tests.processes import ROOT, wait_until
 
 FIGURES = ("ready", "delayed", "in_work", "blocked", "blocked_groups", "lapsed")
@@ -177,10 +183,39 @@ def test_filters_that_choose_nothing_say_what_there_is_and_exit_1(
     assert len(json.loads(cli("dead", "list", "--json").stdout)) == 4
 
 
+@contextmanager
+def inserts_held(database: str, engine: Engine, table: str) -> Iterator[None]:
+    """No other session writes into ``table`` until the block ends (a writer's transaction
+    under way finishes first)."""
+    if database == "sqlite":
+        holder = sqlite3.connect(str(engine.url.database), isolation_level=None,
+                                 timeout=CLI_LIMIT)
+        holder.execute("BEGIN IMMEDIATE")  # the database's write lock
+        try:
+            yield
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+    elif database == "postgresql":
+        with engine.begin() as conn:
+            conn.execute(text(f"LOCK TABLE {quoted(engine, table)} IN SHARE MODE"))
+            yield
+    else:
+        with engine.connect() as conn:
+            conn.execute(text(f"LOCK TABLES {quoted(engine, table)} READ"))
+            try:
+                yield
+            finally:
+                conn.execute(text("UNLOCK TABLES"))
+
+
 def test_an_interrupted_requeue_says_how_many_moved(
-        ops_env: dict[str, str], seeded: Seeded, engine: Engine) -> None:
+        ops_env: dict[str, str], seeded: Seeded, engine: Engine, database: str) -> None:
     """Ctrl-C in the middle of a long requeue: the batches committed so far are counted on
-    stdout, the rest stay dead letters, none is in both places, and the exit is 130."""
+    stdout, the rest stay dead letters, none is in both places, and the exit is 130. The
+    requeue is held mid-way (its queue's table locked) when the signal is sent, so it
+    cannot finish first; and the command starts with Ctrl-C's default action whatever
+    the test's own (a shell's background job ignores it, and so would Python)."""
     dead, jobs = (seeded.broker.table(queue).spec.table for queue in ("jobs.dead", "jobs"))
     columns = ", ".join(column["name"] for column in inspect(engine).get_columns(dead)
                         if column["name"] != "id")
@@ -192,10 +227,15 @@ def test_an_interrupted_requeue_says_how_many_moved(
     argv = [sys.executable, "-m", "celery", "-A", "tests.ops.apps", "sqlinbox", "dead",
             "requeue", "--task", "ops.fail", "--batch", "1"]
     with subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **ops_env, "PYTHONPATH": str(ROOT)},
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as run:
-        wait_until(lambda: row_count(engine, jobs) >= before[jobs] + 5 or run.poll() is not None,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+                          ) as run:
+        # six batches committed: the count said is at most one behind (a batch mid-commit)
+        wait_until(lambda: row_count(engine, jobs) >= before[jobs] + 6 or run.poll() is not None,
                    60, "the requeue's first batches")
-        run.send_signal(signal.SIGINT)
+        with inserts_held(database, engine, jobs):
+            assert run.poll() is None, run.communicate()  # mid-way, and held there
+            run.send_signal(signal.SIGINT)
         out, err = run.communicate(timeout=60)
     assert run.returncode == 130, (out, err)
     said = int(re.fullmatch(r"requeued: (\d+)\n", out).group(1))  # type: ignore[union-attr]
@@ -218,13 +258,11 @@ DEAD_COMMANDS = (["list"], ["list", "--json"], ["show", "1"], ["requeue"], ["pur
 def without_dead_letter_queue(tmp_path: Path, broker: str, prefix: str, *args: str
                               ) -> subprocess.CompletedProcess[str]:
     """``celery -A plain sqlinbox dead ARGS`` of an app whose options configure no
-    dead-letter queue."""
+    dead-letter queue (in this process: :mod:`tests.ops.runner`)."""
     (tmp_path / "plain.py").write_text(NO_DEAD_LETTER_QUEUE)
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "PLAIN_BROKER": broker,
-           "PLAIN_PREFIX": prefix}
-    return subprocess.run([sys.executable, "-m", "celery", "-A", "plain", "sqlinbox", "dead",
-                           *args], cwd=tmp_path, env=env, input="y\n", text=True,
-                          capture_output=True, timeout=CLI_LIMIT)
+    return invoke(["celery", "-A", "plain", "sqlinbox", "dead", *args],
+                  {"PLAIN_BROKER": broker, "PLAIN_PREFIX": prefix}, stdin="y\n",
+                  path=[tmp_path], fresh=["plain"])
 
 
 @pytest.mark.parametrize("command", DEAD_COMMANDS, ids=" ".join)

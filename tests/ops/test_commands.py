@@ -1,5 +1,6 @@
 """The group's plumbing, run as a user runs it: the outbox commands under ``sqlinbox``
-(the old ``celery outbox`` still works), and the refusals of bad input."""
+(the old ``celery outbox`` still works) in processes of their own, and the refusals of
+bad input (in the test's process: :mod:`tests.ops.runner`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import sys
 from pathlib import Path
 
 from tests.docs.support import EXAMPLES
-from tests.ops.conftest import CLI_LIMIT, SQLINBOX
+from tests.ops.conftest import CLI_LIMIT
+from tests.ops.runner import invoke
 from tests.processes import ROOT
 
 
@@ -65,11 +67,10 @@ def test_bad_input_is_refused_naming_it(tmp_path: Path) -> None:
             *url, "dead", "purge", "--older-than", "-5"],
     }
     for message, argv in refusals.items():
-        done = run([SQLINBOX, *argv], {})
+        done = invoke(["sqlinbox", *argv])
         assert done.returncode in (1, 2) and message in done.stderr, (argv, done.stderr)
     # an app on another broker (tests.ops.apps without its broker URL: memory://)
-    done = run([sys.executable, "-m", "celery", "-A", "tests.ops.apps", "sqlinbox", "queues"],
-               {"PYTHONPATH": str(ROOT)})
+    done = invoke(["celery", "-A", "tests.ops.apps", "sqlinbox", "queues"])
     assert done.returncode == 2 and "the app's broker is not sqlinbox ('memory://')" in (
         done.stderr), done.stderr
 
@@ -79,14 +80,14 @@ def test_a_database_that_is_down_is_one_line_with_its_password_masked() -> None:
     exit status 1; ``--traceback`` shows the whole chain for a bug report."""
     for url in ("postgresql://root:s3cret@127.0.0.1:1/test",
                 "mysql://root:s3cret@127.0.0.1:1/test"):
-        down = run([SQLINBOX, "--url", url, "queues"], {})
+        down = invoke(["sqlinbox", "--url", url, "queues"])
         assert down.returncode == 1, down.stderr
         assert down.stdout == ""
         (line,) = down.stderr.splitlines()
         masked = url.replace("s3cret", "***")
         assert line.startswith(f"Error: the database {masked} failed: "), line
         assert "refused" in line and line.endswith("(--traceback for the details)"), line
-        traced = run([SQLINBOX, "--url", url, "--traceback", "queues"], {})
+        traced = invoke(["sqlinbox", "--url", url, "--traceback", "queues"])
         assert traced.returncode == 1
         assert "Traceback (most recent call last)" in traced.stderr
         assert "s3cret" not in down.stderr
@@ -125,7 +126,7 @@ def test_a_password_holding_a_semicolon_is_masked_too() -> None:
     written without percent-encoding (which SQLAlchemy reads) is masked with the rest."""
     for url in ("postgresql://root:s3;cret@127.0.0.1:1/test",
                 "mysql+pymysql://root:s3;cret@127.0.0.1:1/test"):
-        down = run([SQLINBOX, "--url", url, "queues"], {})
+        down = invoke(["sqlinbox", "--url", url, "queues"])
         assert down.returncode == 1, down.stderr
         (line,) = down.stderr.splitlines()
         assert line.startswith(f"Error: the database {url.replace('s3;cret', '***')} failed"), (

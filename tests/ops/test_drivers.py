@@ -2,7 +2,7 @@
 payload, a headers column, a time) is what each driver returns, so each variant of the
 driver matrix runs them. They run in the test's process (click's runner, the app given
 as Celery gives it) to keep the matrix short; tests/ops/test_cli.py runs each command
-as a user does, in a subprocess."""
+as a user types it, and tests/ops/test_entry_point.py in a process of its own."""
 
 from __future__ import annotations
 

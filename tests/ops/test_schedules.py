@@ -1,18 +1,19 @@
 """``celery sqlinbox schedules``: adding, listing, pausing, resuming and removing schedules
-as a user does (a subprocess, under ``celery -A`` and standalone); and the schedule
-tables printed by ``ddl`` and planned by ``check`` on every database."""
+as a user does (under ``celery -A`` and standalone, in the test's process:
+:mod:`tests.ops.runner`); and the schedule tables printed by ``ddl`` and planned by
+``check`` on every database."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from tests.integration.support import quoted
-from tests.ops.conftest import CLI_LIMIT, SQLINBOX, Cli
+from tests.ops.conftest import Cli
+from tests.ops.runner import invoke
 
 from .test_schema import statements
 
@@ -56,8 +57,7 @@ def test_a_bad_schedule_or_argument_is_a_usage_error(cli: Cli) -> None:
             ("x" * 300, ["every:5"], "a schedule's name is 1 to 255 characters")):
         done = cli("schedules", "add", name, "ops.add", *args, check=False)
         assert done.returncode == 2 and said in done.stderr, (args, done.stderr)
-    nowhere = subprocess.run([SQLINBOX, "schedules", "list"], capture_output=True, text=True,
-                             timeout=CLI_LIMIT)
+    nowhere = invoke(["sqlinbox", "schedules", "list"])
     assert nowhere.returncode == 2 and "pass --url URL, or -A proj" in nowhere.stderr
     down = cli("schedules", "list", url="postgresql://app:secret@127.0.0.1:1/app",
                standalone=True, check=False)

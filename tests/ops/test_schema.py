@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from celery import Celery
-from sqlalchemy import text
+from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox.dialects import dialect_for
@@ -104,6 +104,7 @@ def test_check_fails_without_the_routing_tables(
     with engine.begin() as conn:  # the whole printed DDL: the routing tables too
         for statement in statements(cli("ddl").stdout):
             conn.execute(text(statement.rstrip(";")))
+    assert inspect(engine).has_table(f"{table_prefix}throughput")  # the counts' table too
     passed = cli("check", more=off)
     assert passed.stdout.strip().endswith("on 3 queues: 0 problem(s)"), passed.stdout
 

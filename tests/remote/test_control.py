@@ -9,16 +9,22 @@ the checks that follow a command ask through the Python API.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import itertools
 import json
 import os
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
+
+from sqlalchemy import event
 
 from tests.processes import START_LIMIT, Proc, wait_until
 from tests.remote.conftest import HOST, Cluster, at_once
@@ -28,14 +34,70 @@ TASKS = {"monitor.add", "monitor.fail", "monitor.mark", "monitor.hold", "monitor
          "monitor.hold_limited"}
 #: a worker's heartbeats come every 2 s; a monitor takes it for offline after 4 s without
 HEARTBEAT_LIMIT = 4.0
+#: a ping's reply window (Celery's default is 1 s; a loaded two-core machine gets more)
+REPLY_LIMIT = 5.0
 #: a queue without a consumer keeps its message at least this long (many poll intervals)
 UNCONSUMED_WINDOW = 2.0
+#: the thread that deletes an auto-deleted reply queue's rows
+RENEWAL = "sqlinbox-renewal"
 
 
 def test_inspect_ping_answers_for_both_workers(cluster: Cluster) -> None:
     out = cluster.celery("inspect", "ping").stdout
     assert f"{A}: OK" in out and f"{B}: OK" in out, out
     assert "2 nodes online." in out, out
+
+
+def test_a_ping_declares_binds_and_deletes_its_reply_queue_once(cluster: Cluster) -> None:
+    """kombu declares the reply queue as it publishes and again as it consumes, and deletes
+    it after the replies although the cancel of its consumer (auto-delete) did: each
+    registry write of these is done once a call, the deletes by the renewal thread once
+    the call returned, and the reply comes (on Redis, which keeps no registry, the
+    replies alone: the control)."""
+    with cluster.app.connection_for_write() as conn:
+        conn.ensure_connection()
+        seen: list[str] = []
+        registry = f"{cluster.table_prefix}queues"
+        bindings = f"{cluster.table_prefix}bindings"
+        with statements_of_this_thread(cluster, conn, seen):
+            for _ in range(3):
+                seen.clear()
+                assert cluster.app.control.ping([A], timeout=REPLY_LIMIT, connection=conn) \
+                    == [{A: {"ok": "pong"}}]
+                if cluster.broker == "redis":
+                    continue
+                returned = Counter(line.replace("`", '"') for line in seen
+                                   if registry in line or bindings in line)
+                assert returned == {f'INSERT INTO "{registry}"': 1,
+                                    f'INSERT INTO "{bindings}"': 1}, seen
+                wait_until(lambda: f'DELETE FROM "{registry}"' in
+                           [line.replace("`", '"') for line in seen], 10, "the deletes")
+                writes = Counter(line.replace("`", '"') for line in seen
+                                 if registry in line or bindings in line)
+                assert writes == {**returned, f'DELETE FROM "{registry}"': 1,
+                                  f'DELETE FROM "{bindings}"': 1}, seen
+
+
+@contextlib.contextmanager
+def statements_of_this_thread(cluster: Cluster, conn: Any, seen: list[str]) -> Iterator[None]:
+    """Each statement's first three words that this thread or the renewal thread runs on
+    the broker's engine (the event receiver's thread claims on the same engine);
+    nothing on Redis."""
+    if cluster.broker == "redis":
+        yield
+        return
+    engine = conn.transport.broker.engine
+    thread = threading.get_ident()
+
+    def note(connection: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if threading.get_ident() == thread or threading.current_thread().name == RENEWAL:
+            seen.append(" ".join(statement.split()[:3]))
+
+    event.listen(engine, "before_cursor_execute", note)
+    try:
+        yield
+    finally:
+        event.remove(engine, "before_cursor_execute", note)
 
 
 def test_inspect_active_and_query_task_show_a_running_task(cluster: Cluster) -> None:

@@ -25,6 +25,7 @@ from kombu_sqlinbox.codec import (
     decode_stored,
     encode_message,
     eta_epoch,
+    expiration_seconds,
     expiry,
 )
 from kombu_sqlinbox.dialects import ClaimedRow
@@ -359,7 +360,7 @@ def with_expiration(expiration: str | None) -> dict[str, Any]:
     ("not-a-number", None, None), ("-5", None, 100.0)])
 def test_a_message_expires_at_the_sooner_of_its_ttl_and_its_queues(
         expiration: str | None, queue_ttl: float | None, expires: float | None) -> None:
-    assert expiry(with_expiration(expiration), queue_ttl, now=100.0) == expires
+    assert expiry(expiration_seconds(with_expiration(expiration)), queue_ttl, now=100.0) == expires
 
 
 @pytest.mark.parametrize("headers, text", LAYOUTS)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
+from kombu.utils.json import dumps
 
 from kombu_sqlinbox import (
     Column,
@@ -158,3 +160,9 @@ def test_table_names_for_queues_are_distinct_and_valid(names: list[str]) -> None
 def test_unusable_queue_names_are_refused(queue: str) -> None:
     with pytest.raises(ConfigurationError, match="queue name"):
         table_name_for_queue(queue)
+
+
+def test_kombus_json_writes_a_declared_table_as_its_name() -> None:
+    """A worker's ``stats`` reply holds the transport options, declared tables too."""
+    options = {"queues": {"emails": {"table": as_spec(EmailJobs)}}}
+    assert json.loads(dumps(options)) == {"queues": {"emails": {"table": "email_jobs"}}}

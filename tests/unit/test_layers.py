@@ -15,12 +15,13 @@ import kombu_sqlinbox
 PACKAGE = Path(kombu_sqlinbox.__file__).parent
 #: from the top down
 LAYERS = (
-    ("transport", "channel", "operations", "pause_operations"),
+    ("transport", "channel", "browsing", "limit_figures", "operations", "pause_operations"),
     ("deliveries", "polling", "brokers"),
     ("broker",),
-    ("claims", "routing", "transient", "results", "unique", "pausing", "limits", "rates"),
+    ("claims", "routing", "transient", "results", "unique", "pausing", "limits", "rates",
+     "task_rates"),
     ("keeper", "wakeups"),
-    ("own_session", "retries"),
+    ("own_session", "retries", "written", "lapsing"),
     ("database",),
     ("dialects", "dialects.base", "dialects.core", "dialects.driver", "dialects.selection",
      "dialects.publish", "dialects.schema", "dialects.queue", "dialects.operations",

@@ -79,20 +79,45 @@ def test_bad_value_names_its_key(raw: dict[str, Any], name: str) -> None:
         parse_options(raw)
 
 
-@pytest.mark.parametrize("value", ["50/x", "0/s", "-1/s", "fast", "50", "/s", "nan/s",
-                                   "inf/m", 50, 0.5, True, ""])
-def test_a_bad_rate_limit_is_refused_saying_what_is_expected(value: Any) -> None:
+@pytest.mark.parametrize("value", ["50/x", "0/s", "-1/s", "fast", "/s", "nan/s", "inf/m",
+                                   0, "0", True, "", ["50/s"]])
+def test_a_bad_rate_limit_is_refused_naming_its_queue_and_what_is_expected(
+        value: Any) -> None:
     with pytest.raises(ConfigurationError, match=re.escape(
-            f"transport option queues['jobs'].rate_limit={value!r}: expected a positive "
-            "count per second, minute or hour, such as '50/s'")):
+            f"transport option queues['jobs'].rate_limit={value!r} (queue 'jobs'): "
+            "expected a positive count per second, minute or hour, as Celery writes a "
+            "rate_limit: '50/s', '10/m', '100/h', or 50 (per second)")):
         parse_options({"queues": {"jobs": {"rate_limit": value}}})
 
 
+def test_a_bad_default_or_task_rate_limit_says_whose_it_is() -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(
+            "transport option rate_limit='5/d' (every queue's default)")):
+        parse_options({"rate_limit": "5/d"})
+    with pytest.raises(ConfigurationError, match=re.escape(
+            "transport option queues['jobs'].task_rate_limits['proj.call']='x' "
+            "(queue 'jobs', task 'proj.call')")):
+        parse_options({"queues": {"jobs": {"task_rate_limits": {"proj.call": "x"}}}})
+    with pytest.raises(ConfigurationError, match="task name 5 is no non-empty string"):
+        parse_options({"task_rate_limits": {5: "1/s"}})
+    with pytest.raises(ConfigurationError, match="task_rate_limits need claim='lease'"):
+        parse_options({"task_rate_limits": {"proj.call": "1/s"}, "claim": "row_lock"})
+
+
 @pytest.mark.parametrize("value, count, per", [
-    ("50/s", 50, 1), (" 10/m", 10, 60), ("100 / h", 100, 3600), ("0.5/s", 0.5, 1)])
-def test_a_rate_limit_per_second_minute_or_hour(value: str, count: float, per: float) -> None:
+    ("50/s", 50, 1), (" 10/m", 10, 60), ("100 / h", 100, 3600), ("0.5/s", 0.5, 1),
+    (50, 50, 1), ("50", 50, 1), (0.5, 0.5, 1), ("50/", 50, 1)])
+def test_a_rate_limit_as_celery_writes_it(value: Any, count: float, per: float) -> None:
+    """Celery's forms (:func:`celery.utils.time.rate`): a bare count is per second."""
     limit = parse_options({"rate_limit": value}).defaults.rate_limit
     assert limit is not None and (limit.count, limit.per) == (count, per)
+
+
+def test_task_rate_limits_are_pairs_by_task_name() -> None:
+    options = parse_options({"queues": {"jobs": {"task_rate_limits": {
+        "proj.b": "10/s", "proj.a": 5, "proj.none": None}}}})
+    assert [(task, rate.per_second) for task, rate in
+            options.queues["jobs"].task_rate_limits] == [("proj.a", 5.0), ("proj.b", 10.0)]
 
 
 @pytest.mark.parametrize("rate, width, tokens, shards", [

@@ -3,11 +3,14 @@ and a test that restarts a server cannot run beside other parts."""
 
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.parts import EXCLUSIVE, ROOT, SHARED, SHARED_ENV, main, part_commands
+from tests.parts import EXCLUSIVE, ROOT, SHARED, SHARED_ENV, call, main, part_commands
 from tests.servers import restart_server
 
 
@@ -60,3 +63,14 @@ def test_an_unknown_part_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert exited.value.code == 2
     assert "unknown part(s): acceptence" in capsys.readouterr().err
 
+
+def test_a_commands_status_and_the_processor_time_of_its_waited_children_are_reported() -> None:
+    """A part's processor seconds count the children its command waited for (a worker's
+    pool), so a part that computes is told from one that waits."""
+    child = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass"
+    parent = ("import subprocess, sys, time; subprocess.run([sys.executable, '-c', sys.argv[1]]); "
+              "time.sleep(0.3); sys.exit(3)")
+    with tempfile.TemporaryFile(mode="w+") as log:
+        status, cpu = call([sys.executable, "-c", parent, child], dict(os.environ), log)
+    assert status == 3
+    assert 0.4 <= cpu < 2.0

@@ -89,13 +89,22 @@ def table_statements(dialect: Dialect, drivers: tuple[str, ...], spec: TableSpec
         for driver in drivers:
             rows = dialect.rows_insert(spec, paramstyle, driver)
             yield f"rows_insert[{paramstyle}, {driver}]", None if rows is None else (
-                rows.sql(1), rows.sql(3), rows.names, rows.fixed, rows.max_rows, rows.arrays)
+                rows.sql(1), rows.sql(3), rows.names, rows.fixed, rows.max_rows, rows.arrays,
+                rows.apart and (rows.apart[0].sql(1), rows.apart[0].arrays, *rows.apart[1:]))
     for name in ("claim", "complete", "extend"):
         statement = getattr(statements, name)
         first = statement[0] if isinstance(statement, tuple) else statement
         lengths = {"ids": 2} if ":ids" in first.text else {}
         yield f"driver_sql[{name}]", repr(DriverSql.of(first, "format", lengths))
         yield f"prepared[{name}]", repr(DriverSql.prepared(first, "format"))
+    if spec.has(Role.HEADERS) and spec.publish is None and spec.rows is None:
+        limited = dialect.limited_claim(spec, "sqlinbox_")
+        for field in dataclasses.fields(limited):
+            yield f"limited_claim.{field.name}", getattr(limited, field.name)
+        yield "claim_taking(2)", dialect.claim_taking(spec, "sqlinbox_", 2)
+    rated = dialect.rated_reads(spec)
+    for field in dataclasses.fields(rated):
+        yield f"rated_reads.{field.name}", getattr(rated, field.name)
     yield "create_ddl", dialect.create_ddl(spec)
     yield "index_ddl", dialect.index_ddl(spec)
     yield "index_columns", dialect.index_columns(spec)
@@ -108,10 +117,16 @@ def table_statements(dialect: Dialect, drivers: tuple[str, ...], spec: TableSpec
     yield "explain", dialect.explain(spec)
     yield "explained(claim)", dialect.explained(statements.claim[0])
     yield "queue_stats", dialect.queue_stats(spec)
+    yield "bounded_count", dialect.bounded_count(spec)
+    yield "row_estimate", dialect.row_estimate(spec)
     yield "stored_page", dialect.stored_page(spec)
     yield "stored_locked", dialect.stored_locked(spec)
     yield "stored_one", dialect.stored_one(spec)
     yield "last_id", dialect.last_id(spec)
+    yield "ready_page", dialect.ready_page(spec)
+    yield "blocked_groups", dialect.blocked_groups(spec)
+    if spec.has(Role.HEADERS):
+        yield "keys_in_work", dialect.keys_in_work(spec)
     yield "remove", dialect.remove(spec)
     yield "restore", dialect.restore(spec)
     yield "restore_row", dialect.restore_row(spec, ["payload", "headers"])
@@ -217,8 +232,14 @@ def render(database: str) -> str:
                   *result_statements(dialect), *schedule_statements(dialect),
                   *((f"{kind}.{field.name}", getattr(made, field.name))
                     for kind, made in [("key_statements", dialect.key_statements("sqlinbox_")),
-                                       ("rate_statements", dialect.rate_statements("sqlinbox_"))]
-                    for field in dataclasses.fields(made))]
+                                       ("rate_statements", dialect.rate_statements("sqlinbox_")),
+                                       ("throughput_statements",
+                                        dialect.throughput_statements("sqlinbox_")),
+                                       ("limit_statements",
+                                        dialect.limit_statements("sqlinbox_"))]
+                    for field in dataclasses.fields(made)),
+                  ("take_slots(2)", dialect.take_slots("sqlinbox_", 2)),
+                  ("steal_slots(2)", dialect.steal_slots("sqlinbox_", 2))]
         sections += [f"## {variant} | {what}\n{value(item)}\n" for what, item in found]
     return "\n".join(sections)
 

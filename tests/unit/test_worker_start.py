@@ -1,6 +1,8 @@
-"""What a ``celery worker`` on this transport sets in itself at start-up: its blocking loop
-does not wait in the prefork pool (so it answers remote control while busy), unless the
-user chose otherwise, and nothing changes for the event loop or another broker."""
+"""What a worker on this transport sets in itself at start-up: its blocking loop does not
+wait in the prefork pool (so it answers remote control while busy), unless the user chose
+otherwise, and nothing changes for the event loop or another broker; a ``celery worker``
+and a worker built in Python (Celery's ``start_worker``, which sends no ``celeryd_init``)
+alike."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.apps.worker import Worker
+from celery.contrib.testing.worker import TestWorkController
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 import kombu_sqlinbox  # noqa: F401  (the start-up hook and the sqlinbox+ alias)
@@ -41,6 +44,28 @@ def sqlite(tmp_path: Path) -> str:
 
 def test_the_blocking_loop_takes_tasks_without_waiting_for_a_free_process(sqlite: str) -> None:
     assert started(sqlite).pool_putlocks is False
+
+
+def in_python(broker: str, **options: Any) -> TestWorkController:
+    """A worker as Celery's ``start_worker`` builds it (no ``celeryd_init``), not started."""
+    app = Celery("start", broker=broker, set_as_current=False)
+    worker = TestWorkController(app=app, pool="prefork", concurrency=1, hostname="py@test",
+                                without_mingle=True, without_gossip=True, **options)
+    app.close()
+    return worker
+
+
+def test_a_worker_built_in_python_takes_tasks_without_waiting_too(sqlite: str) -> None:
+    worker = in_python(sqlite)
+    assert worker.pool_putlocks is False
+    assert worker.pool.putlocks is False  # what the pool it built was given
+
+
+@pytest.mark.parametrize("chosen", [True, False])
+def test_a_putlocks_argument_of_a_worker_built_in_python_is_kept(
+        sqlite: str, chosen: bool) -> None:
+    assert in_python(sqlite, pool_putlocks=chosen).pool.putlocks is chosen
+    assert in_python("memory://").pool.putlocks is True
 
 
 @pytest.mark.parametrize("chosen", [True, False])
