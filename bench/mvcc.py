@@ -20,6 +20,11 @@ disturb), and the dead rows: PostgreSQL's ``n_dead_tup``/``n_live_tup`` and tabl
 size, MariaDB's history list length and table size. PostgreSQL runs in a database of its
 own (``<db>_mvcc``, created when missing) so the held snapshot stops vacuum there only.
 MariaDB's purge is server-wide: the run holds it back for everyone on the server.
+Where the PostgreSQL server runs with autovacuum off (the test machine's servers do),
+the run vacuums the queue table as autovacuum would at the server's settings (each
+``autovacuum_naptime``, once its dead rows pass ``autovacuum_vacuum_threshold +
+autovacuum_vacuum_scale_factor`` times its rows, at its cost delay and limit), so the
+figures are those of a server at its defaults; the vacuums it ran are in the samples.
 With ``--mvcc-snapshot both`` (the default) each database runs the same load twice, first
 with no snapshot held, then with one, and a last table puts the two side by side: the
 held run's acked rate over the other's is the cost of the snapshot.
@@ -204,6 +209,60 @@ def dead_rows(engine: Engine, database: str, table: str) -> dict[str, Any]:
         return {"history": history, "mb": (size or 0) / 2**20}
 
 
+class StandInVacuum:
+    """Autovacuum's part for one table where the server has autovacuum off: a thread
+    that checks every ``autovacuum_naptime`` and vacuums past autovacuum's threshold, at
+    autovacuum's pace (its cost delay and limit).
+    ``count`` is how many vacuums it ran; nothing runs where autovacuum is on."""
+
+    def __init__(self, engine: Engine, database: str, table: str) -> None:
+        self.engine, self.table, self.count = engine, table, 0
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        if database == "postgresql":
+            with engine.connect() as conn:
+                settings = dict(conn.execute(text(
+                    "SELECT name, setting FROM pg_settings WHERE name IN ('autovacuum', "
+                    "'autovacuum_naptime', 'autovacuum_vacuum_threshold', "
+                    "'autovacuum_vacuum_scale_factor', 'autovacuum_vacuum_cost_delay', "
+                    "'autovacuum_vacuum_cost_limit', 'vacuum_cost_limit')")).all())
+            if settings["autovacuum"] == "off":
+                self.naptime = float(settings["autovacuum_naptime"])
+                self.threshold = float(settings["autovacuum_vacuum_threshold"])
+                self.scale = float(settings["autovacuum_vacuum_scale_factor"])
+                # autovacuum's pace: its cost delay (ms) and limit (-1: vacuum's own)
+                limit = settings["autovacuum_vacuum_cost_limit"]
+                self.pace = {"delay": float(settings["autovacuum_vacuum_cost_delay"]),
+                             "limit": int(settings["vacuum_cost_limit"] if limit == "-1"
+                                          else limit)}
+                self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def __enter__(self) -> StandInVacuum:
+        if self.thread is not None:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(60)
+
+    def run(self) -> None:
+        while not self.stop.wait(self.naptime):
+            with self.engine.connect() as conn:
+                conn.execute(text("SELECT set_config('vacuum_cost_delay', :delay, false), "
+                                  "set_config('vacuum_cost_limit', :limit, false)"),
+                             {"delay": f"{self.pace['delay']}ms",
+                              "limit": str(self.pace["limit"])})
+                row = conn.execute(text(
+                    "SELECT s.n_dead_tup, c.reltuples FROM pg_stat_user_tables s "
+                    "JOIN pg_class c ON c.oid = s.relid WHERE s.relname = :t"),
+                    {"t": self.table}).first()
+                if row is not None and row[0] > self.threshold + self.scale * max(0, row[1]):
+                    conn.execute(text(f'VACUUM "{self.table}"'))
+                    self.count += 1
+
+
 def claim_pages(broker: Broker, spec: TableSpec, database: str) -> int:
     """The pages (buffers) one claim reads now, above a floor read as the consumer's is."""
     with broker.engine.connect() as conn:
@@ -268,7 +327,8 @@ def measure(database: str, args: argparse.Namespace, seconds: float, held: bool)
                               args=(url, name, args.mvcc_rate, seconds, published,
                                     ready[1], start))]
     try:
-        with snapshot_held(engine, database) if held else contextlib.nullcontext():
+        with (snapshot_held(engine, database) if held else contextlib.nullcontext(),
+              StandInVacuum(engine, database, table) as vacuum):
             for child in children:
                 child.start()
             if not all(event.wait(START_LIMIT) for event in ready):
@@ -290,6 +350,7 @@ def measure(database: str, args: argparse.Namespace, seconds: float, held: bool)
                     **claim_figures(window),
                     "pages": claim_pages(broker, spec, database),
                     **dead_rows(engine, database, table),
+                    **({"vacuums": vacuum.count} if vacuum.thread is not None else {}),
                 }
                 last = counts
                 samples.append(sample)
