@@ -12,8 +12,13 @@ from tests.processes import wait_until
 SECONDS = 1.0
 BACKLOG = [f"long{n}" for n in range(24)]
 #: a worker that runs only what it had started exits within this; one that ran its
-#: whole backlog (24 one-second tasks on two processes) took 12 s
-STOP_WITHIN = 6.0
+#: whole backlog (24 one-second tasks on two processes) took 12 s. A loaded machine
+#: adds seconds to the pool's own exit (6.4 s seen in CI), so the time is bounded
+#: loosely and the tasks it ran tightly
+STOP_WITHIN = 10.0
+#: the most tasks a stopping worker runs: those its two processes had started, and a
+#: round or two begun before the signal landed; running its backlog would be 24
+RAN_AT_MOST = 8
 
 
 def test_a_worker_without_a_prefetch_limit_stops_without_running_the_queue(
@@ -26,6 +31,7 @@ def test_a_worker_without_a_prefetch_limit_stops_without_running_the_queue(
     assert worker.stop() == 0, worker.tail()
     took = time.monotonic() - asked
     ran = len(acceptance.runs.done())
+    assert ran <= RAN_AT_MOST, f"the warm shutdown ran {ran} tasks in {took:.1f}s"
     assert took < STOP_WITHIN, f"the warm shutdown took {took:.1f}s and ran {ran} tasks"
 
     # eight processes: the rest of the backlog is sleeps, and the suite waits for it
