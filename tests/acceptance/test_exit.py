@@ -4,6 +4,7 @@ before it is gone, so none of its messages is delivered again."""
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 from pathlib import Path
@@ -49,9 +50,12 @@ def test_acks_made_just_before_a_normal_exit_are_written(acceptance: Acceptance)
 
 
 #: Celery's blocking loop drains for up to two seconds at a time, looks for a shutdown
-#: between drains, and drains once more after it: waited out, a warm shutdown of an idle
-#: worker takes two seconds at least
+#: between drains, and drains once more after it: waited out, the worker's part of a warm
+#: shutdown of an idle worker (from the request to the consumer stopped) takes two seconds
+#: at least
 PROMPT_STOP = 1.5
+#: the whole stop, the interpreter's exit included, which a loaded machine stretches
+STOPPED_WITHIN = 10.0
 
 
 def test_an_idle_worker_on_the_blocking_loop_stops_without_waiting_out_its_drain(
@@ -60,4 +64,8 @@ def test_an_idle_worker_on_the_blocking_loop_stops_without_waiting_out_its_drain
     asked = time.monotonic()
     assert worker.stop() == 0, worker.tail()
     took = time.monotonic() - asked
-    assert took < PROMPT_STOP, f"the warm shutdown took {took:.2f}s"
+    assert took < STOPPED_WITHIN, f"the warm shutdown took {took:.2f}s"
+    record = acceptance.runs.path / f"shutdown.{worker.name}@{socket.gethostname()}"
+    assert record.exists(), worker.tail()
+    seconds = json.loads(record.read_text())["seconds"]
+    assert seconds < PROMPT_STOP, f"the worker took {seconds:.2f}s to stop its consumer"

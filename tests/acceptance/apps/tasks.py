@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from celery import Celery, Task
+from celery import Celery, Task, signals
 from kombu import Queue
 from sqlalchemy import text
 
@@ -62,6 +62,25 @@ def _write(path: Path, record: dict[str, Any]) -> None:
     partial = path.with_name(path.name + ".part")
     partial.write_text(json.dumps(record))
     partial.rename(path)
+
+
+#: when this worker's warm shutdown was asked for (Celery's ``worker_shutting_down``)
+_shutdown_asked: list[float] = []
+
+
+@signals.worker_shutting_down.connect
+def _note_shutdown_asked(**_: Any) -> None:
+    _shutdown_asked.append(time.monotonic())
+
+
+@signals.worker_shutdown.connect
+def _note_shutdown_done(sender: Any, **_: Any) -> None:
+    """Leave ``shutdown.<hostname>``: the seconds from the shutdown's request to the
+    consumer stopped, the worker's own part of a warm shutdown (without the interpreter's
+    start and exit, which a loaded machine stretches)."""
+    if _shutdown_asked and RUNS_ENV in os.environ:
+        _write(Path(os.environ[RUNS_ENV]) / f"shutdown.{sender.hostname}",
+               {"seconds": time.monotonic() - _shutdown_asked[0]})
 
 
 def run(self: Task, key: str, seconds: float = 0.0, hold: bool = False) -> str:
