@@ -150,6 +150,10 @@ def test_an_open_reaching_the_database_after_its_window_ended_makes_none_of_it(
     assert used_in(engine, table_prefix, taken.window) == [(0, 1)]
 
 
+#: takes from the database's window the worker with a slow first clock reading must make
+TAKES = 5
+
+
 def test_a_worker_whose_first_clock_reading_was_slow_takes_from_the_databases_window(
         connect: Connect) -> None:
     """The first reading of the database's clock takes 1 s (a cold connection on a loaded
@@ -176,10 +180,21 @@ def test_a_worker_whose_first_clock_reading_was_slow_takes_from_the_databases_wi
         event.remove(broker.engine, "before_cursor_execute", slow)
     assert slowed
     assert rates.now() - database_now(rates) > budget.width  # ahead by over a window
-    for _ in range(5):
+    took = 0
+    for _ in range(TAKES * 4):
         rates._spent.clear()  # ask the database each time
         before = int(database_now(rates) // budget.width)
         taken = rates.take(NAME, budget, 1)
         after = int(database_now(rates) // budget.width)
-        assert taken.total == 1 and before <= taken.window <= after, (before, taken, after)
+        assert before <= taken.window <= after, (before, taken, after)
+        if not taken.total:
+            # nothing is taken from a window the database's clock left during the take
+            # (a round trip longer than what was left of its 0.2 s on a loaded host)
+            assert taken.window < after, (before, taken, after)
+            continue
+        assert taken.total == 1, taken
+        took += 1
+        if took == TAKES:
+            break
+    assert took == TAKES
     assert abs(rates.now() - database_now(rates)) < budget.width

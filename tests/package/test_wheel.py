@@ -98,3 +98,16 @@ def test_a_driver_not_installed_names_the_extra_that_installs_it(installed: Inst
         last = done.stderr.strip().splitlines()[-1]
         assert last.startswith("kombu_sqlinbox.errors.ConfigurationError: "), done.stderr
         assert f"pip install 'kombu-sqlinbox[{extra}]'" in last and "s3cret" not in last
+
+
+def test_the_dashboard_without_its_extra_names_the_extra_that_installs_it(
+        installed: Installed, tmp_path: Path) -> None:
+    """The guide's install has no ``dashboard`` extra: ``sqlinbox dashboard`` says which
+    extra to install, on one line, not an ImportError's traceback."""
+    absent = installed.run("python -c 'import jinja2'", cwd=tmp_path, timeout=LIMIT)
+    assert absent.returncode != 0, "the guide's install brought Jinja2: nothing to check"
+    done = installed.run(f"sqlinbox --url 'sqlite:///{tmp_path}/q.db' dashboard --port 0",
+                         cwd=tmp_path, timeout=LIMIT)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    (error,) = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert "pip install 'kombu-sqlinbox[dashboard]'" in error, error
