@@ -4,7 +4,7 @@
 UPDATE "crm_outbound" AS q
 SET "locked_until" = now() + make_interval(secs => :lease),
     "attempt" = q."attempt" + 1
-FROM (SELECT r."id" FROM "crm_outbound" AS r
+WHERE q."id" = ANY(ARRAY(SELECT r."id" FROM "crm_outbound" AS r
       JOIN unnest(ARRAY(SELECT w."id" FROM (SELECT w."id" FROM "crm_outbound" AS w
                                             WHERE (w."locked_until" IS NULL OR w."locked_until" < now())
                                               AND w."available_at" <= now()
@@ -20,8 +20,7 @@ FROM (SELECT r."id" FROM "crm_outbound" AS r
         AND r."available_at" >= to_timestamp(CAST(:floor AS double precision))
       ORDER BY r."available_at", r."id"
       LIMIT :limit
-      FOR UPDATE OF r SKIP LOCKED) AS c
-WHERE q."id" = c."id"
+      FOR UPDATE OF r SKIP LOCKED))
 RETURNING q."id" AS "id", q."attempt" AS "attempt", q."payload" AS "payload",
           q."headers" AS "headers", q."target" AS "group",
           q."available_at" AS "available_at";
@@ -43,7 +42,7 @@ WHERE "attempt" = :attempt AND "id" IN :ids;
 UPDATE "crm_outbound" AS q
 SET "locked_until" = now() + make_interval(secs => :lease),
     "attempt" = q."attempt" + 1
-FROM (SELECT r."id" FROM "crm_outbound" AS r
+WHERE q."id" = ANY(ARRAY(SELECT r."id" FROM "crm_outbound" AS r
       JOIN unnest(ARRAY(SELECT h.id
           FROM (WITH RECURSIVE g (g) AS (SELECT MIN(x."target") FROM "crm_outbound" AS x
             UNION ALL
@@ -62,7 +61,6 @@ FROM (SELECT r."id" FROM "crm_outbound" AS r
         ON r."id" = h.id
       WHERE (r."locked_until" IS NULL OR r."locked_until" < now()) AND r."available_at" <= now()
         AND r."available_at" >= to_timestamp(CAST(:floor AS double precision))
-      ORDER BY r."available_at", r."id" LIMIT :limit FOR UPDATE OF r SKIP LOCKED) AS c
-WHERE q."id" = c."id"
+      ORDER BY r."available_at", r."id" LIMIT :limit FOR UPDATE OF r SKIP LOCKED))
 RETURNING q."id" AS "id", q."attempt" AS "attempt", q."payload" AS "payload", q."headers" AS "headers",
           q."target" AS "group", q."available_at" AS "available_at";

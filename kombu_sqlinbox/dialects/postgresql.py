@@ -150,10 +150,10 @@ class PostgreSQLDialect(PostgreSQLLimits, Dialect):
         named = ", ".join(f"{column} AS c{n}" for n, column in enumerate(columns))
         bands = " UNION ALL ".join(
             f"(SELECT * FROM (SELECT {named}, r.{f['priority']} AS p, r.{f['available_at']} "
-            f"AS a FROM {f['table']} AS r WHERE r.{f['priority']} {band} AND "
+            f"AS a, r.{f['id']} AS i FROM {f['table']} AS r WHERE r.{f['priority']} {band} AND "
             f"{selection.removeprefix('WHERE ')}{lock}) AS b)" for band in ("> 0", "= 0", "< 0"))
         picked = ", ".join([f"b.c0 AS {f['id']}", *(f"b.c{n}" for n in range(1, len(columns)))])
-        return f"SELECT {picked} FROM ({bands}) AS b ORDER BY b.p DESC, b.a, b.c0 LIMIT :limit"
+        return f"SELECT {picked} FROM ({bands}) AS b ORDER BY b.p DESC, b.a, b.i LIMIT :limit"
 
     # -- publish: the publish statement ----------------------------------------------------
     def insert_statement(self, spec: TableSpec) -> TextClause:
@@ -227,16 +227,36 @@ class PostgreSQLDialect(PostgreSQLLimits, Dialect):
 
     # -- queue: the hot path: claims and settlements ---------------------------------------
     def claim_statements(self, spec: TableSpec, selection: str) -> tuple[TextClause, ...]:
+        """The rows picked and locked, then leased as an array built first: on the
+        transport's own tables by the tuple ids of the versions locked, which no write can
+        move while the claim holds their locks. Joined to the table, the lease would be
+        planned from its statistics, and after a vacuum that counted no live row (a queue
+        drained while a snapshot kept its dead rows) the planner believes the table empty
+        and walks it whole, dead rows and all, once per claimed row; by row ids, it would
+        walk the claim index whole. A declared table (perhaps partitioned: a tuple id
+        names a row in each partition) is leased by row ids."""
         f = self.fields(spec)
-        rows = self.ordered_select(spec, [f"r.{f['id']}"], selection, " " + self.lock_clause)
+        found = "ctid" if spec.own else f['id']
+        rows = self.ordered_select(spec, [f"r.{found}"], selection, " " + self.lock_clause)
         claim = (
             f"UPDATE {f['table']} AS q SET {f['locked_until']} = {self.later(':lease')}, "
             f"{f['attempt']} = q.{f['attempt']} + 1 "
-            f"FROM ({rows}) AS c "
-            f"WHERE q.{f['id']} = c.{f['id']} "
+            f"WHERE q.{found} = ANY(ARRAY({rows})) "
             f"RETURNING {self.returned_columns(spec, 'q')}"
         )
         return (_expanding(claim),)
+
+    def fenced(self, spec: TableSpec, fence: str) -> str:
+        """On the transport's own tables, the held rows locked in id order (the primary
+        key's order: its walk is what the planner picks, however empty the statistics
+        say the table is) and written where they lie (:meth:`claim_statements`); a
+        declared table may be partitioned, where a tuple id names a row in each
+        partition, and is fenced by ids alone."""
+        if not spec.own:
+            return fence
+        f = self.fields(spec)
+        return (f"WHERE ctid = ANY(ARRAY(SELECT r.ctid FROM {f['table']} AS r {fence} "
+                f"ORDER BY r.{f['id']} FOR UPDATE))")
 
     def completing_claim(self, spec: TableSpec, claim: tuple[TextClause, ...],
                          complete: str) -> TextClause:

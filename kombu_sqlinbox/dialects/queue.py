@@ -126,7 +126,7 @@ class QueueFamily(SchemaFamily):
         """A table's statements around its dialect-written claim. Statements on held
         rows have the same shape everywhere, fenced by (attempt, ids)."""
         f = self.fields(spec)
-        fence = f"WHERE {f['attempt']} = :attempt AND {f['id']} IN :ids"
+        fence = self.fenced(spec, f"WHERE {f['attempt']} = :attempt AND {f['id']} IN :ids")
         # a row given back (released, retried, completed in place) has no lease: an
         # extension written after its settlement must not lease it again
         extend = (f"UPDATE {f['table']} SET {f['locked_until']} = {self.later(':lease')} "
@@ -192,6 +192,12 @@ class QueueFamily(SchemaFamily):
             any_ready=self.any_ready(spec),
             claim_completing=self.completing_claim(spec, claim, complete),
         )
+
+    def fenced(self, spec: TableSpec, fence: str) -> str:
+        """The ``WHERE`` of a statement on held rows, ``fence`` (their attempt and ids) as
+        it is, where the database finds those few rows by their ids whatever its
+        statistics say."""
+        return fence
 
     def completing_claim(self, spec: TableSpec, claim: tuple[TextClause, ...],
                          complete: str) -> TextClause | None:

@@ -3,6 +3,7 @@ row that fell below the claim floor is taken at the floor's next reading."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -143,6 +144,48 @@ def test_every_claim_form_reads_a_bounded_few_pages_past_dead_rows(
         # epoch too it reads only index pages, where a whole-table scan reads thousands)
         # fewer than the claim index's pages of dead entries: not walked from its start
         assert passed < PASSED_PAGES, (name, read)
+
+
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
+def test_a_claim_and_an_ack_read_a_few_pages_after_a_vacuum_that_counted_no_live_row(
+    connect: Connect, database: str,
+) -> None:
+    """A queue drained while a snapshot keeps its dead rows, then vacuumed: the vacuum
+    counts no live row, and the planner believes the table empty (one row) however many
+    pages it has. Rows published after it are claimed and acked reading a few pages, not
+    the table or the claim index whole (a lease joined to the table walked it once per
+    claimed row; an ack by ids walked the claim index)."""
+    conn = connect()
+    conn.default_channel.queue_declare("jobs")
+    broker = broker_of(conn)
+    dialect, spec = broker.dialect, broker.table("jobs").spec
+    table = quoted(broker.engine, spec.table)
+    statements = dialect.statements(spec)
+    with dead_rows_kept(broker, database, table):
+        with broker.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as db:
+            db.execute(text(f"VACUUM {table}"))
+            believed = db.execute(text("SELECT reltuples FROM pg_class WHERE oid = "
+                                       "CAST(:t AS regclass)"), {"t": table}).scalar_one()
+        assert believed == 0  # the trap is set
+        for n in range(30):
+            publish(conn, "jobs", {"n": n})
+        with broker.engine.connect() as db:
+            floor = dialect.claim_floor(db, spec)
+            assert floor is not None
+            claimed, plan = pages_read(db, database, broker, spec, statements.claim[0], floor)
+        with broker.engine.begin() as db:
+            rows = dialect.claim(db, spec, 8, 30)
+        assert len(rows) == 8
+        ack = text(f"EXPLAIN (ANALYZE, BUFFERS) {statements.complete.text}").bindparams(
+            *statements.complete._bindparams.values())
+        with broker.engine.connect() as db:
+            acked = "\n".join(str(row[0]) for row in db.execute(
+                ack, {"attempt": rows[0].attempt, "ids": [row.id for row in rows]}))
+            db.rollback()
+    hit = re.search(r"Buffers: shared hit=(\d+)(?: read=(\d+))?", acked)
+    assert hit is not None and " rows=8 " in acked, acked
+    assert claimed < PASSED_PAGES, plan
+    assert int(hit[1]) + int(hit[2] or 0) < PASSED_PAGES, acked
 
 
 @pytest.mark.parametrize("database", ["postgresql", "mysql"], indirect=True)
