@@ -237,7 +237,10 @@ class Limiter:
             assert statement is not None  # the caller checked: both or neither
             found = self.dialect.execute(conn, statement, {**params, "limit": window}).all()
             if acked:
-                completed, acked = int(found[0].completed), []
+                completed = self.dialect.completed_all(
+                    conn, self.dialect.statements(table.spec).complete, params,
+                    int(found[0].completed))
+                acked = []
             rows = [row for row in found if row.id is not None]
             if rows or found[0].seen < window:
                 return completed, self.dialect.claimed(table.spec, rows), False

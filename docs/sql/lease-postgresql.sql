@@ -1,8 +1,7 @@
 -- claim: lease up to :limit ready rows, in claim order, in one statement; one index
 -- range per band of priorities (above, at and below 0), each starting at the floor;
--- the rows picked are locked, then leased where they lie (their tuple ids, ctid: no
--- write can move a row while the claim holds its lock), so the lease never depends on
--- the table's statistics
+-- the rows picked are locked, then leased where they lie (the tuple ids, ctid, of the
+-- versions locked), so the lease never depends on the table's statistics
 UPDATE "sqlinbox_celery" AS q
 SET "locked_until" = now() + make_interval(secs => :lease),
     "attempt" = q."attempt" + 1
@@ -34,17 +33,16 @@ RETURNING q."id" AS "id", q."attempt" AS "attempt", q."payload" AS "payload",
           q."available_at" AS "available_at";
 
 -- extend: the lease keeper, once per attempt value among the rows held (a row already
--- given back has no lease, and is not leased again); the rows held are found by the
--- primary key (the order asked for makes its walk the planner's pick), locked in id
--- order, and written where they lie
+-- given back has no lease, and is not leased again)
 UPDATE "sqlinbox_celery"
 SET "locked_until" = now() + make_interval(secs => :lease)
-WHERE ctid = ANY(ARRAY(SELECT r.ctid FROM "sqlinbox_celery" AS r
-                       WHERE "attempt" = :attempt AND "id" IN :ids
-                       ORDER BY r."id" FOR UPDATE))
-  AND "locked_until" IS NOT NULL;
+WHERE "attempt" = :attempt AND "id" IN :ids AND "locked_until" IS NOT NULL;
 
--- ack: delete the rows (fenced the same way)
+-- ack: delete the rows (fenced the same way), found through the primary key in id order
+-- (the order asked for makes that walk the planner's pick) and deleted where their locked
+-- versions lie; a row the lease keeper extended while the ack waited for its lock is
+-- locked in a version this statement's snapshot does not show, so for rows it missed the
+-- ack runs once more as DELETE ... WHERE "attempt" = :attempt AND "id" IN :ids
 DELETE FROM "sqlinbox_celery"
 WHERE ctid = ANY(ARRAY(SELECT r.ctid FROM "sqlinbox_celery" AS r
                        WHERE "attempt" = :attempt AND "id" IN :ids
@@ -52,6 +50,4 @@ WHERE ctid = ANY(ARRAY(SELECT r.ctid FROM "sqlinbox_celery" AS r
 
 -- requeue: back in place, the attempt stays counted
 UPDATE "sqlinbox_celery" SET "locked_until" = NULL
-WHERE ctid = ANY(ARRAY(SELECT r.ctid FROM "sqlinbox_celery" AS r
-                       WHERE "attempt" = :attempt AND "id" IN :ids
-                       ORDER BY r."id" FOR UPDATE));
+WHERE "attempt" = :attempt AND "id" IN :ids;

@@ -246,17 +246,23 @@ class PostgreSQLDialect(PostgreSQLLimits, Dialect):
         )
         return (_expanding(claim),)
 
-    def fenced(self, spec: TableSpec, fence: str) -> str:
-        """On the transport's own tables, the held rows locked in id order (the primary
-        key's order: its walk is what the planner picks, however empty the statistics
-        say the table is) and written where they lie (:meth:`claim_statements`); a
-        declared table may be partitioned, where a tuple id names a row in each
-        partition, and is fenced by ids alone."""
+    def completion(self, spec: TableSpec, complete: str) -> tuple[str, str | None]:
+        """On the transport's own tables, the held rows locked in id order through the
+        primary key (the order asked for makes its walk the planner's pick, however
+        empty the statistics say the table is) and deleted by the tuple ids locked; by
+        ids, the DELETE would walk the whole claim index after a vacuum that counted no
+        live row. A row another session wrote while the lock was awaited (the lease
+        keeper's extension) is locked in a version the DELETE's snapshot does not show:
+        the completion by ids, run again for the rows missed, finds it. A declared table
+        (perhaps partitioned: a tuple id names a row in each partition) is completed by
+        ids."""
         if not spec.own:
-            return fence
+            return complete, None
         f = self.fields(spec)
-        return (f"WHERE ctid = ANY(ARRAY(SELECT r.ctid FROM {f['table']} AS r {fence} "
-                f"ORDER BY r.{f['id']} FOR UPDATE))")
+        fence = complete.removeprefix(f"DELETE FROM {f['table']} ")
+        assert fence.startswith("WHERE "), complete
+        return (f"DELETE FROM {f['table']} WHERE ctid = ANY(ARRAY(SELECT r.ctid FROM "
+                f"{f['table']} AS r {fence} ORDER BY r.{f['id']} FOR UPDATE))", complete)
 
     def completing_claim(self, spec: TableSpec, claim: tuple[TextClause, ...],
                          complete: str) -> TextClause:

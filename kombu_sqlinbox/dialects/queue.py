@@ -71,6 +71,9 @@ class Statements:
     #: :attr:`claim` with the completion of ``:ids`` at ``:attempt`` in the same statement,
     #: where the database runs both as one (:meth:`Dialect.completing_claim`)
     claim_completing: TextClause | None = None
+    #: the completion by ids, run for the rows :attr:`complete` found fewer of than it was
+    #: given where it writes rows by their tuple ids (:meth:`Dialect.completion`)
+    complete_again: TextClause | None = None
 
 
 class QueueFamily(SchemaFamily):
@@ -79,6 +82,8 @@ class QueueFamily(SchemaFamily):
     def __init__(self, engine: Engine | None = None) -> None:
         super().__init__(engine)
         self._statements: dict[TableSpec, Statements] = {}
+        #: per completion statement's text, its :attr:`Statements.complete_again`
+        self._again: dict[str, TextClause] = {}
 
     def _clock_all(self, statements: Statements) -> Statements:
         """Every statement of a table :meth:`clocked`."""
@@ -96,6 +101,8 @@ class QueueFamily(SchemaFamily):
         cached = self._statements.get(spec)
         if cached is None:
             cached = self._statements[spec] = self._clock_all(self.build_statements(spec))
+            if cached.complete_again is not None:
+                self._again[cached.complete.text] = cached.complete_again
         return cached
 
     def build_statements(self, spec: TableSpec) -> Statements:
@@ -126,7 +133,7 @@ class QueueFamily(SchemaFamily):
         """A table's statements around its dialect-written claim. Statements on held
         rows have the same shape everywhere, fenced by (attempt, ids)."""
         f = self.fields(spec)
-        fence = self.fenced(spec, f"WHERE {f['attempt']} = :attempt AND {f['id']} IN :ids")
+        fence = f"WHERE {f['attempt']} = :attempt AND {f['id']} IN :ids"
         # a row given back (released, retried, completed in place) has no lease: an
         # extension written after its settlement must not lease it again
         extend = (f"UPDATE {f['table']} SET {f['locked_until']} = {self.later(':lease')} "
@@ -168,6 +175,7 @@ class QueueFamily(SchemaFamily):
         candidates = self.ordered_select(spec, [f"r.{f['id']}", key], (
             f"WHERE {self.ready_filter(spec)}{self.above_floor(spec)}"
             f"{key_head} ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit"))
+        complete, again = self.completion(spec, complete)
         return Statements(
             insert=self.insert_statement(spec),
             claim=claim,
@@ -191,13 +199,14 @@ class QueueFamily(SchemaFamily):
             floor_above=floor_above,
             any_ready=self.any_ready(spec),
             claim_completing=self.completing_claim(spec, claim, complete),
+            complete_again=None if again is None else _expanding(again),
         )
 
-    def fenced(self, spec: TableSpec, fence: str) -> str:
-        """The ``WHERE`` of a statement on held rows, ``fence`` (their attempt and ids) as
-        it is, where the database finds those few rows by their ids whatever its
-        statistics say."""
-        return fence
+    def completion(self, spec: TableSpec, complete: str) -> tuple[str, str | None]:
+        """The completion of held rows (``complete``: fenced by their attempt and ids) to
+        run, and the one to run again for the rows it found fewer of than it was given;
+        None where it finds them by their ids."""
+        return complete, None
 
     def completing_claim(self, spec: TableSpec, claim: tuple[TextClause, ...],
                          complete: str) -> TextClause | None:
@@ -263,7 +272,8 @@ class QueueFamily(SchemaFamily):
         params = self.claim_parameters(conn, spec, limit, lease, attempt=attempt,
                                        ids=list(ids))
         rows = list(self.execute(conn, statement, params).all())
-        completed = int(rows[0].completed)
+        completed = self.completed_all(conn, self.statements(spec).complete, params,
+                                       int(rows[0].completed))
         claimed = self._with_heads(conn, spec, [row for row in rows if row.id is not None],
                                    params, ())
         return completed, self.claimed(spec, claimed)
@@ -358,8 +368,22 @@ class QueueFamily(SchemaFamily):
         for attempt, ids in tokens.items():
             if ids:
                 params = {"attempt": attempt, "ids": list(ids), **(extra or {})}
-                touched += self.execute(conn, statement, params).rowcount
+                touched += self.completed_all(conn, statement, params,
+                                              self.execute(conn, statement, params).rowcount)
         return touched
+
+    def completed_all(self, conn: Connection, statement: TextClause, params: dict[str, Any],
+                      touched: int) -> int:
+        """``touched`` rows of ``params['ids']`` written by ``statement``; where it is a
+        completion by tuple ids that found fewer (a row written by another session while
+        the completion waited for its lock: its newest version is not in the statement's
+        snapshot), plus those its :attr:`Statements.complete_again` completes, in a
+        statement of its own that sees them."""
+        again = self._again.get(statement.text)
+        if again is None or touched >= len(params["ids"]):
+            return touched
+        fenced = {"attempt": params["attempt"], "ids": params["ids"]}
+        return touched + int(self.execute(conn, again, fenced).rowcount)
 
     def extend(self, conn: Connection, spec: TableSpec, tokens: Tokens, lease: float) -> int:
         return self.settle(conn, self.statements(spec).extend, tokens, {"lease": lease})

@@ -43,13 +43,14 @@ def test_two_workers_together_start_no_more_than_the_rate_limit(
 @pytest.mark.parametrize("event_loop", [False, True], ids=["blocking", "event-loop"])
 def test_a_tiny_rate_limit_for_every_queue_leaves_remote_control_prompt(
         acceptance: Acceptance, event_loop: bool) -> None:
-    """``rate_limit="1/m"`` as every queue's default: the task queue's window (one token
-    a minute) is spent by its first claim, yet the worker's remote-control queue and the
-    caller's reply queue (transient: never limited) answer a ``ping`` as promptly as
+    """``rate_limit="1/h"`` as every queue's default: the task queue's window (one token
+    an hour, a window the test cannot outlast) is spent by its first claim, yet the
+    worker's remote-control queue and the caller's reply queue (transient: never
+    limited) answer a ``ping`` as promptly as
     without a limit, idle and while the backlog waits for its windows; a wake-up brings
-    the answer, not the polling interval (2 s here) the spent window stretches the idle
+    the answer, not the polling interval (10 s here) the spent window stretches the idle
     wait to."""
-    acceptance.configure(event_loop=event_loop, rate_limit="1/m", polling_interval=2.0)
+    acceptance.configure(event_loop=event_loop, rate_limit="1/h", polling_interval=10.0)
     worker = acceptance.worker("prefork", 2, name="w1")
     node = f"w1@{socket.gethostname()}"
 
@@ -64,5 +65,5 @@ def test_a_tiny_rate_limit_for_every_queue_leaves_remote_control_prompt(
     acceptance.send("acc.run", [f"t{n}" for n in range(5)])
     wait_until(lambda: acceptance.runs.starts(), 30, "the first task", alive=[worker])
     spent = [ping() for _ in range(5)]
-    assert sum(acceptance.runs.starts().values()) == 1  # one a minute: the rest wait
+    assert sum(acceptance.runs.starts().values()) == 1  # one an hour: the rest wait
     assert max(idle + spent) < REPLY_LIMIT, (idle, spent)

@@ -21,6 +21,7 @@ from kombu_sqlinbox import TableBuilder
 from kombu_sqlinbox.broker import Broker
 from kombu_sqlinbox.codec import DEATH_HEADER
 from kombu_sqlinbox.dialects.base import DriverSql
+from kombu_sqlinbox.rates import RateLimits
 from kombu_sqlinbox.tables import table_name_for_queue
 from tests.processes import wait_until
 
@@ -47,6 +48,12 @@ def broker_of(conn: Connection) -> Broker:
     """The per-process broker behind a kombu connection (its keeper, dialect, tables)."""
     broker: Broker = conn.default_channel.broker
     return broker
+
+
+def database_now(rates: RateLimits) -> float:
+    """The database's clock (epoch seconds) as a rate budget's statements read it."""
+    return float(rates.database.run(
+        lambda conn: conn.execute(rates.sql.now).scalar_one(), read_only=True))
 
 
 def publish(conn: Connection, queue: str, body: Any, **kwargs: Any) -> None:

@@ -26,6 +26,7 @@ from .support import (
     broker_of,
     consumer_processes,
     count_rows,
+    database_now,
     get_within,
     publish,
     quoted,
@@ -98,12 +99,17 @@ def test_a_window_gives_out_its_budget_and_no_more(
     budget = Budget.of(parse_rate("rate", "50/s"))  # type: ignore[arg-type]
     assert (budget.tokens, budget.shards) == (10, 5)
     rates.ensure()
-    # the start of a window, by the database's clock: the claims below fall in it
-    wait_start = budget.width - rates.now() % budget.width
-    time.sleep(wait_start + 0.01)
-    taken = rates.take("rated", budget, 100)
+    for _ in range(5):
+        # the start of a window, by the database's clock: the takes below fall in it,
+        # unless a loaded host stretches them past its 0.2 s (then in the next windows)
+        wait_start = budget.width - rates.now() % budget.width
+        time.sleep(wait_start + 0.01)
+        taken = rates.take("rated", budget, 100)
+        again = rates.take("rated", budget, 1)
+        if int(database_now(rates) // budget.width) == taken.window:
+            break
     assert taken.total == budget.tokens
-    assert rates.take("rated", budget, 1).total == 0  # spent, told without a round trip
+    assert again.total == 0  # spent, told without a round trip
     table = quoted(engine, RateStatements.tables(table_prefix)[0])
     with engine.begin() as db:
         used = db.execute(text(f"SELECT shard, used FROM {table} WHERE window_no = :w"),

@@ -21,16 +21,11 @@ from kombu_sqlinbox.options import parse_rate
 from kombu_sqlinbox.rates import Budget, RateLimits, Taken
 
 from .conftest import Connect
-from .support import broker_of, quoted, wait_for
+from .support import broker_of, database_now, quoted, wait_for
 
 NAME = "rated"
 #: one token a second: windows of a second, one shard
 BUDGET = Budget.of(parse_rate("rate_limit", "1/s"))  # type: ignore[arg-type]
-
-
-def database_now(rates: RateLimits) -> float:
-    return float(rates.database.run(
-        lambda conn: conn.execute(rates.sql.now).scalar_one(), read_only=True))
 
 
 def window_start(rates: RateLimits) -> int:

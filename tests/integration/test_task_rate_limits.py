@@ -87,9 +87,10 @@ def test_racing_processes_keep_a_tasks_rate_and_leave_the_other_task_alone(
 
 def test_tasks_without_a_limit_and_messages_naming_none_are_claimed_as_before(
         connect: Connect) -> None:
-    """A limit of ``1/m`` on one task: its second message waits for the next minute,
-    the other task's and an unnamed one's come at once."""
-    conn = connect(queues={QUEUE: {"task_rate_limits": {LIMITED: "1/m"}}})
+    """A limit of ``1/h`` on one task (a window the test cannot outlast): its second
+    message waits for the next hour, the other task's and an unnamed one's come at
+    once."""
+    conn = connect(queues={QUEUE: {"task_rate_limits": {LIMITED: "1/h"}}})
     for task in (LIMITED, LIMITED, FREE, None):
         publish(conn, QUEUE, {"task": task}, headers={"task": task} if task else {})
     got = [get_within(conn, QUEUE) for _ in range(3)]
@@ -103,11 +104,11 @@ def test_tasks_without_a_limit_and_messages_naming_none_are_claimed_as_before(
 
 def test_a_spent_task_passes_over_no_task_whose_name_differs_in_case_or_trailing_spaces(
         connect: Connect) -> None:
-    """``proj.call_api`` limited to ``1/m`` and spent after its first message: tasks
+    """``proj.call_api`` limited to ``1/h`` and spent after its first message: tasks
     named ``proj.CALL_API`` and ``proj.call_api `` are other tasks, without a limit, and
     come at once (a comparison under a case- or trailing-space-insensitive collation
     would pass over them with the spent one, for the rest of its window)."""
-    conn = connect(queues={QUEUE: {"task_rate_limits": {LIMITED: "1/m"}}})
+    conn = connect(queues={QUEUE: {"task_rate_limits": {LIMITED: "1/h"}}})
     others = [LIMITED.upper(), LIMITED + " "]
     for task in [LIMITED, LIMITED, *others]:
         publish(conn, QUEUE, {"task": task}, headers={"task": task})
