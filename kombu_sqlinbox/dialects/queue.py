@@ -100,9 +100,10 @@ class QueueFamily(SchemaFamily):
     def statements(self, spec: TableSpec) -> Statements:
         cached = self._statements.get(spec)
         if cached is None:
-            cached = self._statements[spec] = self._clock_all(self.build_statements(spec))
-            if cached.complete_again is not None:
-                self._again[cached.complete.text] = cached.complete_again
+            built = self._clock_all(self.build_statements(spec))
+            if built.complete_again is not None:  # before another thread can find them
+                self._again[built.complete.text] = built.complete_again
+            cached = self._statements[spec] = built
         return cached
 
     def build_statements(self, spec: TableSpec) -> Statements:
