@@ -153,9 +153,10 @@ def test_failover_to_the_standby_and_a_short_lived_queue(
     example = load_example("kombu/failover.py")
     conn = example.connect(DOWN[database], broker_url, table_prefix=table_prefix)
     try:
-        queue = example.short_lived(conn, "quotes", seconds=0.2)
+        # the second message must be consumed within the TTL too, on a loaded machine
+        queue = example.short_lived(conn, "quotes", seconds=1.0)
         queue.put({"price": 1})
-        time.sleep(0.4)  # the time to pass is what is shown
+        time.sleep(1.2)  # the time to pass is what is shown
         with pytest.raises(Empty):
             queue.get(block=False)
         queue.put({"price": 2})

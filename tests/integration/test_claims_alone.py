@@ -118,20 +118,26 @@ def test_the_keeper_extends_a_held_lease_until_the_row_settles(
     table_prefix: str, db: Database, engine: Engine, keeper: LeaseKeeper,
     woken: threading.Event,
 ) -> None:
-    """A row with a 1 s lease stays with its holder for two leases (a rival form with a
-    keeper of its own, as in another process, gets nothing); the ack then deletes it."""
+    """A held row stays with its holder past the lease its first extension gave it (a
+    rival form with a keeper of its own, as in another process, gets nothing): the keeper
+    extended it again; the ack then deletes it.
+
+    The lease is 3 s: the keeper extends it every second, so an extension may come two
+    seconds late (a loaded machine's stalled thread or slow commit) before it lapses."""
+    lease = 3
     form = LeaseClaims(db, keeper)
     name = f"{table_prefix}jobs"
-    table = queue_table(db, default_table(name), form, lease=1)
+    table = queue_table(db, default_table(name), form, lease=lease)
     publish(db, table, "m0")
     (row,) = form.claim(table, 1)
     (claimed,) = rows(engine, name)
     wait_for(lambda: rows(engine, name)[0]["locked_until"] > claimed["locked_until"],
-             "the keeper to extend the lease", timeout=5)
+             "the keeper to extend the lease", timeout=10)
     rival_keeper = LeaseKeeper(db, wake=lambda: None)
     rival = LeaseClaims(db, rival_keeper)
     try:
-        until = time.monotonic() + 2
+        # the extension just seen gave the row a lease to a time before this one's end
+        until = time.monotonic() + lease + 0.5
         while time.monotonic() < until:
             assert rival.claim(table, 1) == [], "a held row was claimed again"
             time.sleep(0.1)

@@ -39,6 +39,10 @@ EXAMPLE = EXAMPLES / "monitoring"
 HOST = socket.gethostname()
 #: a ``celery`` command that does not end in this time fails its test
 COMMAND_LIMIT = 60.0
+#: a remote-control command's reply window (Celery's default is 1 s; a worker on a loaded
+#: two-core machine can answer later): a command to named workers returns as soon as each
+#: replied, so it waits this long only for a reply that never comes
+REPLY_LIMIT = 5.0
 T = TypeVar("T")
 
 
@@ -145,7 +149,8 @@ class Cluster:
 
     def inspect(self, *args: str) -> dict[str, Any]:
         """``celery inspect <args> --json`` to both workers: the replies by node name."""
-        done = self.celery("inspect", *args, "--json", "-d", ",".join(self.names))
+        done = self.celery("inspect", *args, "--json", "-t", str(REPLY_LIMIT),
+                           "-d", ",".join(self.names))
         replies: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
         assert sorted(replies) == sorted(self.names), done.stdout
         return replies
@@ -160,10 +165,11 @@ class Cluster:
     def control(self, *args: str, destination: Sequence[str] = ()) -> str:
         """``celery control <args>`` to ``destination``, by default both workers by name:
         the command then returns once both replied, not after its whole reply timeout
+        (:data:`REPLY_LIMIT`)
         (a broadcast to no one in particular cannot know how many replies to await);
         its output."""
         target = ",".join(destination or self.names)
-        return self.celery("control", *args, "-d", target).stdout
+        return self.celery("control", *args, "-t", str(REPLY_LIMIT), "-d", target).stdout
 
     # -- tasks ---------------------------------------------------------------------------
     def send(self, name: str, *args: Any, **options: Any) -> str:

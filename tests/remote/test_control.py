@@ -2,9 +2,10 @@
 
 The tests share the module's two workers (``a`` and ``b``) and run in file order; the
 last one shuts a worker down. Every command under test is the ``celery`` command line as a
-user runs it, in the example app's directory, with its default one-second reply timeout
-(``celery control`` names both workers, so that it need not wait that second out);
-the checks that follow a command ask through the Python API.
+user runs it, in the example app's directory, naming the workers it asks, so that it
+returns as soon as they replied, with a reply timeout longer than Celery's default second
+(:data:`~tests.remote.conftest.REPLY_LIMIT`: a loaded worker can answer later); the
+checks that follow a command ask through the Python API.
 """
 
 from __future__ import annotations
@@ -27,15 +28,13 @@ from typing import Any
 from sqlalchemy import event
 
 from tests.processes import START_LIMIT, Proc, wait_until
-from tests.remote.conftest import HOST, Cluster, at_once
+from tests.remote.conftest import HOST, REPLY_LIMIT, Cluster, at_once
 
 A, B = f"a@{HOST}", f"b@{HOST}"
 TASKS = {"monitor.add", "monitor.fail", "monitor.mark", "monitor.hold", "monitor.paced",
          "monitor.hold_limited"}
 #: a worker's heartbeats come every 2 s; a monitor takes it for offline after 4 s without
 HEARTBEAT_LIMIT = 4.0
-#: a ping's reply window (Celery's default is 1 s; a loaded two-core machine gets more)
-REPLY_LIMIT = 5.0
 #: a queue without a consumer keeps its message at least this long (many poll intervals)
 UNCONSUMED_WINDOW = 2.0
 #: the thread that deletes an auto-deleted reply queue's rows
@@ -43,7 +42,7 @@ RENEWAL = "sqlinbox-renewal"
 
 
 def test_inspect_ping_answers_for_both_workers(cluster: Cluster) -> None:
-    out = cluster.celery("inspect", "ping").stdout
+    out = cluster.celery("inspect", "ping", "-t", str(REPLY_LIMIT), "-d", f"{A},{B}").stdout
     assert f"{A}: OK" in out and f"{B}: OK" in out, out
     assert "2 nodes online." in out, out
 
@@ -311,7 +310,8 @@ def test_beat_answers_ping(cluster: Cluster) -> None:
     try:
         wait_until(lambda: "beat pidbox: Connected to" in beat.output(), START_LIMIT,
                    "beat's remote-control thread to connect", alive=[beat])
-        out = cluster.celery("inspect", "ping", "-d", f"celerybeat@{HOST}").stdout
+        out = cluster.celery("inspect", "ping", "-t", str(REPLY_LIMIT),
+                             "-d", f"celerybeat@{HOST}").stdout
         assert f"celerybeat@{HOST}: OK" in out and "1 node online." in out, out
     finally:
         assert beat.stop() == 0, beat.tail()
@@ -322,7 +322,7 @@ def test_shutdown_ends_a_worker(cluster: Cluster) -> None:
     cluster.celery("control", "shutdown", "-d", B, check=False)
     worker_b = cluster.workers[1]
     assert worker_b.wait(30) == 0, worker_b.tail()
-    assert cluster.app.control.ping(timeout=1.0) == [{A: {"ok": "pong"}}]
+    assert cluster.app.control.ping([A], timeout=REPLY_LIMIT) == [{A: {"ok": "pong"}}]
 
 
 def free_port() -> int:

@@ -13,7 +13,14 @@ from sqlalchemy import create_engine, text
 from kombu_sqlinbox.broker import sqlalchemy_url
 from kombu_sqlinbox.brokers import close_all
 from kombu_sqlinbox.dialects import dialect_for
-from tests.remote.conftest import HOST, Cluster, at_once, cluster_on, example_app
+from tests.remote.conftest import (
+    HOST,
+    REPLY_LIMIT,
+    Cluster,
+    at_once,
+    cluster_on,
+    example_app,
+)
 
 #: seconds the test's own reply queue and the monitor's event queue outlive their use
 #: (``celery inspect`` run as a command keeps the example app's ten)
@@ -55,9 +62,10 @@ def test_reply_and_event_queues_expire(broker: str, tmp_path: Path) -> None:
         caller = example_app().make_app(cluster.broker_url, cluster.table_prefix)
         caller.conf.control_queue_expires = SHORT_EXPIRY
         for _ in range(PINGS):
-            assert caller.control.ping(destination=[f"a@{HOST}"], timeout=1.0) == [
+            assert caller.control.ping(destination=[f"a@{HOST}"], timeout=REPLY_LIMIT) == [
                 {f"a@{HOST}": {"ok": "pong"}}]
-        for done in at_once([lambda: cluster.celery("inspect", "ping")] * 3):
+        ping = ("inspect", "ping", "-t", str(REPLY_LIMIT), "-d", f"a@{HOST}")
+        for done in at_once([lambda: cluster.celery(*ping)] * 3):
             assert f"a@{HOST}: OK" in done.stdout
         # a caller that dies waiting for a reply that never comes leaves its reply queue
         waiting = cluster.spawn("waiting", "inspect", "ping", "-t", "60", "-d",

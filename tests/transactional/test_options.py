@@ -89,7 +89,8 @@ def test_a_long_transaction_does_not_stop_the_leases_of_other_rows(service: Serv
     holding, napping = f"{order_id}-hold", f"{order_id}-nap"
     service_app.hold.apply_async((holding,), queue="probe")
     service.wait(lambda: service.note(holding), "the transaction to be open")
-    service_app.nap.apply_async((napping, 2.5), queue="probe.short")  # a 1 s lease
+    # past its lease: the keeper must have extended it meanwhile
+    service_app.nap.apply_async((napping, 1.5 * service_app.SHORT_LEASE), queue="probe.short")
     service.wait(lambda: service.note(napping), "the nap")
     (service.runs / f"{holding}.release").touch()
     service.wait_drained()

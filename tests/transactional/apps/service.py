@@ -58,6 +58,9 @@ RUNS_ENV = "TX_RUNS"
 VISIBILITY_ENV = "TX_VISIBILITY_TIMEOUT"
 #: the longest :func:`hold` keeps its transaction open
 HOLD_LIMIT = 60.0
+#: the lease of ``probe.short`` (seconds): short beside a nap, long enough that its keeper's
+#: extension (every third of it) may come two seconds late on a loaded machine
+SHORT_LEASE = 3.0
 #: a queue table without available_at: a retry in place cannot be delayed on it
 PROMPT_TABLE = TableBuilder("probe_prompt").id().payload().headers().locked_until().attempt()
 #: probe queues of every database
@@ -70,7 +73,7 @@ PROBE_QUEUES: dict[str, dict[str, dict[str, Any]]] = {
         "probe.repeatable": {"isolation_level": "REPEATABLE READ"},
         "probe.serializable": {"isolation_level": "SERIALIZABLE"},
         "probe.rowlock": {"claim": "row_lock"},
-        "probe.short": {"visibility_timeout": 1.0},
+        "probe.short": {"visibility_timeout": SHORT_LEASE},
     },
     "sqlite": {
         **COMMON_PROBES,
