@@ -165,9 +165,8 @@ class Cluster:
     def control(self, *args: str, destination: Sequence[str] = ()) -> str:
         """``celery control <args>`` to ``destination``, by default both workers by name:
         the command then returns once both replied, not after its whole reply timeout
-        (:data:`REPLY_LIMIT`)
-        (a broadcast to no one in particular cannot know how many replies to await);
-        its output."""
+        (:data:`REPLY_LIMIT`; a broadcast to no one in particular cannot know how many
+        replies to await); its output."""
         target = ",".join(destination or self.names)
         return self.celery("control", *args, "-t", str(REPLY_LIMIT), "-d", target).stdout
 
