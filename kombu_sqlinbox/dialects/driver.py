@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -50,6 +51,12 @@ LIST_MEMBERSHIP = re.compile(rf"\b(NOT )?IN :({'|'.join(EXPANDING)})\b")
 #: where a session's info says it runs statements prepared (:meth:`Dialect.prepare_session`):
 #: the names of those it prepared
 PREPARED = "sqlinbox_prepared"
+#: where a session's info says when it last had its prepared statements planned anew
+#: (monotonic seconds; :meth:`DriverFamily.execute`)
+PLANS_MADE = "sqlinbox_plans_made"
+#: seconds a session runs its prepared statements on the plans it cached: a plan made
+#: while a queue's table was empty is made again at most this long after it filled
+PLAN_REFRESH = 30.0
 
 
 @dataclass(frozen=True)
@@ -145,11 +152,19 @@ class DriverFamily(DialectCore):
     autocommit_kept: ClassVar[bool] = False
     #: the most parameters one statement may bind
     max_bind_params: ClassVar[int] = 65535
+    #: what has a session plan its prepared statements anew at their next runs (they
+    #: stay prepared), where the server caches their plans (None: nothing to discard)
+    discard_plans: ClassVar[str | None] = None
+    #: drivers that prepare statements themselves, on any connection (not only on a
+    #: session of :meth:`prepare_session`'s)
+    preparing_drivers: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, engine: Engine | None = None) -> None:
         super().__init__(engine)
         #: statements as the driver's SQL (:meth:`execute`), by paramstyle and list lengths
         self._driver_sql: dict[tuple[TextClause, str, tuple[int, ...]], DriverSql] = {}
+        #: seconds between a session's :attr:`discard_plans`
+        self.plan_refresh = PLAN_REFRESH
 
     def execute(self, conn: Connection, statement: TextClause,
                 params: Mapping[str, Any]) -> CursorResult[Any]:
@@ -158,11 +173,16 @@ class DriverFamily(DialectCore):
         processing of a ``text()`` cost several times the driver's work, once per claim
         and per ack. Errors, connection invalidation and events stay SQLAlchemy's. List
         parameters are never empty here; a driver with named parameters takes the usual
-        path."""
+        path. A session running prepared statements has them planned anew every
+        :attr:`plan_refresh` seconds (:attr:`discard_plans`)."""
         paramstyle = conn.dialect.paramstyle
         if paramstyle not in POSITIONAL_MARKERS:
             return conn.execute(statement, dict(params))
-        prepared: set[str] | None = conn.info.get(PREPARED)
+        info = conn.info
+        prepared: set[str] | None = info.get(PREPARED)
+        if self.discard_plans is not None and (
+                prepared is not None or conn.dialect.driver in self.preparing_drivers):
+            self._refresh_plans(conn, info)
         if prepared is not None:
             return self._execute_prepared(conn, statement, params, prepared)
         lengths = {name: len(params[name]) for name in EXPANDING
@@ -187,6 +207,14 @@ class DriverFamily(DialectCore):
             conn.exec_driver_sql(driver.prepare)
             prepared.add(driver.prepare)
         return conn.exec_driver_sql(driver.sql, driver.parameters(params, self.clock))
+
+    def _refresh_plans(self, conn: Connection, info: dict[Any, Any]) -> None:
+        """Discard the session's cached plans once :attr:`plan_refresh` seconds passed
+        since it last did (or since it was first seen here, with none to discard yet)."""
+        now = time.monotonic()
+        if now - info.setdefault(PLANS_MADE, now) >= self.plan_refresh:
+            conn.exec_driver_sql(str(self.discard_plans))
+            info[PLANS_MADE] = now
 
     def prepare_session(self, conn: Connection) -> None:
         """Run :meth:`execute`'s statements on ``conn`` as prepared statements from now

@@ -282,7 +282,8 @@ class LimitFamily(QueueFamily, UniqueFamily, ScheduleFamily):
             return self.clocked(text(picked).bindparams(
                 bindparam("full", expanding=True, type_=String())))
 
-        whole = picking("", [f"r.{f['id']}", key, f"r.{f['attempt']}"], full=False)
+        whole = picking("", [f"r.{f['id']}", key, f"r.{f['attempt']}",
+                             *self.locked_version(spec)], full=False)
         read = (f"SELECT s.limit_key, s.slot, s.holder_id, s.holder_attempt, {alive} "
                 f"FROM {slots} AS s LEFT JOIN {holder} WHERE s.queue_table = :queue_table AND ")
         return LimitedClaim(
@@ -309,6 +310,11 @@ class LimitFamily(QueueFamily, UniqueFamily, ScheduleFamily):
         rows picked), ``completed`` (completing) and the claim's columns (NULL: none
         leased)."""
         return None
+
+    def locked_version(self, spec: TableSpec) -> list[str]:
+        """Columns a whole claim's picked rows bring after id, key and attempt: where the
+        lease names rows by the version locked (:meth:`whole_claim`), that version."""
+        return []
 
     def slots_after(self, picked: str, count: int, listed: Callable[[str], str]) -> str:
         """SQL: the ``count`` columns of the rows ``picked`` (a query: id, key, ...) with

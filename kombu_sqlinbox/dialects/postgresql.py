@@ -110,6 +110,15 @@ class PostgreSQLDialect(PostgreSQLLimits, Dialect):
     autocommit_switch = True
     #: deadlock, serialization failure, lock not available
     transient_codes = frozenset({"40P01", "40001", "55P03"})
+    #: after five custom plans PostgreSQL may keep one generic plan for a prepared
+    #: statement; one made while a queue's table was empty (a consumer starting on a new
+    #: queue) stays as the table grows, until an ANALYZE or VACUUM of it that autovacuum
+    #: may not run soon, and a FIFO claim planned so reads the whole backlog. This has
+    #: the plans made again against the table as it is; the statements stay prepared, so
+    #: psycopg2's names (:data:`PREPARED`) and psycopg 3's cache of its own hold, where a
+    #: ``DEALLOCATE ALL`` can leave psycopg 3 executing a statement no longer there
+    discard_plans = "DISCARD PLANS"
+    preparing_drivers = frozenset({"psycopg"})
 
     def prepare_session(self, conn: Connection) -> None:
         """psycopg2 sends every statement as text, planned anew each time (a claim's

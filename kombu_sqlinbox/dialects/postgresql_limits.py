@@ -57,6 +57,11 @@ class PostgreSQLLimits(LimitFamily):
             "SELECT claimed.*, (SELECT count(*) FROM taken) + (SELECT count(*) FROM stolen) "
             "AS written FROM claimed")
 
+    def locked_version(self, spec: TableSpec) -> list[str]:
+        """The tuple id of the version each picked row was locked in (:meth:`whole_claim`
+        matches only the rows whose locked version its snapshot shows)."""
+        return ["r.ctid"]
+
     def whole_claim(self, spec: TableSpec, prefix: str, picked: str, holder: str,
                     completing: bool = False) -> TextClause | None:
         """Data-modifying ``WITH``s on one snapshot: each key's free slot numbers (below
@@ -66,7 +71,18 @@ class PostgreSQLLimits(LimitFamily):
         by compare-and-set on the holder seen; then the rows whose slots were written,
         and those of no limited key, leased (a row that lost its slot is never leased).
         Completing, the rows completed first are no holders in work (the snapshot still
-        shows them)."""
+        shows them).
+
+        Only the rows locked in the version the snapshot shows are matched to slots. A row
+        another session claimed and gave back after the snapshot was taken is locked in its
+        newest version, which the lease by tuple id does not see (on a declared table, the
+        lease by row ids, rechecking the newest version, missed such rows too under racing
+        claimers): a slot written for it would name an attempt the row reaches only when
+        a later claim leases it, and that claim could find the slot free and its own while
+        a third, which saw it free before, takes it by compare-and-set on that very
+        holder: the row would run without a slot, its key past its limit. On a declared
+        table (perhaps partitioned: a tuple id names a row in each partition) the version
+        is looked up by row id too."""
         f = self.fields(spec)
         if spec.has(Role.GROUP):
             return None  # a FIFO group's head takes the claim of several statements
@@ -78,8 +94,13 @@ class PostgreSQLLimits(LimitFamily):
         done = (f"completed AS ({self.statements(spec).complete.text} RETURNING "
                 f"{f['id']} AS id), ") if completing else ""
         gone = f" AND h.{f['id']} NOT IN (SELECT id FROM completed)" if completing else ""
+        # the rows whose locked version is the snapshot's (see above)
+        same_row = "" if spec.own else f" AND v.{f['id']} = c.i"
+        columns, current = "i, k, a, t, o", (
+            f"(SELECT * FROM c WHERE EXISTS (SELECT 1 FROM {f['table']} AS v "
+            f"WHERE v.ctid = c.t{same_row}))")
         return self.clocked(_expanding(
-            f"WITH {done}c (i, k, a, o) AS MATERIALIZED (SELECT x.*, row_number() OVER () "
+            f"WITH {done}c ({columns}) AS MATERIALIZED (SELECT x.*, row_number() OVER () "
             f"FROM ({picked}) AS x), "
             f"kl AS (SELECT * FROM (SELECT k, {self.key_digest('k')} AS d, (SELECT l.n "
             "FROM unnest(CAST(:prefixes AS TEXT[]), CAST(:limits AS BIGINT[])) "
@@ -97,11 +118,11 @@ class PostgreSQLLimits(LimitFamily):
             "generate_series(0, room.span - 1) AS g (n) LEFT JOIN sl ON sl.d = room.d "
             "AND sl.slot = g.n WHERE sl.alive IS NOT TRUE), "
             "rk AS (SELECT c.i, c.a, c.o, c.k, room.free, row_number() OVER (PARTITION BY "
-            "c.k ORDER BY c.o) AS j FROM c JOIN room ON room.k = c.k), "
+            f"c.k ORDER BY c.o) AS j FROM {current} AS c JOIN room ON room.k = c.k), "
             "pick AS (SELECT rk.i, rk.a, rk.o, fr.d, fr.slot, fr.e, fr.f FROM rk JOIN fr "
             "ON fr.k = rk.k AND fr.j = rk.j WHERE rk.j <= rk.free UNION ALL SELECT c.i, "
-            "c.a, c.o, NULL, NULL, NULL, NULL FROM c WHERE c.k IS NULL OR c.k NOT IN "
-            "(SELECT k FROM kl)), "
+            f"c.a, c.o, NULL, NULL, NULL, NULL FROM {current} AS c WHERE c.k IS NULL OR "
+            "c.k NOT IN (SELECT k FROM kl)), "
             "chosen AS (SELECT * FROM pick ORDER BY o LIMIT :wanted), "
             f"taken AS (INSERT INTO {slots} (queue_table, limit_key, slot, holder_id, "
             "holder_attempt) SELECT :queue_table, d, slot, i, a + 1 FROM chosen "

@@ -22,7 +22,7 @@ from kombu_sqlinbox.broker import Broker
 from kombu_sqlinbox.codec import DEATH_HEADER
 from kombu_sqlinbox.dialects.base import DriverSql
 from kombu_sqlinbox.rates import RateLimits
-from kombu_sqlinbox.tables import table_name_for_queue
+from kombu_sqlinbox.tables import TableSpec, table_name_for_queue
 from tests.processes import wait_until
 
 T = TypeVar("T")
@@ -277,3 +277,51 @@ def consumer_processes(count: int, broker_url: str, options: dict[str, Any], que
             if child.is_alive():
                 child.kill()
     assert all(child.exitcode == 0 for child in children), [c.exitcode for c in children]
+
+
+@contextmanager
+def spawned(target: Callable[..., None], arguments: list[tuple[Any, ...]],
+            wait: float = 60.0) -> Iterator[list[Any]]:
+    """One spawned process per tuple of ``arguments``, each running ``target(*args, ready,
+    stop, results)`` and started (``ready`` set) before this yields; on the way out each
+    is stopped, puts one result in ``results`` (collected, in the list yielded), and is
+    joined within ``wait`` (else killed); each must have exited cleanly."""
+    context = multiprocessing.get_context("spawn")
+    stop, results = context.Event(), context.Queue()
+    readies = [context.Event() for _ in arguments]
+    children = [context.Process(target=target, args=(*args, ready, stop, results))
+                for args, ready in zip(arguments, readies, strict=True)]
+    for child in children:
+        child.start()
+    collected: list[Any] = []
+    try:
+        for ready in readies:
+            assert ready.wait(wait), "a process did not start"
+        yield collected
+    finally:
+        stop.set()
+        collected += [results.get(timeout=wait) for _ in children]
+        for child in children:
+            child.join(wait)
+            if child.is_alive():
+                child.kill()
+    assert all(child.exitcode == 0 for child in children), [c.exitcode for c in children]
+
+
+def partitioned_table(engine: Engine, name: str) -> TableSpec:
+    """A declared PostgreSQL queue table ``name`` partitioned by id, rows 1-2 in one
+    partition and the rest in another (so rows 1 and 3 lie at the same tuple id)."""
+    with engine.begin() as db:
+        db.execute(text(f'CREATE SEQUENCE "{name}_seq"'))
+        db.execute(text(
+            f'CREATE TABLE "{name}" (id BIGINT NOT NULL DEFAULT nextval(\'"{name}_seq"\'), '
+            "payload BYTEA NOT NULL, headers TEXT, priority SMALLINT NOT NULL DEFAULT 0, "
+            "available_at TIMESTAMPTZ NOT NULL DEFAULT now(), locked_until TIMESTAMPTZ, "
+            "attempt INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (id)) PARTITION BY RANGE (id)"))
+        db.execute(text(f'ALTER SEQUENCE "{name}_seq" OWNED BY "{name}".id'))
+        db.execute(text(f'CREATE TABLE "{name}_a" PARTITION OF "{name}" '
+                        "FOR VALUES FROM (MINVALUE) TO (3)"))
+        db.execute(text(f'CREATE TABLE "{name}_b" PARTITION OF "{name}" '
+                        "FOR VALUES FROM (3) TO (MAXVALUE)"))
+    return (TableBuilder(name).id().payload().headers().priority().available_at()
+            .locked_until().attempt().build())

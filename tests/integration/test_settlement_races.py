@@ -21,13 +21,22 @@ from typing import Any, TypeVar
 
 import pytest
 from sqlalchemy import Connection, text
+from sqlalchemy.engine import Engine
 
 from kombu_sqlinbox.broker import Broker
 from kombu_sqlinbox.rows import ClaimedRow
 from kombu_sqlinbox.tables import TableSpec
 
 from .conftest import Connect
-from .support import broker_of, count_rows, get_within, never_delivered, publish, quoted
+from .support import (
+    broker_of,
+    count_rows,
+    get_within,
+    never_delivered,
+    partitioned_table,
+    publish,
+    quoted,
+)
 
 T = TypeVar("T")
 
@@ -376,29 +385,13 @@ def test_racing_consumers_never_hold_one_row_at_once_and_every_ack_lands(
 
 @pytest.mark.parametrize("database", ["postgresql"], indirect=True)
 def test_a_declared_partitioned_table_claims_and_settles_exactly_its_rows(
-    connect: Connect, database: str, table_prefix: str,
+    connect: Connect, database: str, table_prefix: str, engine: Engine,
 ) -> None:
     """Rows 1-2 and 3-4 lie in two partitions, at the same tuple ids: claims, extensions,
     acks and the completing claim touch exactly the rows they name."""
-    from kombu_sqlinbox import TableBuilder
-
     name = f"{table_prefix}parts"
-    spec = (TableBuilder(name).id().payload().headers().priority().available_at()
-            .locked_until().attempt().build())
-    conn = connect(queues={"jobs": {"table": spec}})
+    conn = connect(queues={"jobs": {"table": partitioned_table(engine, name)}})
     broker = broker_of(conn)
-    with broker.engine.begin() as db:
-        db.execute(text(f'CREATE SEQUENCE "{name}_seq"'))
-        db.execute(text(
-            f'CREATE TABLE "{name}" (id BIGINT NOT NULL DEFAULT nextval(\'"{name}_seq"\'), '
-            "payload BYTEA NOT NULL, headers TEXT, priority SMALLINT NOT NULL DEFAULT 0, "
-            "available_at TIMESTAMPTZ NOT NULL DEFAULT now(), locked_until TIMESTAMPTZ, "
-            "attempt INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (id)) PARTITION BY RANGE (id)"))
-        db.execute(text(f'ALTER SEQUENCE "{name}_seq" OWNED BY "{name}".id'))
-        db.execute(text(f'CREATE TABLE "{name}_a" PARTITION OF "{name}" '
-                        "FOR VALUES FROM (MINVALUE) TO (3)"))
-        db.execute(text(f'CREATE TABLE "{name}_b" PARTITION OF "{name}" '
-                        "FOR VALUES FROM (3) TO (MAXVALUE)"))
     for n in range(5):
         publish(conn, "jobs", {"n": n})
     table = broker.table("jobs").spec
