@@ -20,6 +20,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from bench.ledger import most_at_once
+from kombu_sqlinbox import keeper
 from kombu_sqlinbox.errors import ConfigurationError
 from kombu_sqlinbox.rows import ClaimedRow, Held, Settlement
 
@@ -161,9 +162,12 @@ def test_a_claim_reads_on_past_any_run_of_a_full_keys_rows(connect: Connect,
 
 
 def test_an_acked_rows_slot_is_free_to_the_claim_that_writes_the_ack(
-        connect: Connect) -> None:
+        connect: Connect, monkeypatch: pytest.MonkeyPatch) -> None:
     """A key at its limit of one: its row acked, the next claim (which writes that ack
-    first, in its own statement or transaction) takes the key's next row."""
+    first, in its own statement or transaction) takes the key's next row. The settling
+    thread gathers settlements for a minute here, not its 5 ms: on a loaded machine it
+    could write the ack on its own, after the claim read the slot held."""
+    monkeypatch.setattr(keeper, "SETTLE_GATHER", 60.0)
     conn = connect(queues={QUEUE: {"concurrency_limits": {"*": 1}}})
     for _ in range(3):
         publish(conn, QUEUE, {"key": "one"}, limit_key="one")
