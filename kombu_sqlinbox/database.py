@@ -13,7 +13,8 @@ import re
 import select
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from inspect import signature as inspect_signature
 from typing import Any, TypeVar, cast
 from urllib.parse import unquote
@@ -41,6 +42,9 @@ T = TypeVar("T")
 SOCKET_DRIVERS = frozenset({"psycopg2", "psycopg", "pymysql"})
 #: where a pooled connection keeps the driver cursor :meth:`Database.write` publishes on
 PUBLISH_CURSOR = "sqlinbox_publish_cursor"
+#: a PostgreSQL driver connection's transaction status outside a transaction (psycopg 2's
+#: and 3's ``info.transaction_status``)
+IDLE = 0
 
 #: drivers tried, in order, for a URL that names no driver (SQLAlchemy's own default
 #: first where it has one installed)
@@ -216,6 +220,8 @@ class Database:
         #: durable publishes commit as one statement in autocommit (drivers whose socket
         #: shows a connection the server closed: see :meth:`write`)
         self.switch_autocommit = dialect.autocommit_switch and engine.driver in SOCKET_DRIVERS
+        #: fenced work's transactions begin with their settings in one round trip
+        self.relaxed_begin = dialect.relaxed_begin if self.switch_autocommit else None
         #: where switching costs round trips, publishes check out connections of this pool,
         #: put in autocommit once as they open (the engine's pool settings and connect
         #: hooks): no other work ever sees one in autocommit
@@ -256,10 +262,18 @@ class Database:
         a server crash means a redelivery, never a lost message) skips the commit's wait
         for the disk where the database allows it."""
         options = {"sqlite_begin": "DEFERRED"} if read_only else {}
+        relaxed_begin = None if durable else self.relaxed_begin
         for attempt in range(1, attempts + 1):
             committing = False
             try:
                 with self.engine.connect() as conn:
+                    if relaxed_begin is not None:
+                        with self._outside_transaction(conn):
+                            conn.exec_driver_sql(relaxed_begin)
+                            result = work(conn)
+                            committing = True
+                            conn.exec_driver_sql("COMMIT")
+                            return result
                     transaction = conn.execution_options(**options).begin()
                     if not durable and self.dialect.relaxed_commit:
                         conn.exec_driver_sql(self.dialect.relaxed_commit)
@@ -271,6 +285,38 @@ class Database:
                 self._retry_or_raise(exc, committing and not (repeatable or read_only),
                                      attempt, attempts)
         raise AssertionError("unreachable")
+
+    def look(self, work: Callable[[Connection], T], attempts: int = 10) -> T:
+        """Run ``work``, reads whose statements need no snapshot in common (each sees the
+        database as it is when it runs, as under read committed), outside a transaction
+        where the switch to autocommit sends nothing (:attr:`switch_autocommit`): each
+        statement is one round trip, without a BEGIN's and a COMMIT's; elsewhere as
+        :meth:`run` runs reads. Retried as reads are."""
+        if not self.switch_autocommit:
+            return self.run(work, attempts, read_only=True)
+        for attempt in range(1, attempts + 1):
+            try:
+                with self.engine.connect() as conn, self._outside_transaction(conn):
+                    return work(conn)
+            except DBAPIError as exc:
+                self._retry_or_raise(exc, False, attempt, attempts)
+        raise AssertionError("unreachable")
+
+    @contextmanager
+    def _outside_transaction(self, conn: Connection) -> Iterator[None]:
+        """``conn``'s driver in autocommit for the block (:attr:`switch_autocommit`): a
+        statement is a transaction of its own unless the block sends a BEGIN. What the
+        block left open on the server (a statement failed before the COMMIT) is rolled
+        back, so the connection goes back to the pool as it came."""
+        driver: Any = conn.connection.dbapi_connection
+        driver.autocommit = True
+        try:
+            yield
+        finally:
+            if not conn.invalidated:  # a lost connection's driver is gone with it
+                if driver.info.transaction_status != IDLE:
+                    conn.exec_driver_sql("ROLLBACK")
+                driver.autocommit = False
 
     def run_fenced(self, work: Callable[[Connection], T]) -> T:
         """Run fenced ``work`` (claims, settlements, sweeps: run again after a lost commit

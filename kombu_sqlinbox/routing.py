@@ -172,9 +172,9 @@ class Routes:
 
     def read(self, work: Callable[[Connection], T]) -> T:
         """Run read-only ``work`` in the bound caller's transaction when there is one
-        (what it wrote is visible only there), else in a deferred one of our own."""
+        (what it wrote is visible only there), else on its own (:meth:`.Database.look`)."""
         caller = self.database.bound_caller()
-        return work(caller) if caller is not None else self.database.run(work, read_only=True)
+        return work(caller) if caller is not None else self.database.look(work)
 
     def require(self, what: str) -> None:
         if not self.available():

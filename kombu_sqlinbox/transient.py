@@ -83,7 +83,16 @@ class TransientQueues:
     def _publish(self, statement: Any, params: dict[str, Any]) -> None:
         self._current()
         params["channel_prefix"] = self.prefix + "t_"
-        self.routes.write(lambda conn: conn.execute(statement, params), durable=False)
+
+        def publish(conn: Connection) -> Any:
+            return self.dialect.execute(conn, statement, params)
+
+        # on the LISTEN connection: an INSERT waits for no lock; the registry's writes,
+        # which may, stay on the pool (one waiting there would hold every claim here)
+        if self.dialect.notify and self.database.bound_caller() is None:
+            self.wakeup.publish(publish)
+        else:
+            self.routes.write(publish, durable=False)
         self.wakeup.published()
 
     def channel(self, queue: str) -> str:
@@ -113,8 +122,16 @@ class TransientQueues:
         return True
 
     def size(self, queue: str) -> int:
-        return int(self.routes.read(
-            lambda conn: conn.execute(self.sql.size, {"queue": queue}).scalar_one()))
+        """The queue's unexpired messages: counted where its claims run (one statement, on
+        the LISTEN connection and prepared there, where there is one: every
+        ``app.control`` call counts its new reply queue twice) unless the bound caller's
+        transaction must see them."""
+        def count(conn: Connection) -> int:
+            return int(self.dialect.execute(conn, self.sql.size, {"queue": queue}).scalar_one())
+
+        if self.database.bound_caller() is None and self.dialect.notify:
+            return self.wakeup.claim(count)
+        return self.routes.read(count)
 
     def purge(self, queue: str) -> int:
         return int(self.routes.write(
@@ -129,7 +146,7 @@ class TransientQueues:
 
         def take(conn: Connection) -> list[Any]:
             first, *then = self.sql.claim
-            rows = list(conn.execute(first, params).all())
+            rows = list(self.dialect.execute(conn, first, params).all())
             for statement in then:  # where DELETE cannot return: delete what was read
                 if rows:
                     conn.execute(statement, {"ids": [row[0] for row in rows]})

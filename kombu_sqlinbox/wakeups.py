@@ -273,6 +273,8 @@ class Wakeup:
         none (the first claim or wait, and again after it died); None while the database
         is away (call locked). A consumer with a backlog claims before it ever waits, so
         its claims run on this connection from the first."""
+        if self._closed:  # a channel outliving its broker: the pool, no LISTEN session
+            return None
         if self._channels and self._listener is None:
             try:
                 self._own.connect()
@@ -303,23 +305,61 @@ class Wakeup:
         commit's durability, its statements prepared there."""
         return self._claim(work, self._own.transaction)
 
+    def publish(self, work: Callable[[Connection], T]) -> T:
+        """Run a publish of transient messages (one statement whose commit need not wait
+        for the disk) as :meth:`claim_in_transaction` runs a claim: no pool checkout, no
+        setting of the commit's durability, its statement prepared there; run again on
+        the pool when it fails before its COMMIT (nothing landed), raised when its
+        COMMIT fails (it may have landed), as the pool's lost commit is."""
+        ran = False
+
+        def then_commit(conn: Connection) -> T:
+            nonlocal ran
+            result = work(conn)
+            ran = True  # what fails from here on is the COMMIT
+            return result
+
+        return self._claim(then_commit, self._own.transaction, landed=lambda: ran)
+
     def _claim(self, work: Callable[[Connection], T],
-               run: Callable[[Connection, Callable[[Connection], T]], T]) -> T:
+               run: Callable[[Connection, Callable[[Connection], T]], T],
+               landed: Callable[[], bool] | None = None) -> T:
+        """``work`` by ``run`` on the LISTEN connection (see :meth:`claim`); when that
+        fails, on the pool: again, unless ``landed`` says it may have landed (it is
+        raised then), and as repeatable work unless ``landed`` is given."""
         with self._lock:
             session = self._listening()
             if session is not None and self.dialect.keeps_notifications(self._listener):
                 try:
                     result = run(session, work)
-                    arrived = self.dialect.take_notifications(self._listener)
-                    if arrived:
-                        self._changed(arrived)
-                        self.poke()
-                    return result
                 except DBAPIError as exc:
-                    logger.warning("sqlinbox: a claim on the LISTEN connection failed (%s); "
-                                   "claiming on the pool", exc)
                     self._drop_listener()
-        return self.database.run_fenced(work)
+                    if landed is not None and landed():
+                        raise
+                    logger.warning("sqlinbox: work on the LISTEN connection failed (%s); "
+                                   "running it on the pool", exc)
+                except BaseException as exc:
+                    # interrupted mid-statement (KeyboardInterrupt, a greenlet's timeout):
+                    # SQLAlchemy invalidated the session, whose driver connection may be
+                    # left in a transaction; closed, the server rolls it back
+                    if session.invalidated or not isinstance(exc, Exception):
+                        self._drop_listener()
+                    raise
+                else:
+                    try:
+                        self._take_arrived()
+                    except self.database.engine.dialect.loaded_dbapi.Error:
+                        self._drop_listener()  # the work is done; the connection died after it
+                    return result
+        return self.database.run(work, durable=False, repeatable=landed is None)
+
+    def _take_arrived(self) -> None:
+        """Read what arrived on the LISTEN connection: the watchers of what was notified
+        look again (call locked)."""
+        arrived = self.dialect.take_notifications(self._listener)
+        if arrived:
+            self._changed(arrived)
+            self.poke()
 
     def sources(self) -> list[Any]:
         """What a consumer waits on: the in-process pipe; the LISTEN connection where the

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from sqlalchemy import Connection, TextClause, bindparam, event, text
 from sqlalchemy.engine import CursorResult, Engine
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.types import NullType
 
 from ..clock import PARAMETER, Clock
 from ..errors import MessageTooLarge
@@ -129,6 +130,10 @@ class DriverFamily(DialectCore):
     #: the same for a whole session of the transport's own (the LISTEN connection's and
     #: the lease keeper's, which run only fenced work)
     relaxed_session: ClassVar[str | None] = None
+    #: where a driver connection switches to autocommit without a round trip
+    #: (:attr:`autocommit_switch`): one round trip that begins a transaction and runs
+    #: :attr:`relaxed_commit` in it, which a driver beginning on its own sends as two
+    relaxed_begin: ClassVar[str | None] = None
     #: create_engine() arguments this database's engines get unless the user sets them
     engine_defaults: ClassVar[Mapping[str, Any]] = {}
     #: the largest statement the server accepts, when it has such a limit
@@ -165,6 +170,8 @@ class DriverFamily(DialectCore):
         self._driver_sql: dict[tuple[TextClause, str, tuple[int, ...]], DriverSql] = {}
         #: seconds between a session's :attr:`discard_plans`
         self.plan_refresh = PLAN_REFRESH
+        #: whether a statement binds a parameter of a declared type (:meth:`execute`)
+        self._typed: dict[TextClause, bool] = {}
 
     def execute(self, conn: Connection, statement: TextClause,
                 params: Mapping[str, Any]) -> CursorResult[Any]:
@@ -173,10 +180,17 @@ class DriverFamily(DialectCore):
         processing of a ``text()`` cost several times the driver's work, once per claim
         and per ack. Errors, connection invalidation and events stay SQLAlchemy's. List
         parameters are never empty here; a driver with named parameters takes the usual
-        path. A session running prepared statements has them planned anew every
-        :attr:`plan_refresh` seconds (:attr:`discard_plans`)."""
+        path, and so does a statement binding a parameter of a declared type (a name as
+        MySQL's UTF-8 bytes), whose processing is SQLAlchemy's. A session running
+        prepared statements has them planned anew every :attr:`plan_refresh` seconds
+        (:attr:`discard_plans`)."""
         paramstyle = conn.dialect.paramstyle
-        if paramstyle not in POSITIONAL_MARKERS:
+        typed = self._typed.get(statement)
+        if typed is None:
+            typed = self._typed[statement] = any(
+                not isinstance(bound.type, NullType)
+                for bound in statement.compile().binds.values())
+        if paramstyle not in POSITIONAL_MARKERS or typed:
             return conn.execute(statement, dict(params))
         info = conn.info
         prepared: set[str] | None = info.get(PREPARED)

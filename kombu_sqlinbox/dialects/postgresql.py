@@ -105,6 +105,7 @@ class PostgreSQLDialect(PostgreSQLLimits, Dialect):
     # -- driver: engines, sessions, driver SQL, error codes --------------------------------
     relaxed_commit = set_config(FENCED, local=True)
     relaxed_session = set_config(FENCED, local=False)
+    relaxed_begin = f"BEGIN; {relaxed_commit}"
     #: psycopg2 and psycopg switch to autocommit without a round trip; the server commits
     #: a lone statement (NOTIFY included) before its reply
     autocommit_switch = True

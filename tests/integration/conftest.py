@@ -10,6 +10,7 @@ from kombu import Connection
 from sqlalchemy.engine import make_url
 
 import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox alias)
+from kombu_sqlinbox.database import Database
 from tests.tcp_proxy import Proxy
 
 Connect = Callable[..., Connection]
@@ -42,3 +43,18 @@ def proxy(db_url: str) -> Iterator[Proxy]:
     made = Proxy(str(target.host), int(target.port or 0))
     yield made
     made.close()
+
+
+@pytest.fixture
+def driver_url(db_url: str, driver: str) -> str:
+    """The PostgreSQL URL through ``driver`` (a test parametrized over :data:`.support.DRIVERS`)."""
+    return make_url(db_url).set(drivername=f"postgresql+{driver}").render_as_string(
+        hide_password=False)
+
+
+@pytest.fixture
+def pooled(driver_url: str) -> Iterator[Database]:
+    """A database of one pooled connection through ``driver``: every run takes the same one."""
+    database = Database.open(driver_url, pool_size=1, max_overflow=0)
+    yield database
+    database.dispose()

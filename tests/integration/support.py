@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from multiprocessing.synchronize import Event
 from typing import Any, TypeVar
 
+import pytest
 from kombu import Connection, Consumer, Queue
 from kombu.message import Message
 from sqlalchemy import TextClause, event, text
@@ -325,3 +326,9 @@ def partitioned_table(engine: Engine, name: str) -> TableSpec:
                         "FOR VALUES FROM (3) TO (MAXVALUE)"))
     return (TableBuilder(name).id().payload().headers().priority().available_at()
             .locked_until().attempt().build())
+
+
+#: a PostgreSQL test run through each driver (with the ``driver_url`` and ``pooled`` fixtures)
+DRIVERS = pytest.mark.parametrize("driver", ["psycopg", "psycopg2"])
+#: the statement that names the session's server process
+BACKEND = "SELECT pg_backend_pid()"
