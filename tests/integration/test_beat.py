@@ -57,7 +57,9 @@ def test_racing_schedulers_send_each_tick_once(store: Schedules, broker_url: str
     # PostgreSQL fail their first tick (beat logs it and ticks again; race() would exit)
     assert sent_ids(broker_url, table_prefix) == []
     readies, go = [SPAWN.Event() for _ in range(3)], SPAWN.Event()
-    procs = [SPAWN.Process(target=race, args=(broker_url, table_prefix, ready, go, 2.0,
+    # 4 s of racing: a 0.2 s schedule falls due about 20 times, 4 at the least even when a
+    # loaded machine starves the schedulers for a second at a time (2 s gave 3 in CI)
+    procs = [SPAWN.Process(target=race, args=(broker_url, table_prefix, ready, go, 4.0,
                                               str(tmp_path / f"sent{n}")))
              for n, ready in enumerate(readies)]
     for proc in procs:

@@ -8,6 +8,8 @@ paths as they were."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sqlite3
 import threading
 import time
@@ -418,29 +420,43 @@ def test_discard_plans_inside_a_listen_transaction(
 
 
 # -- real Celery: remote control across terminated LISTEN sessions -------------------------
+def local_ports(pids: set[int]) -> set[int]:
+    """The local ports of the processes' TCP sockets (Linux's /proc: each socket's inode
+    among the processes' open files, matched in the kernel's TCP tables)."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:["):-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if fields[9] in inodes:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def listen_pids_of(admin: Engine, pids: set[int]) -> set[int]:
     """The backends of the 'sqlinbox listen' sessions of the processes ``pids`` (by their
     sockets' local ports: other test runs share the server)."""
-    import psutil
-
-    ports = set()
-    for pid in pids:
-        for made in psutil.Process(pid).net_connections(kind="tcp"):
-            if made.raddr and made.raddr.port == 5432:
-                ports.add(made.laddr.port)
+    ports = local_ports(pids)
     with admin.connect() as conn:
         return {int(row[0]) for row in conn.execute(text(
             "SELECT pid, client_port FROM pg_stat_activity "
             "WHERE application_name = 'sqlinbox listen'")) if row[1] in ports}
 
 
-@pytest.mark.parametrize("broker", ["postgresql", "postgresql-psycopg2"])
+@pytest.mark.parametrize("database", ["postgresql"], indirect=True)
+@DRIVERS
 def test_ping_inspect_and_events_across_terminated_listen_sessions(
-        broker: str, tmp_path: Any) -> None:
+        database: str, driver: str, tmp_path: Any) -> None:
     """A worker answers ping and inspect, once each, and its events arrive, after the
     worker's and the caller's LISTEN sessions were terminated (several times)."""
-    import os
-
+    broker = "postgresql" if driver == "psycopg" else "postgresql-psycopg2"
     from tests.databases import database_url
     from tests.remote.conftest import Events, cluster_on
 
