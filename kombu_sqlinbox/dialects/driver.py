@@ -170,8 +170,6 @@ class DriverFamily(DialectCore):
         self._driver_sql: dict[tuple[TextClause, str, tuple[int, ...]], DriverSql] = {}
         #: seconds between a session's :attr:`discard_plans`
         self.plan_refresh = PLAN_REFRESH
-        #: whether a statement binds a parameter of a declared type (:meth:`execute`)
-        self._typed: dict[TextClause, bool] = {}
 
     def execute(self, conn: Connection, statement: TextClause,
                 params: Mapping[str, Any]) -> CursorResult[Any]:
@@ -185,11 +183,8 @@ class DriverFamily(DialectCore):
         prepared statements has them planned anew every :attr:`plan_refresh` seconds
         (:attr:`discard_plans`)."""
         paramstyle = conn.dialect.paramstyle
-        typed = self._typed.get(statement)
-        if typed is None:
-            typed = self._typed[statement] = any(
-                not isinstance(bound.type, NullType)
-                for bound in statement.compile().binds.values())
+        typed = any(not isinstance(bound.type, NullType)
+                    for bound in statement._bindparams.values())
         if paramstyle not in POSITIONAL_MARKERS or typed:
             return conn.execute(statement, dict(params))
         info = conn.info
