@@ -267,16 +267,17 @@ class LimitFamily(QueueFamily, UniqueFamily, ScheduleFamily):
             columns.append(f"r.{f['partition_key']}")
         # locked, skipping rows locked by other claims: claimers reading at once take
         # different rows, as the plain claim's do, not the same few one after another
-        def picking(among: str, columns: list[str], full: bool = True) -> str:
+        def picking(among: str, columns: list[str], full: bool = True,
+                    index: str = "claim") -> str:
             passed = (f" AND ({key} IS NULL OR ({self.exact_key(key)} NOT IN :full"
                       f"{f' AND {live} < :most' if in_scan else ''}))") if full else ""
             return self.ordered_select(spec, columns, (
                 f"WHERE {among}{self.ready_filter(spec)}{self.above_floor(spec)}{passed} "
                 f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit"),
-                f" {self.lock_clause}" if self.lock_clause else "")
+                f" {self.lock_clause}" if self.lock_clause else "", index)
 
-        def candidates(among: str) -> TextClause:
-            picked = picking(among, columns)
+        def candidates(among: str, index: str = "claim") -> TextClause:
+            picked = picking(among, columns, index=index)
             if not in_scan:
                 picked = self.slots_after(picked, len(columns), listed)
             return self.clocked(text(picked).bindparams(
@@ -288,7 +289,8 @@ class LimitFamily(QueueFamily, UniqueFamily, ScheduleFamily):
                 f"FROM {slots} AS s LEFT JOIN {holder} WHERE s.queue_table = :queue_table AND ")
         return LimitedClaim(
             candidates=candidates(""),
-            among=candidates(f"r.{f['id']} IN :ids AND ").bindparams(
+            # by ids: read through the id's index, so as to lock no row it was not given
+            among=candidates(f"r.{f['id']} IN :ids AND ", "PRIMARY").bindparams(
                 bindparam("ids", expanding=True)),
             holders=self.clocked(text(read + "s.limit_key IN :keys").bindparams(
                 bindparam("keys", expanding=True, type_=String()))),

@@ -24,6 +24,7 @@ from ..tables import ColumnSpec, Role, TableSpec
 from .base import Dialect
 from .core import Capabilities
 from .driver import _expanding
+from .mysql_ids import MySQLIdIndexes
 from .mysql_unique import MySQLUniqueKeys
 from .results import FINAL, HISTORY_COLUMNS, RESULT_ID_BYTES, Names
 from .routing import TRANSIENT_ORDER, RoutingStatements
@@ -50,7 +51,7 @@ class Utf8Name(sqltypes.TypeDecorator[str]):
         return None if value is None else value.encode("utf-8")
 
 
-class MySQLDialect(MySQLUniqueKeys, Dialect):
+class MySQLDialect(MySQLIdIndexes, MySQLUniqueKeys, Dialect):
     # -- core: time, identifiers, capabilities ---------------------------------------------
     names = ("mysql", "mariadb")
     capabilities = Capabilities(row_locks=True, skip_locked=True, key_locks=True)
@@ -150,16 +151,6 @@ class MySQLDialect(MySQLUniqueKeys, Dialect):
         return (f" AND ({priority} > 0 OR {priority} < 0 OR ({priority} = 0"
                 f"{floor}))")
 
-    def index_hint(self, spec: TableSpec, index: str = "claim") -> str:
-        """``FORCE INDEX`` on the transport's own tables (an error where the index is
-        missing, so never on a declared table): a table whose statistics count only its
-        few live rows is otherwise read whole, every delete-marked row a snapshot keeps
-        from purge with it, at every claim."""
-        if not spec.own:
-            return ""
-        name = "PRIMARY" if index == "PRIMARY" else self.index_name(spec, index)
-        return f" FORCE INDEX ({name})"
-
     def group_heads(self, spec: TableSpec) -> str:
         """MySQL's own loose index scan ("Using index for group-by"): the first row of
         each group read from the ``(group, id)`` index, a probe per group (a recursive
@@ -192,7 +183,7 @@ class MySQLDialect(MySQLUniqueKeys, Dialect):
         select = (f"SELECT {self.returned_columns(spec, 'r')} FROM {rows} "
                   f"{selection} {self.lock_clause}")
         lease = (
-            f"UPDATE {f['table']} SET {f['locked_until']} = {self.later(':lease')}, "
+            f"UPDATE {self.by_id(spec)[0]} SET {f['locked_until']} = {self.later(':lease')}, "
             f"{f['attempt']} = {f['attempt']} + 1 WHERE {f['id']} IN :ids"
         )
         return (_expanding(select), _expanding(lease))
@@ -329,7 +320,8 @@ class MySQLDialect(MySQLUniqueKeys, Dialect):
         return (text(f"SELECT id, payload, headers, priority FROM {messages} "
                      f"WHERE queue = :queue AND {fresh} ORDER BY {TRANSIENT_ORDER} "
                      f"LIMIT :limit {self.lock_clause}"),
-                _expanding(f"DELETE FROM {messages} WHERE id IN :ids"))
+                _expanding(f"DELETE {messages} FROM {messages} FORCE INDEX (PRIMARY) "
+                           "WHERE id IN :ids"))
 
     def routing_ddl(self, queues: str, bindings: str, messages: str,
                     names: tuple[str, str, str]) -> list[str]:

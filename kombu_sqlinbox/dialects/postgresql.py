@@ -143,7 +143,7 @@ class PostgreSQLDialect(PostgreSQLLimits, Dialect):
         return f"JOIN unnest(ARRAY({ids})) AS h (id) ON {row_id} = h.id ", "", order
 
     def ordered_select(self, spec: TableSpec, columns: Sequence[str], selection: str,
-                       lock: str = "") -> str:
+                       lock: str = "", index: str = "claim") -> str:
         """The rows ``selection`` picks as one query per band of priorities (above, at and
         below the default, 0), merged in claim order: with the priority first in the
         claim index, a floor on the ready time (its second column) only filters entries,
@@ -156,7 +156,7 @@ class PostgreSQLDialect(PostgreSQLLimits, Dialect):
         ordered = f" ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit"
         if (not spec.has(Role.PRIORITY) or not self.above_floor(spec)
                 or not selection.startswith("WHERE ") or not selection.endswith(ordered)):
-            return super().ordered_select(spec, columns, selection, lock)
+            return super().ordered_select(spec, columns, selection, lock, index)
         named = ", ".join(f"{column} AS c{n}" for n, column in enumerate(columns))
         bands = " UNION ALL ".join(
             f"(SELECT * FROM (SELECT {named}, r.{f['priority']} AS p, r.{f['available_at']} "

@@ -135,27 +135,28 @@ class QueueFamily(SchemaFamily):
         rows have the same shape everywhere, fenced by (attempt, ids)."""
         f = self.fields(spec)
         fence = f"WHERE {f['attempt']} = :attempt AND {f['id']} IN :ids"
+        rows, delete_rows = self.by_id(spec)
         # a row given back (released, retried, completed in place) has no lease: an
         # extension written after its settlement must not lease it again
-        extend = (f"UPDATE {f['table']} SET {f['locked_until']} = {self.later(':lease')} "
+        extend = (f"UPDATE {rows} SET {f['locked_until']} = {self.later(':lease')} "
                   f"{fence} AND {f['locked_until']} IS NOT NULL")
         retry = None
         if spec.has(Role.AVAILABLE_AT):
             retry = _expanding(
-                f"UPDATE {f['table']} SET {f['locked_until']} = NULL, "
+                f"UPDATE {rows} SET {f['locked_until']} = NULL, "
                 f"{f['available_at']} = {self.later(':delay')} {fence}")
         one_row = (f"SELECT r.{f['id']} FROM {f['table']} AS r "
                    f"WHERE r.{f['id']} = :id AND r.{f['attempt']} = :attempt ")
-        delete = f"DELETE FROM {f['table']} {fence}"
+        delete = f"{delete_rows} {fence}"
         complete = delete
         if spec.has(Role.PROCESSED_AT):
             complete = (
-                f"UPDATE {f['table']} SET {f['processed_at']} = {self.now}, "
+                f"UPDATE {rows} SET {f['processed_at']} = {self.now}, "
                 f"{f['locked_until']} = NULL {fence}"
             )
-        release = f"UPDATE {f['table']} SET {f['locked_until']} = NULL {fence}"
+        release = f"UPDATE {rows} SET {f['locked_until']} = NULL {fence}"
         uncounted = (
-            f"UPDATE {f['table']} SET {f['locked_until']} = NULL, "
+            f"UPDATE {rows} SET {f['locked_until']} = NULL, "
             f"{f['attempt']} = {f['attempt']} - 1 {fence}"
         )
         waiting = f"WHERE {f['locked_until']} IS NULL OR {f['locked_until']} < {self.now}"

@@ -136,11 +136,12 @@ class SelectionFamily(DialectCore):
                 f"{self.floor_time.format('floor')}")
 
     def ordered_select(self, spec: TableSpec, columns: Sequence[str], selection: str,
-                       lock: str = "") -> str:
+                       lock: str = "", index: str = "claim") -> str:
         """``SELECT`` of ``columns`` from the rows of ``spec`` (as ``r``) that ``selection``
-        picks, under the lock clause ``lock`` (leading space) if any."""
+        picks, under the lock clause ``lock`` (leading space) if any, read through the
+        ``index`` :meth:`index_hint` names (``PRIMARY``: a selection by ids)."""
         return (f"SELECT {', '.join(columns)} FROM {self.table_ref(spec)} AS r"
-                f"{self.index_hint(spec)} {selection}{lock}")
+                f"{self.index_hint(spec, index)} {selection}{lock}")
 
     def oldest_above(self, spec: TableSpec) -> str:
         """The ready times (as ``available_at``) whose least is the oldest of the rows at
@@ -169,6 +170,13 @@ class SelectionFamily(DialectCore):
         :meth:`index_columns` suffix (``PRIMARY``: its primary key), whatever the table's
         statistics say; empty where the planner needs no telling."""
         return ""
+
+    def by_id(self, spec: TableSpec) -> tuple[str, str]:
+        """The target of an UPDATE, and the head of a DELETE, of rows ``spec``'s statements
+        name by id (``IN :ids``): where the database would otherwise read, and lock,
+        rows it was not given, through the index that leads with the id."""
+        table = self.table_ref(spec)
+        return table, f"DELETE FROM {table}"
 
     def among(self, row_id: str, ids: str, order: str) -> tuple[str, str, str]:
         """A join and a condition (each empty or ending in a space) keeping the rows whose
