@@ -89,7 +89,7 @@ class TransientQueues:
 
         # on the LISTEN connection: an INSERT waits for no lock; the registry's writes,
         # which may, stay on the pool (one waiting there would hold every claim here)
-        if self.dialect.notify and self.database.bound_caller() is None:
+        if self._on_listen_connection():
             self.wakeup.publish(publish)
         else:
             self.routes.write(publish, durable=False)
@@ -129,9 +129,14 @@ class TransientQueues:
         def count(conn: Connection) -> int:
             return int(self.dialect.execute(conn, self.sql.size, {"queue": queue}).scalar_one())
 
-        if self.database.bound_caller() is None and self.dialect.notify:
+        if self._on_listen_connection():
             return self.wakeup.claim(count)
         return self.routes.read(count)
+
+    def _on_listen_connection(self) -> bool:
+        """Whether transient work runs on the LISTEN connection: where the database has
+        one, unless a bound caller's transaction must see it."""
+        return self.dialect.notify and self.database.bound_caller() is None
 
     def purge(self, queue: str) -> int:
         return int(self.routes.write(

@@ -16,13 +16,9 @@ from tests.tcp_proxy import Proxy
 Connect = Callable[..., Connection]
 
 
-@pytest.fixture
-def connect(broker_url: str, table_prefix: str) -> Iterator[Connect]:
-    """Open kombu connections on the database under test, inside this test's table prefix.
-
-    Keyword arguments are transport options. Connections with equal options share
-    one per-process broker (one keeper); different options give different brokers.
-    """
+def connections(broker_url: str, table_prefix: str) -> Iterator[Connect]:
+    """Open kombu connections to ``broker_url`` inside ``table_prefix`` until the test
+    ends, then release them (keyword arguments are transport options)."""
     opened: list[Connection] = []
 
     def open_connection(**options: Any) -> Connection:
@@ -34,6 +30,16 @@ def connect(broker_url: str, table_prefix: str) -> Iterator[Connect]:
     yield open_connection
     for conn in reversed(opened):
         conn.release()
+
+
+@pytest.fixture
+def connect(broker_url: str, table_prefix: str) -> Iterator[Connect]:
+    """Open kombu connections on the database under test, inside this test's table prefix.
+
+    Keyword arguments are transport options. Connections with equal options share
+    one per-process broker (one keeper); different options give different brokers.
+    """
+    yield from connections(broker_url, table_prefix)
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from sqlalchemy.exc import DBAPIError
 from kombu_sqlinbox.database import Database, closed_by_server
 from kombu_sqlinbox.wakeups import Wakeup
 
-from .conftest import Connect
+from .conftest import Connect, connections
 from .support import BACKEND, DRIVERS, broker_of, wait_for
 from .test_listen_loss import backend_pid
 from .test_round_trips import REPLIES
@@ -43,17 +43,7 @@ def admin(driver_url: str) -> Iterator[Engine]:
 @pytest.fixture
 def connect_driver(driver_url: str, table_prefix: str) -> Iterator[Connect]:
     """kombu connections through the chosen PostgreSQL driver."""
-    opened: list[KombuConnection] = []
-
-    def open_connection(**options: Any) -> KombuConnection:
-        conn = KombuConnection("sqlinbox+" + driver_url, transport_options={
-            "table_prefix": table_prefix, "polling_interval": 0.05, **options})
-        opened.append(conn)
-        return conn
-
-    yield open_connection
-    for conn in reversed(opened):
-        conn.release()
+    yield from connections("sqlinbox+" + driver_url, table_prefix)
 
 
 def terminate(admin: Engine, pid: int) -> None:
