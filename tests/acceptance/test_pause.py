@@ -78,7 +78,9 @@ def test_pause_and_resume_flapping_under_a_consuming_worker_loses_and_repeats_no
     pause keep their attempt)."""
     acceptance.configure(pause_check_interval=CHECK_INTERVAL)
     keys = [f"f{n}" for n in range(150)]
-    acceptance.send("acc.run", keys, kwargs={"seconds": 0.04})
+    # 7.5 s of work on two processes: the twenty rounds, a write each way, end well
+    # before it on a loaded machine (at 0.04 s a task the backlog was gone first in CI)
+    acceptance.send("acc.run", keys, kwargs={"seconds": 0.1})
     worker = acceptance.worker("prefork", 2)
     wait_until(lambda: acceptance.runs.starts(), 30, "the first task", alive=[worker])
     for _ in range(20):
