@@ -42,7 +42,7 @@ from typing import Any
 
 from sqlalchemy import create_engine, inspect, text
 
-from kombu_sqlinbox.database import sqlalchemy_url
+from kombu_sqlinbox.urls import sqlalchemy_url
 
 POSTGRESQL = os.environ.get("SQLINBOX_BENCH_POSTGRES", "postgresql://root@127.0.0.1/test")
 MYSQL = os.environ.get("SQLINBOX_BENCH_MYSQL", "mysql://root@127.0.0.1/test")

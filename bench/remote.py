@@ -43,6 +43,7 @@ if __name__ == "__main__":  # run as a script: import the bench package, not its
 
 from celery import Celery
 from celery.utils.nodenames import host_format
+from sqlalchemy import create_engine
 
 from bench.celery_app import TASK, counter, make_app
 from bench.cli import choices, run_alone
@@ -50,6 +51,7 @@ from bench.registry import Cell, Row, Section, gist, goal, guarded, progress, sp
 from bench.report import table
 from bench.targets import Context, Sizes, Target, celery_env, delete_queue
 from bench.workers import MONITORED_FLAGS, REPO, STARTUP, stop_all, worker
+from kombu_sqlinbox.urls import sqlalchemy_url
 
 NAME = "remote"
 BROKERS = ("sqlinbox", "redis", "rabbitmq")
@@ -71,6 +73,7 @@ FIGURES = {
     "ping1": "ping one p50 / p99 ms",
     "missed": "pings missing a reply",
     "cli": "CLI inspect ping s (p50)",
+    "statements": "statements / commits per ping one",
     "events": "task events p50 / p99 ms",
     "heartbeat": "heartbeat gap p50 / max s",
 }
@@ -175,19 +178,48 @@ def wait_for(check: Callable[[], bool], seconds: float, what: str,
 
 
 # -- the measurements ------------------------------------------------------------------------
-def ping_rows(app: Celery, names: list[str], calls: int) -> dict[str, Cell]:
+def server_counts(target: Target) -> Callable[[], tuple[int, int]] | None:
+    """MariaDB's statements and commits so far, all sessions (its global ``Questions`` and
+    ``Com_commit``; the read itself is one more statement); None elsewhere."""
+    if target.database != "mysql":
+        return None
+    engine = create_engine(sqlalchemy_url(target.url), isolation_level="AUTOCOMMIT")
+
+    def counts() -> tuple[int, int]:
+        with engine.connect() as conn:
+            found: dict[str, Any] = dict(conn.exec_driver_sql(
+                "SHOW GLOBAL STATUS WHERE Variable_name IN ('Questions', 'Com_commit')").all())
+        return int(found["Questions"]), int(found["Com_commit"])
+
+    return counts
+
+
+def ping_rows(app: Celery, names: list[str], calls: int,
+              counts: Callable[[], tuple[int, int]] | None = None) -> dict[str, Cell]:
     """``calls`` pings to both workers, one after another, then as many to the first alone
-    (a reply limit of one): round trip ms, calls short of a reply."""
+    (a reply limit of one): round trip ms, calls short of a reply; with ``counts``, the
+    server's statements and commits per ping to one worker (its workers' idle polls,
+    heartbeats and this process's event receiver included)."""
     found: dict[int, list[float]] = {len(names): [], 1: []}
     missed = 0
+    first = None
     for many, _ in [(many, call) for many in found for call in range(calls)]:
+        if many == 1 and first is None and counts is not None:
+            first = counts()
         began = time.perf_counter()
         replies = app.control.ping(destination=names[:many], timeout=PING_TIMEOUT)
         found[many].append((time.perf_counter() - began) * 1000)
         missed += len(replies) < many
         time.sleep(random.uniform(0, 0.05))
-    return {"ping": spread(found[len(names)]), "ping1": spread(found[1]),
-            "missed": Cell(missed, f"{missed} of {calls * 2}")}
+    cells = {"ping": spread(found[len(names)]), "ping1": spread(found[1]),
+             "missed": Cell(missed, f"{missed} of {calls * 2}")}
+    if counts is not None and first is not None:
+        last = counts()
+        statements, commits = ((b - a) / calls for a, b in zip(first, last, strict=True))
+        statements -= 1 / calls  # the first read of the counts
+        cells["statements"] = Cell(statements, f"{statements:.1f} / {commits:.1f}",
+                                   {"statements": statements, "commits": commits})
+    return cells
 
 
 def cli_ping(env: dict[str, str], names: list[str], runs: int) -> Cell:
@@ -250,7 +282,7 @@ def measure(target: Target, ctx: Context, cli_runs: int) -> dict[str, Cell]:
             monitor = stack.enter_context(monitoring(app, lambda host: host in names))
             wait_for(lambda: len(app.control.ping(destination=names, timeout=PING_TIMEOUT))
                      == len(names), STARTUP * 2, "ping reply from both workers", workers)
-            cells = ping_rows(app, names, samples)
+            cells = ping_rows(app, names, samples, server_counts(target))
             cells["cli"] = guarded(lambda: cli_ping(env, names, cli_runs))
             events = event_rows(app, monitor, queue, samples, key, workers)
             return {**cells, **events}
@@ -296,7 +328,9 @@ def markdown(rows: list[Row], args: argparse.Namespace) -> str:
         f"an event receiver in the benchmark process. Ping: {samples} "
         f"app.control.ping calls to both workers by name, timeout {PING_TIMEOUT:g} s (a "
         "call short of a reply counts as its timeout); ping one: as many to the first "
-        f"worker alone. CLI: {cli_runs} runs of "
+        "worker alone. Statements / commits (MariaDB): the server's, all sessions, per "
+        "ping one, the workers' idle polls, heartbeats and events included. "
+        f"CLI: {cli_runs} runs of "
         "`celery -A app inspect ping` (waits its whole 1 s timeout), wall time with "
         f"start-up; (k/n both): runs that listed both workers. Events: {samples} tasks "
         f"at random gaps up to {TASK_GAP * 1000:.0f} ms; task-received/started/succeeded, "

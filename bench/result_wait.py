@@ -32,7 +32,7 @@ from celery import Celery
 from sqlalchemy import create_engine, inspect, text
 
 import kombu_sqlinbox  # noqa: F401  (registers the sqlinbox+ broker URLs)
-from kombu_sqlinbox.database import sqlalchemy_url
+from kombu_sqlinbox.urls import sqlalchemy_url
 
 BROKER_ENV, BACKEND_ENV = "RESULT_WAIT_BROKER", "RESULT_WAIT_BACKEND"
 PREFIX_ENV = "RESULT_WAIT_PREFIX"

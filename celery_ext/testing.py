@@ -40,9 +40,9 @@ from sqlalchemy import create_engine, inspect
 from kombu_sqlinbox import clock as clocks
 from kombu_sqlinbox.brokers import broker_for, close_all
 from kombu_sqlinbox.codec import DEATH_HEADER
-from kombu_sqlinbox.database import sqlalchemy_url
 from kombu_sqlinbox.options import parse_options
 from kombu_sqlinbox.tables import TableSpec
+from kombu_sqlinbox.urls import sqlalchemy_url
 
 from .declaration import OutboxSpec
 from .outbox import Outbox, OutboxError, outbox_of

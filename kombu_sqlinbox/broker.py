@@ -24,7 +24,6 @@ from .codec import Undecodable, convert_payload, dead_letter_headers, parked_pay
 from .database import engine_for as engine_for  # re-exported: imported from here
 from .database import open_database
 from .database import same_database as same_database
-from .database import sqlalchemy_url as sqlalchemy_url
 from .dialects import RowsInsert
 from .errors import ConfigurationError
 from .exact import row_checks
@@ -40,6 +39,7 @@ from .task_rates import TaskRates
 from .throughput import Throughput
 from .transient import TransientQueues
 from .unique import UniqueKey, UniquePublisher
+from .urls import sqlalchemy_url as sqlalchemy_url
 from .wakeups import Wakeup
 
 logger = logging.getLogger(__name__)

@@ -21,19 +21,19 @@ from urllib.parse import unquote
 
 from sqlalchemy import Connection, create_engine, event, inspect
 from sqlalchemy import util as sa_util
-from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.engine import URL, Engine
 from sqlalchemy.engine.create import _pool_translate_kwargs as POOL_KEYWORDS
 from sqlalchemy.engine.default import DefaultDialect
-from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import Pool
 
 from . import binding
 from .clock import key_of
-from .dialects import SPELLINGS, Dialect, RowsInsert, dialect_class, dialect_for
+from .dialects import Dialect, RowsInsert, dialect_class, dialect_for
 from .errors import ConfigurationError, SchemaMismatch
 from .options import TransportOptions, unknown_option
 from .tables import TableSpec
-from .urls import masked
+from .urls import sqlalchemy_url
 
 logger = logging.getLogger(__name__)
 
@@ -45,79 +45,6 @@ PUBLISH_CURSOR = "sqlinbox_publish_cursor"
 #: a PostgreSQL driver connection's transaction status outside a transaction (psycopg 2's
 #: and 3's ``info.transaction_status``)
 IDLE = 0
-
-#: drivers tried, in order, for a URL that names no driver (SQLAlchemy's own default
-#: first where it has one installed)
-BARE_DRIVERS = {
-    "postgresql": (("psycopg", "psycopg"), ("psycopg2", "psycopg2")),
-    "mysql": (("MySQLdb", "mysqldb"), ("pymysql", "pymysql")),
-    "mariadb": (("MySQLdb", "mysqldb"), ("pymysql", "pymysql")),
-}
-#: the kombu-sqlinbox extra that installs each driver it supports
-DRIVER_EXTRAS = {"psycopg": "postgres", "psycopg2": "psycopg2", "pymysql": "mysql"}
-#: the package on PyPI of an SQLAlchemy driver whose name is not its package's
-DRIVER_PACKAGES = {"mysqldb": "mysqlclient", "mysqlconnector": "mysql-connector-python",
-                   "mariadbconnector": "mariadb"}
-
-
-def _install_hint(drivers: Sequence[str]) -> str:
-    """How to install the first of ``drivers``: the extra that brings it, else its package."""
-    extra = next((DRIVER_EXTRAS[name] for name in drivers if name in DRIVER_EXTRAS), None)
-    if extra:
-        return f"pip install 'kombu-sqlinbox[{extra}]'"
-    return f"pip install {DRIVER_PACKAGES.get(drivers[0], drivers[0])}"
-
-
-def sqlalchemy_url(url: str) -> URL:
-    """The SQLAlchemy URL behind ``sqlinbox+...`` (given with or without that prefix). A URL
-    naming no driver (``postgresql://``, ``mysql://``) takes whichever supported driver is
-    installed; ``postgres://`` is read as ``postgresql://``, and a scheme in any case as
-    in lower case."""
-    try:
-        parsed = make_url(url.removeprefix("sqlinbox+"))
-    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
-        parsed = None
-    if parsed is None or parsed.drivername == "sqlinbox":
-        raise ConfigurationError(
-            f"broker URL {masked(url)!r} is not an SQLAlchemy URL; write e.g. "
-            "sqlinbox+postgresql://user@host/db or sqlinbox+sqlite:///jobs.db"
-        )
-    # a URL's scheme is case-insensitive; SQLAlchemy's dialect names are lower case
-    backend, plus, driver = parsed.drivername.lower().partition("+")
-    parsed = parsed.set(drivername=SPELLINGS.get(backend, backend) + plus + driver)
-    candidates = BARE_DRIVERS.get(parsed.drivername)
-    if candidates is None:
-        return _driver_installed(parsed, url)
-    for module, driver in candidates:
-        try:
-            found = __import__(module)
-        except ImportError:
-            continue
-        if found.__name__ != module:
-            continue  # a stand-in (pymysql.install_as_MySQLdb()): its own driver comes next
-        return parsed.set(drivername=f"{parsed.drivername}+{driver}")
-    modules = " or ".join(module for module, _ in candidates)
-    raise ConfigurationError(
-        f"a {parsed.drivername}:// URL needs a driver, {modules}, and neither is installed: "
-        f"{_install_hint([driver for _, driver in candidates])}"
-    )
-
-
-def _driver_installed(parsed: URL, given: str) -> URL:
-    """``parsed``, whose driver imports; else the error naming the extra that installs it
-    (SQLAlchemy would raise the driver's bare ImportError when the engine is made)."""
-    try:
-        dialect = parsed.get_dialect()
-    except NoSuchModuleError:  # no such database: refused by its name where it is served
-        return parsed
-    try:
-        dialect.import_dbapi()
-    except ImportError as exc:
-        raise ConfigurationError(
-            f"URL {masked(given)!r} names the driver {dialect.driver!r}, which is not "
-            f"installed ({exc}): {_install_hint([dialect.driver])}") from None
-    return parsed
-
 
 def refuse_memory_database(url: URL) -> None:
     """An SQLite database in memory is one per connection (a shared-cache one, one per
@@ -289,9 +216,12 @@ class Database:
     def look(self, work: Callable[[Connection], T], attempts: int = 10) -> T:
         """Run ``work``, reads whose statements need no snapshot in common (each sees the
         database as it is when it runs, as under read committed), outside a transaction
-        where the switch to autocommit sends nothing (:attr:`switch_autocommit`): each
-        statement is one round trip, without a BEGIN's and a COMMIT's; elsewhere as
-        :meth:`run` runs reads. Retried as reads are."""
+        where the switch to autocommit sends nothing (:attr:`switch_autocommit`) or a
+        connection stays in it (:meth:`alone`): each statement is one round trip, without
+        a BEGIN's and a COMMIT's; elsewhere as :meth:`run` runs reads. Retried as reads
+        are."""
+        if self.publish_pool is not None:
+            return self.alone(work, attempts)
         if not self.switch_autocommit:
             return self.run(work, attempts, read_only=True)
         for attempt in range(1, attempts + 1):
@@ -317,6 +247,48 @@ class Database:
                 if driver.info.transaction_status != IDLE:
                     conn.exec_driver_sql("ROLLBACK")
                 driver.autocommit = False
+
+    def alone(self, work: Callable[[Connection], T], attempts: int = 10,
+              repeatable: bool = True, durable: bool = True) -> T:
+        """Run ``work``, whose statements need nothing in common (reads, or one write), on
+        a connection of :attr:`publish_pool`: each statement commits as it runs, one
+        round trip, no BEGIN or COMMIT. Retried as :meth:`run` retries; a write that is
+        not ``repeatable`` is raised when its connection broke as it ran (it may have
+        landed), and first checks that its connection was not closed by the server (a
+        statement could not tell that from a reply lost). Without that pool, as
+        :meth:`run` runs it."""
+        kept = self.publish_pool
+        if kept is None:
+            return self.run(work, attempts, durable=durable, repeatable=repeatable)
+        for attempt in range(1, attempts + 1):
+            try:
+                pooled = self._checkout(kept)
+            except DBAPIError as refused:  # nothing sent: run again, whatever the work
+                self._retry_or_raise(refused, False, attempt, attempts)
+                continue
+            if not repeatable and attempt < attempts and closed_by_server(
+                    pooled.dbapi_connection):
+                pooled.invalidate()
+                pooled.close()
+                continue
+            try:
+                with Connection(self.engine, connection=pooled) as conn:
+                    return work(conn)
+            except DBAPIError as exc:
+                self._retry_or_raise(exc, not repeatable, attempt, attempts)
+        raise AssertionError("unreachable")
+
+    def _checkout(self, pool: Pool) -> Any:
+        """A connection of ``pool``; one that cannot be made raises as the engine's own
+        would (SQLAlchemy's error, a lost server marked as such): retried as :meth:`run`
+        retries a connection refused."""
+        try:
+            return pool.connect()
+        except self.engine.dialect.loaded_dbapi.Error as error:
+            dialect = self.engine.dialect
+            raise DBAPIError.instance(
+                None, None, error, dialect.loaded_dbapi.Error, dialect=dialect,
+                connection_invalidated=dialect.is_disconnect(error, None, None)) from error
 
     def run_fenced(self, work: Callable[[Connection], T]) -> T:
         """Run fenced ``work`` (claims, settlements, sweeps: run again after a lost commit
@@ -359,7 +331,11 @@ class Database:
         alone = self.dialect.autocommit_write or switch or kept is not None
         for attempt in range(1, attempts + 1):
             committing = switched = False
-            pooled = self.engine.raw_connection() if kept is None else kept.connect()
+            try:
+                pooled = self.engine.raw_connection() if kept is None else self._checkout(kept)
+            except DBAPIError as refused:
+                self._retry_or_raise(refused, False, attempt, attempts)
+                continue
             cursor = None
             try:
                 # one cursor per connection for its publishes (forgotten with the connection):

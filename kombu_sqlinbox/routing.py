@@ -200,13 +200,16 @@ class Routes:
         found = {c["name"] for c in inspect(conn).get_columns(self.sql.names[2])}
         return [] if column in found else [alter]
 
-    def write(self, work: Callable[[Connection], T], durable: bool = True) -> T:
-        """Run ``work`` in the bound caller's transaction when there is one on this
-        database (SQLite has one writer: our own would wait for the caller's), else in
-        a transaction of our own."""
+    def write(self, work: Callable[[Connection], T], durable: bool = True,
+              one: bool = False) -> T:
+        """Run ``work`` in the bound caller's transaction when there is one on this database
+        (SQLite has one writer: ours would wait for the caller's), else in a transaction
+        of our own (``one`` statement: :meth:`.Database.alone`)."""
         caller = self.database.bound_caller()
         if caller is not None:
             return work(caller)
+        if one:
+            return self.database.alone(work, repeatable=False, durable=durable)
         return self.database.run(work, durable=durable)
 
     # -- the queue registry ----------------------------------------------------
@@ -224,7 +227,7 @@ class Routes:
             return  # declared again by kombu for another use (see :class:`.Written`)
         self._declared[queue] = declared
         self.write(lambda conn: conn.execute(self.sql.declare, self._declare_params(
-            queue, declared)), durable=not declared.transient)  # lost as its queue is
+            queue, declared)), not declared.transient, one=True)  # lost as its queue is
         self._written.wrote((queue,), declared.expires, _renewal)
         if declared.expires is not None:  # the declaration pushed its expiry back
             self._touched[queue] = time.monotonic() + _renewal(declared.expires)
@@ -419,7 +422,7 @@ class Routes:
         transient = self._transient.get(queue, False)  # lost in a crash as its queue is
         self.write(lambda conn: conn.execute(self.sql.bind, {
             "exchange": exchange, "type": kind, "queue": queue, "routing_key": routing_key,
-            "pattern": pattern}), durable=not transient)
+            "pattern": pattern}), durable=not transient, one=True)
 
     def unbind(self, exchange: str, queue: str, routing_key: str) -> None:
         self._bound[queue] = {b for b in self._bound.get(queue, ())

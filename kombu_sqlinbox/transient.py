@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, TextClause
 
 from .codec import priority_of
 from .dialects import plain_payload
@@ -25,6 +25,8 @@ from .tables import TableBuilder, TableSpec, check_name
 from .wakeups import Wakeup
 
 T = TypeVar("T")
+#: the reads of a claim on MariaDB that claims racing it beat to the ids it read
+RACED_READS = 3
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ class TransientQueues:
         if self._on_listen_connection():
             self.wakeup.publish(publish)
         else:
-            self.routes.write(publish, durable=False)
+            self.routes.write(publish, durable=False, one=True)
         self.wakeup.published()
 
     def channel(self, queue: str) -> str:
@@ -145,22 +147,49 @@ class TransientQueues:
     # -- the claim form of transient queues ----------------------------------------
     def claim(self, table: QueueTable, limit: int, skip: Sequence[Any] = ()) -> list[ClaimedRow]:
         """Take up to ``limit`` unexpired messages of the queue, higher priority first,
-        then oldest."""
+        then oldest: on a connection in autocommit where the server's DELETE returns rows
+        (:attr:`~.dialects.routing.RoutingStatements.claim_alone`), else by the claim's
+        own statements."""
         self._current()
         params = {"queue": table.queue, "limit": limit}
-
-        def take(conn: Connection) -> list[Any]:
-            first, *then = self.sql.claim
-            rows = list(self.dialect.execute(conn, first, params).all())
-            for statement in then:  # where DELETE cannot return: delete what was read
-                if rows:
-                    conn.execute(statement, {"ids": [row[0] for row in rows]})
-            return rows
-
-        rows: list[Any] = self._claim_on(take)
+        rows: list[Any]
+        if self.sql.claim_alone is not None and self.database.engine.dialect.delete_returning:
+            rows = self._take_alone(self.sql.claim_alone, params)
+        else:
+            rows = self._claim_on(partial(self._take, params))
         rows.sort(key=lambda row: (-row[3], row[0]))  # higher priority first, then oldest
         return [ClaimedRow(id=row[0], attempt=1, payload=plain_payload(row[1]),
                            headers=row[2], group=None, partition_key=None) for row in rows]
+
+    def _take(self, params: dict[str, Any], conn: Connection) -> list[Any]:
+        first, *then = self.sql.claim
+        rows = list(self.dialect.execute(conn, first, params).all())
+        for statement in then:  # where DELETE cannot return: delete what was read
+            if rows:
+                conn.execute(statement, {"ids": [row[0] for row in rows]})
+        return rows
+
+    def _take_alone(self, statements: tuple[TextClause, TextClause],
+                    params: dict[str, Any]) -> list[Any]:
+        """Read the first ids, then DELETE them, which returns what this claim took; while
+        a claim racing it took some of a full read's ids, read on (at most
+        :data:`RACED_READS` times), so a queue holding more is not found empty. Each
+        round alone: one that fails runs again without losing the rows of the last."""
+        taken: list[Any] = []
+        for _ in range(RACED_READS):
+            wanted = params["limit"] - len(taken)
+            ids, rows = self.database.alone(
+                partial(self._read_and_delete, statements, {**params, "limit": wanted}))
+            taken += rows
+            if len(rows) == len(ids) or len(ids) < wanted:
+                break
+        return taken
+
+    def _read_and_delete(self, statements: tuple[TextClause, TextClause],
+                         params: dict[str, Any], conn: Connection) -> tuple[list[int], list[Any]]:
+        read, delete = statements
+        ids = list(self.dialect.execute(conn, read, params).scalars())
+        return ids, list(self.dialect.execute(conn, delete, {"ids": ids})) if ids else []
 
     def held_for(self, table: QueueTable, row: ClaimedRow) -> Held:
         return TransientHeld(table, row.id, row.attempt, row=row)

@@ -1,4 +1,4 @@
-"""The broker URL as kombu holds it, and as the transport shows it.
+"""The broker URL as kombu holds it, as the transport shows it, and as SQLAlchemy opens it.
 
 kombu keeps a ``sqlinbox+`` URL whole in the connection's ``hostname``, and Celery shows
 that field (``celery inspect stats``, Flower's worker page) while it leaves out only the
@@ -14,8 +14,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
+from .dialects import SPELLINGS
 from .errors import ConfigurationError
 
 #: how a broker URL names this transport
@@ -130,3 +131,76 @@ def refuse_alternates_with_query(alternates: Sequence[Any]) -> None:
                 "string (kombu's failover cannot pass it on); give driver settings as "
                 "transport option engine_options={'connect_args': {...}}, which every URL "
                 "shares")
+
+
+#: drivers tried, in order, for a URL that names no driver (SQLAlchemy's own default
+#: first where it has one installed)
+BARE_DRIVERS = {
+    "postgresql": (("psycopg", "psycopg"), ("psycopg2", "psycopg2")),
+    "mysql": (("MySQLdb", "mysqldb"), ("pymysql", "pymysql")),
+    "mariadb": (("MySQLdb", "mysqldb"), ("pymysql", "pymysql")),
+}
+#: the kombu-sqlinbox extra that installs each driver it supports
+DRIVER_EXTRAS = {"psycopg": "postgres", "psycopg2": "psycopg2", "pymysql": "mysql"}
+#: the package on PyPI of an SQLAlchemy driver whose name is not its package's
+DRIVER_PACKAGES = {"mysqldb": "mysqlclient", "mysqlconnector": "mysql-connector-python",
+                   "mariadbconnector": "mariadb"}
+
+
+def _install_hint(drivers: Sequence[str]) -> str:
+    """How to install the first of ``drivers``: the extra that brings it, else its package."""
+    extra = next((DRIVER_EXTRAS[name] for name in drivers if name in DRIVER_EXTRAS), None)
+    if extra:
+        return f"pip install 'kombu-sqlinbox[{extra}]'"
+    return f"pip install {DRIVER_PACKAGES.get(drivers[0], drivers[0])}"
+
+
+def sqlalchemy_url(url: str) -> URL:
+    """The SQLAlchemy URL behind ``sqlinbox+...`` (given with or without that prefix). A URL
+    naming no driver (``postgresql://``, ``mysql://``) takes whichever supported driver is
+    installed; ``postgres://`` is read as ``postgresql://``, and a scheme in any case as
+    in lower case."""
+    try:
+        parsed = make_url(url.removeprefix("sqlinbox+"))
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
+        parsed = None
+    if parsed is None or parsed.drivername == "sqlinbox":
+        raise ConfigurationError(
+            f"broker URL {masked(url)!r} is not an SQLAlchemy URL; write e.g. "
+            "sqlinbox+postgresql://user@host/db or sqlinbox+sqlite:///jobs.db"
+        )
+    # a URL's scheme is case-insensitive; SQLAlchemy's dialect names are lower case
+    backend, plus, driver = parsed.drivername.lower().partition("+")
+    parsed = parsed.set(drivername=SPELLINGS.get(backend, backend) + plus + driver)
+    candidates = BARE_DRIVERS.get(parsed.drivername)
+    if candidates is None:
+        return _driver_installed(parsed, url)
+    for module, driver in candidates:
+        try:
+            found = __import__(module)
+        except ImportError:
+            continue
+        if found.__name__ != module:
+            continue  # a stand-in (pymysql.install_as_MySQLdb()): its own driver comes next
+        return parsed.set(drivername=f"{parsed.drivername}+{driver}")
+    modules = " or ".join(module for module, _ in candidates)
+    raise ConfigurationError(
+        f"a {parsed.drivername}:// URL needs a driver, {modules}, and neither is installed: "
+        f"{_install_hint([driver for _, driver in candidates])}"
+    )
+
+
+def _driver_installed(parsed: URL, given: str) -> URL:
+    """``parsed``, whose driver imports; else the error naming the extra that installs it
+    (SQLAlchemy would raise the driver's bare ImportError when the engine is made)."""
+    try:
+        dialect = parsed.get_dialect()
+    except NoSuchModuleError:  # no such database: refused by its name where it is served
+        return parsed
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"URL {masked(given)!r} names the driver {dialect.driver!r}, which is not "
+            f"installed ({exc}): {_install_hint([dialect.driver])}") from None
+    return parsed

@@ -62,6 +62,15 @@ class Proxy:
         finally:
             self._refusing = False
 
+    def blink(self, seconds: float) -> threading.Timer:
+        """Cut every connection and refuse new ones for ``seconds`` (a failover, a proxy
+        restarting), then let them in again; the timer that does it, started."""
+        self._refusing = True
+        self.cut()
+        back = threading.Timer(seconds, setattr, (self, "_refusing", False))
+        back.start()
+        return back
+
     def cut_after_commit(self, times: int = 1, marker: bytes = b"COMMIT") -> None:
         """The next ``times`` COMMITs (statements holding ``marker``: one that commits
         itself) are forwarded, then their connection is cut before the server's reply

@@ -103,8 +103,10 @@ class MySQLDialect(MySQLIdIndexes, MySQLUniqueKeys, Dialect):
     #: the isolation level is set once per connection by SQLAlchemy, which also restores
     #: it after a transaction that asked for another (a queue's ``isolation_level``);
     #: every transaction of ours ends in COMMIT or ROLLBACK, so the pool's extra ROLLBACK
-    #: on return (a round trip with pymysql) is skipped
-    engine_defaults = {"isolation_level": "READ COMMITTED", "pool_reset_on_return": None}
+    #: on return (a round trip with pymysql) is skipped, and so is SQLAlchemy's ROLLBACK of
+    #: a connection in autocommit (:meth:`.Database.alone`), which the server would ignore
+    engine_defaults = {"isolation_level": "READ COMMITTED", "pool_reset_on_return": None,
+                       "skip_autocommit_rollback": True}
     #: PyMySQL and MySQLdb send ``SET AUTOCOMMIT`` to switch; the server commits a lone
     #: statement before its reply (durable with ``innodb_flush_log_at_trx_commit=1``)
     autocommit_kept = True
@@ -322,6 +324,13 @@ class MySQLDialect(MySQLIdIndexes, MySQLUniqueKeys, Dialect):
                      f"LIMIT :limit {self.lock_clause}"),
                 _expanding(f"DELETE {messages} FROM {messages} FORCE INDEX (PRIMARY) "
                            "WHERE id IN :ids"))
+
+    def transient_claim_alone(self, messages: str, fresh: str) -> tuple[TextClause, TextClause]:
+        """MariaDB's DELETE returns the rows it deleted (MySQL's does not)."""
+        return (text(f"SELECT id FROM {messages} WHERE queue = :queue AND {fresh} "
+                     f"ORDER BY {TRANSIENT_ORDER} LIMIT :limit"),
+                _expanding(f"DELETE FROM {messages} WHERE id IN :ids "
+                           "RETURNING id, payload, headers, priority"))
 
     def routing_ddl(self, queues: str, bindings: str, messages: str,
                     names: tuple[str, str, str]) -> list[str]:

@@ -45,6 +45,12 @@ class RoutingStatements:
     route: TextClause
     put: TextClause
     claim: tuple[TextClause, ...]
+    #: the claim on a connection in autocommit, each statement committed as it runs,
+    #: where the server's DELETE returns rows: a plain read of the first ids (committed
+    #: rows: it waits for no lock, not even a caller's uncommitted publish, which a
+    #: DELETE of the queue's first rows would), then their DELETE by id, returning the
+    #: rows this claim took (a claim racing it may take some first); None: :attr:`claim`
+    claim_alone: tuple[TextClause, TextClause] | None
     size: TextClause
     purge: TextClause
     expired_queues: TextClause
@@ -149,6 +155,7 @@ class RoutingFamily(DialectCore):
         now = self.epoch(self.now)
         ttl = self.seconds_param.format("ttl")
         fresh = f"(expires_at IS NULL OR expires_at > {now})"
+        alone = self.transient_claim_alone(messages, fresh)
         # a message's expiry: the sooner of its own TTL and its queue's
         expiry = (f"CASE WHEN {ttl} IS NULL AND q.message_ttl IS NULL THEN NULL "
                   f"WHEN {ttl} IS NULL THEN {now} + q.message_ttl "
@@ -202,6 +209,8 @@ class RoutingFamily(DialectCore):
             put=self.clocked(self.named(self.route_statement(put, messages))),
             claim=tuple(self.clocked(self.named(statement, ids=False))
                         for statement in self.transient_claim(messages, fresh)),
+            claim_alone=None if alone is None else (
+                self.clocked(self.named(alone[0], ids=False)), self.named(alone[1], ids=False)),
             size=sql(f"SELECT COUNT(*) FROM {messages} WHERE queue = :queue AND {fresh}"),
             purge=sql(f"DELETE FROM {messages} WHERE queue = :queue"),
             expired_queues=sql(f"SELECT {name}, transient FROM {queues} "
@@ -227,6 +236,12 @@ class RoutingFamily(DialectCore):
                 f"{self.lock_clause.replace(' OF r', '')}")
         return (text(f"DELETE FROM {messages} WHERE id IN ({pick}) "
                      "RETURNING id, payload, headers, priority"),)
+
+    def transient_claim_alone(self, messages: str,
+                              fresh: str) -> tuple[TextClause, TextClause] | None:
+        """:attr:`RoutingStatements.claim_alone`, when the server's DELETE returns rows
+        (SQLAlchemy's ``delete_returning``, known from the first connection)."""
+        return None
 
     def routing_ddl(self, queues: str, bindings: str, messages: str,
                     names: tuple[str, str, str]) -> list[str]:

@@ -20,8 +20,8 @@ from sqlalchemy import event
 from celery_ext.beat import TICK_RETENTION, DatabaseScheduler, Schedules
 from celery_ext.schedule_times import ScheduleError
 from kombu_sqlinbox import clock
-from kombu_sqlinbox.database import sqlalchemy_url
 from kombu_sqlinbox.errors import ConfigurationError
+from kombu_sqlinbox.urls import sqlalchemy_url
 from tests.processes import wait_until
 from tests.tcp_proxy import Proxy
 

@@ -150,6 +150,21 @@ def publish_connection_id(conn: Connection) -> int:
         pooled.close()
 
 
+def kill_publish_connection(conn: Connection, engine: Engine) -> int:
+    """Kill the idle connection the next publish takes (as ``KILL`` or ``wait_timeout``
+    would) and wait until its socket shows it closed; its server id."""
+    pool = broker_of(conn).database.publish_pool
+    assert pool is not None
+    pooled = pool.connect()
+    driver = pooled.dbapi_connection
+    pooled.close()
+    killed = publish_connection_id(conn)
+    with engine.connect() as admin:
+        admin.exec_driver_sql(f"KILL {killed}")
+    wait_for(lambda: closed_by_server(driver), "the killed connection's end")
+    return killed
+
+
 def connected(engine: Engine, connection_id: int) -> bool:
     with engine.connect() as conn:
         return bool(conn.execute(
@@ -192,15 +207,7 @@ def test_a_publish_on_a_connection_the_server_killed_takes_a_fresh_one_and_lands
     the publish sends anything: the publish goes on, once, on a fresh connection."""
     conn = connect()
     publish(conn, "jobs", {"n": 0})
-    pool = broker_of(conn).database.publish_pool
-    assert pool is not None
-    pooled = pool.connect()
-    driver = pooled.dbapi_connection
-    pooled.close()
-    killed = publish_connection_id(conn)
-    with engine.connect() as admin:
-        admin.exec_driver_sql(f"KILL {killed}")
-    wait_for(lambda: closed_by_server(driver), "the killed connection's end")
+    killed = kill_publish_connection(conn, engine)
     conn.Producer().publish({"n": 1}, routing_key="jobs", retry=False)
     assert count_rows(engine, table_of("jobs", table_prefix)) == 2
     assert publish_connection_id(conn) != killed

@@ -75,7 +75,7 @@ def test_a_bare_mysql_url_takes_pymysql_where_it_stands_in_for_mysqldb(
     PyMySQL under its own name, the driver the transport's publish path is tuned for."""
     import pymysql
 
-    from kombu_sqlinbox.database import sqlalchemy_url
+    from kombu_sqlinbox.urls import sqlalchemy_url
 
     monkeypatch.setitem(sys.modules, "MySQLdb", pymysql)
     assert sqlalchemy_url("mysql://root@db/app").drivername == "mysql+pymysql"
