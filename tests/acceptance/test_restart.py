@@ -1,7 +1,8 @@
 """The database server restarts while a worker runs 300 tasks: every task is done and the
 worker goes on by itself. Duplicates are allowed (an ack can be lost with the connection)
 and reported. A pause issued while the server restarts fails until it is back, then
-holds every worker.
+holds every worker. MariaDB's transient work, on connections kept in autocommit, goes on
+after a restart.
 
 This restarts the shared PostgreSQL / MariaDB server: it must not run while other tests
 use them (CI runs everything one after the other). The server is always left running.
@@ -14,12 +15,16 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from kombu import Connection as KombuConnection
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
 from kombu_sqlinbox.errors import DatabaseUnreachable
 from kombu_sqlinbox.operations import Operations
 from kombu_sqlinbox.options import parse_options
 from tests.acceptance.conftest import Acceptance, check_exactly_once
+from tests.integration.support import broker_of
+from tests.integration.test_transient_alone import bodies, reply_queue, send, transient_rows
 from tests.processes import wait_until
 from tests.servers import restart_server, server_answers, start_server
 
@@ -113,3 +118,28 @@ def test_a_pause_issued_while_the_database_restarts_holds_once_it_lands(
     check_exactly_once(acceptance.runs.starts(), ["before", *HELD])
     assert worker.stop() == 0, worker.tail()
     print(f"{database}: {failed} pause tries failed while the server restarted")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("database", ["mysql"])
+def test_transient_work_alone_goes_on_after_a_database_restart(
+        server: str, broker_url: str, table_prefix: str, engine: Engine) -> None:
+    """MariaDB restarted under a broker whose connections kept in autocommit are all dead:
+    a transient queue's declare, a publish and claims each land once afterwards."""
+    conn = KombuConnection(broker_url, transport_options={"table_prefix": table_prefix})
+    try:
+        queue = reply_queue(conn)
+        for n in range(3):
+            send(conn, {"warm": n})
+        assert len(bodies(queue)) == 3
+        send(conn, {"n": 0})
+        restart_server("mysql", server)
+        engine.dispose()  # this test's own connections died with the server too
+        send(conn, {"n": 1})
+        fresh = reply_queue(conn, "fresh")
+        send(conn, {"n": 2}, "fresh")
+        assert bodies(queue) == [{"n": 0}, {"n": 1}]
+        assert bodies(fresh) == [{"n": 2}]
+        assert transient_rows(engine, broker_of(conn)) == 0
+    finally:
+        conn.release()

@@ -1,6 +1,6 @@
 """Transient work alone on MariaDB (each statement committed as it runs) against what
 production does to it: claims racing for the same ids, the database out of reach or
-blinking, a statement interrupted, a cut claim, a restarted server, a bound caller, odd
+blinking, a statement interrupted, a cut claim, a bound caller, odd
 queue names, priorities and TTLs; and, on every database, the wake-ups of threads that
 share a process and of a transient queue a busy round passed over."""
 
@@ -374,34 +374,6 @@ def test_a_claim_whose_delete_is_cut_delivers_nothing_twice(
         assert queue.get(no_ack=True) is None
     finally:
         conn.release()
-
-
-@pytest.mark.databases("mysql")
-def test_after_a_server_restart_transient_declare_publish_and_claim_go_on(
-        connect: Connect, db_url: str, engine: Engine) -> None:
-    """MariaDB restarted (every pooled connection dead, the publish pool's up to five):
-    a declare, a publish and claims on the dead pool each land once."""
-    from tests.servers import restart_server
-    conn = connect()
-    queue = reply_queue(conn)
-    broker = broker_of(conn)
-    for n in range(3):  # several publish-pool connections opened, all kept
-        threads = [threading.Thread(target=send, args=(connect(), {"warm": n}))
-                   for _ in range(1)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(10)
-    assert len(bodies(queue)) == 3
-    send(conn, {"n": 0})
-    restart_server("mysql", db_url)
-    engine.dispose()
-    send(conn, {"n": 1})
-    fresh = reply_queue(conn, "fresh")
-    send(conn, {"n": 2}, "fresh")
-    assert bodies(queue) == [{"n": 0}, {"n": 1}]
-    assert bodies(fresh) == [{"n": 2}]
-    assert transient_rows(engine, broker) == 0
 
 
 @pytest.mark.databases("mysql")
