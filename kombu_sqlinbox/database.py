@@ -373,7 +373,6 @@ class Database:
                 pooled.commit()
                 return
             except self.engine.dialect.loaded_dbapi.Error as driver_error:
-                pooled.info.pop(PUBLISH_CURSOR, None)  # a failed statement's is not reused
                 exc = self._driver_failure(driver_error, pooled, cursor, sql)
                 if switched and not exc.connection_invalidated:
                     driver.autocommit = False  # back to the pool as it came
@@ -389,7 +388,6 @@ class Database:
         try:
             cursor.execute(wake, values)
         except self.engine.dialect.loaded_dbapi.Error as driver_error:
-            pooled.info.pop(PUBLISH_CURSOR, None)
             exc = self._driver_failure(driver_error, pooled, cursor, wake)
             logger.warning("A published row's wake-up was not sent (%s); the row is "
                            "committed, its consumers find it at their next poll",
@@ -398,13 +396,24 @@ class Database:
         return True
 
     def _driver_failure(self, error: Any, pooled: Any, cursor: Any, sql: str) -> DBAPIError:
-        """A driver error as SQLAlchemy raises it; a connection it shows dead is
-        invalidated (so the pool opens a fresh one), any other is rolled back."""
+        """A publish cursor's driver error as SQLAlchemy raises it; a connection it shows
+        dead is invalidated (so the pool opens a fresh one, its cursors closed with it),
+        any other is rolled back.
+
+        The cursor is not reused, and on a live connection it is closed here, by the
+        thread holding the connection: the raised error's traceback keeps it in a
+        reference cycle, and SQLite resets a failed statement when its cursor is freed,
+        which waits for the connection's mutex. Freed by a garbage collection in another
+        thread (one holding the write lock) while this connection's next statement waits
+        for that lock, the two would wait on each other until the busy timeout."""
         dialect = self.engine.dialect
         lost = dialect.is_disconnect(error, pooled.dbapi_connection, cursor)
+        pooled.info.pop(PUBLISH_CURSOR, None)
         if lost:
             pooled.invalidate(error)
         else:
+            if cursor is not None:
+                cursor.close()
             pooled.rollback()
         wrapped = DBAPIError.instance(sql, None, error, dialect.loaded_dbapi.Error,
                                       connection_invalidated=lost, dialect=dialect)
