@@ -12,6 +12,7 @@ import logging
 import weakref
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from itertools import count
 from queue import Empty
 from time import monotonic, time
@@ -111,15 +112,18 @@ class QoS(virtual.QoS):
 
         After a lost connection the consumer goes on with what it started: a running
         task acks late, here. So a row stays held (the keeper extends it) for as long
-        as its message is referenced; one the consumer dropped unstarted goes back as
-        soon as its message is freed.
+        as its message is referenced; one the consumer dropped unstarted goes back once
+        its message is freed, at the consumer's next round (or a flush): its finalizer
+        only hands the release over (:mod:`.handover`), since it runs in whichever
+        thread collects, perhaps one holding the keeper's lock.
         """
         self._flush()
         kept = set()
         while self._connection_lost and self._delivered:
             tag, message = self._delivered.popitem(last=False)
             if self.channel.deliveries.holds(tag):
-                weakref.finalize(message, self._release, tag)
+                weakref.finalize(message, self.channel.broker.keeper.handed_over.put,
+                                 partial(self._release, tag))
                 kept.add(tag)
             del message  # ours must not be the reference that keeps it held
         self._delivered.clear()
@@ -129,7 +133,7 @@ class QoS(virtual.QoS):
         return []
 
     def _release(self, delivery_tag: Any) -> None:
-        """Requeue in place a row nobody can settle any more (any thread)."""
+        """Requeue in place a row nobody can settle any more."""
         self.reject(delivery_tag, requeue=True)
 
 
@@ -213,6 +217,7 @@ class Channel(virtual.Channel):
 
     # -- consume ---------------------------------------------------------------
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        self.broker.keeper.handed_over.run()
         table = self.broker.table(queue)
         self.broker.routes.keep_alive(queue)
         deliveries = self.deliveries

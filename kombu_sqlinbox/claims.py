@@ -31,8 +31,8 @@ from sqlalchemy.exc import DBAPIError
 
 from .database import Database
 from .errors import ConfigurationError
-from .keeper import ClaimRunner, LeaseKeeper
-from .rows import ClaimedRow, Held, QueueTable, Settlement
+from .keeper import LeaseKeeper
+from .rows import ClaimedRow, ClaimRunner, Held, QueueTable, Settlement
 from .tables import Role
 from .wakeups import Wakeup
 

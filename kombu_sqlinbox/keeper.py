@@ -11,26 +11,20 @@ import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
 from .database import Database
+from .handover import HandOver
 from .own_session import OwnSession
 from .retries import Failing, isolated, next_backoff
-from .rows import ClaimedRow, Group, Held, Queued, QueueTable, Settlement, grouped
+from .rows import ClaimedRow, ClaimRunner, Group, Held, Queued, QueueTable, Settlement, grouped
 
 #: the logger of the claim forms: the docs name it, operators' settings select it
 logger = logging.getLogger("kombu_sqlinbox.claims")
 T = TypeVar("T")
-
-
-class ClaimRunner(Protocol):
-    """How a lease claim's transaction is run: :meth:`.Database.run_fenced`, or
-    :meth:`Wakeup.claim` on the LISTEN connection."""
-
-    def __call__(self, work: Callable[[Connection], T]) -> T: ...
 
 
 #: how long closing a channel, a broker or the process waits for the settlements queued
@@ -95,6 +89,8 @@ class LeaseKeeper:
         extends what it holds."""
         self._lock = threading.Lock()
         self._written = threading.Condition(self._lock)  # settlements left the queue
+        #: what finalizers hand over: the release of a row whose message was freed
+        self.handed_over = HandOver()
         self._held: dict[QueueTable, dict[int, int]] = defaultdict(dict)
         self._pending: list[Queued] = []
         self._writing: list[Queued] = []
@@ -160,6 +156,7 @@ class LeaseKeeper:
         """Wait until every settlement queued so far is committed (or dropped with its
         table); False on timeout."""
         deadline = time.monotonic() + timeout
+        self.handed_over.run()
         with self._lock:
             target = self._queued
             if self._oldest() <= target:

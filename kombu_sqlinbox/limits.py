@@ -36,9 +36,9 @@ from .database import Database
 from .dialects import LimitedClaim, LimitStatements
 from .dialects.limits import digest
 from .errors import ConfigurationError, SchemaMismatch
-from .keeper import ClaimRunner, LeaseKeeper
+from .keeper import LeaseKeeper
 from .options import MAX_LIMIT_KEY, QueueOptions, TransportOptions
-from .rows import ClaimedRow, QueueTable
+from .rows import ClaimedRow, ClaimRunner, QueueTable
 from .tables import Role, TableSpec
 
 #: the message property and header naming a row's key

@@ -20,6 +20,13 @@ from .tables import Role, TableSpec
 T = TypeVar("T")
 
 
+class ClaimRunner(Protocol):
+    """How a lease claim's transaction is run: :meth:`.Database.run_fenced`, or
+    :meth:`Wakeup.claim` on the LISTEN connection."""
+
+    def __call__(self, work: Callable[[Connection], T]) -> T: ...
+
+
 class ClaimedRow(NamedTuple):
     """A row taken by a claim: what delivery needs, plus the fencing token (attempt). A
     tuple: one is made per message, and a frozen dataclass costs several times as much."""

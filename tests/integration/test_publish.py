@@ -7,7 +7,6 @@ keep connections of their own in autocommit. A lost COMMIT reply is in test_lost
 
 from __future__ import annotations
 
-import gc
 import os
 import threading
 import time
@@ -76,67 +75,6 @@ def test_a_driver_of_another_parameter_style_publishes_and_consumes_through_sqla
     message.ack()
     assert broker.keeper.flush(timeout=10)  # settled by SQLAlchemy's statement
     assert count_rows(engine, table_of("jobs", table_prefix)) == 0
-
-
-@pytest.mark.databases("sqlite")
-def test_a_failed_publish_leaves_no_statement_for_another_threads_collection_to_wait_on(
-        connect: Connect, engine: Engine, table_prefix: str) -> None:
-    """A publish whose INSERT fails (a trigger refuses it) is raised, and the cursor it
-    failed on is closed at once. The raised error's traceback keeps that cursor in a
-    reference cycle: left to the garbage collector, SQLite resets its statement from
-    whichever thread collects, which waits for the connection's mutex while another
-    thread runs a statement on it. A collecting thread holding the write lock, while that
-    statement waited for the lock, stalled both until the busy timeout (a consumer's
-    renewal and its publisher, 30 s)."""
-    conn = connect()
-    publish(conn, "jobs", {"n": 0})
-    table = quoted(engine, table_of("jobs", table_prefix))
-    with engine.begin() as db:
-        db.exec_driver_sql(f"CREATE TRIGGER refuse BEFORE INSERT ON {table} "
-                           "BEGIN SELECT RAISE(ABORT, 'refused'); END")
-    pool = broker_of(conn).engine.pool
-    entered, release = threading.Event(), threading.Event()
-
-    def hold() -> int:
-        """Runs inside a statement on the connection the publish failed on."""
-        entered.set()
-        release.wait(30)
-        return 1
-
-    def run_a_held_statement() -> None:
-        pooled = pool.connect()
-        try:
-            pooled.dbapi_connection.create_function("hold", 0, hold)
-            pooled.dbapi_connection.execute("SELECT hold()").fetchone()
-        finally:
-            pooled.close()
-
-    collecting = gc.isenabled()
-    gc.disable()  # the failed publish's cycle is left to the collection below
-    try:
-        with pytest.raises(DBAPIError, match="refused"):
-            conn.Producer().publish({"n": 1}, routing_key="jobs", retry=False)
-        assert pool.checkedin() == 1  # the one the publish failed on, taken below
-        holder = threading.Thread(target=run_a_held_statement)
-        collector = threading.Thread(target=gc.collect)
-        holder.start()
-        try:
-            assert entered.wait(10), "the held statement never began"
-            collector.start()
-            collector.join(5)
-            assert not collector.is_alive(), "the collection waited for the busy connection"
-        finally:
-            release.set()
-            holder.join(10)
-            if collector.ident is not None:
-                collector.join(10)
-    finally:
-        if collecting:
-            gc.enable()
-    with engine.begin() as db:
-        db.exec_driver_sql("DROP TRIGGER refuse")
-    publish(conn, "jobs", {"n": 2})
-    assert [get_within(conn, "jobs").payload["n"] for _ in range(2)] == [0, 2]
 
 
 @pytest.mark.databases("postgresql")
