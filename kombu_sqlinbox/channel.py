@@ -113,9 +113,10 @@ class QoS(virtual.QoS):
         After a lost connection the consumer goes on with what it started: a running
         task acks late, here. So a row stays held (the keeper extends it) for as long
         as its message is referenced; one the consumer dropped unstarted goes back once
-        its message is freed, at the consumer's next round (or a flush): its finalizer
-        only hands the release over (:mod:`.handover`), since it runs in whichever
-        thread collects, perhaps one holding the keeper's lock.
+        its message is freed, at the consumer's next turn of the loop, the keeper's next
+        extension or a flush: its finalizer only hands the release over
+        (:mod:`.handover`), since it runs in whichever thread collects, perhaps one
+        holding the keeper's lock.
         """
         self._flush()
         kept = set()
@@ -217,7 +218,6 @@ class Channel(virtual.Channel):
 
     # -- consume ---------------------------------------------------------------
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
-        self.broker.keeper.handed_over.run()
         table = self.broker.table(queue)
         self.broker.routes.keep_alive(queue)
         deliveries = self.deliveries

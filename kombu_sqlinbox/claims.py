@@ -223,7 +223,11 @@ class RowLockClaims(ClaimForm):
                     conn, statement, {held.attempt: [held.id]}, {"delay": delay})
                 conn.commit()
         finally:
-            conn.close()
+            try:
+                conn.close()
+            except DBAPIError as exc:  # its session ended with it: so did the row's lock
+                if not exc.connection_invalidated:
+                    raise
 
     def run_held(self, held: Held, work: Callable[[Connection], T]) -> T:
         conn = self._take(held)

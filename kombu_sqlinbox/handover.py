@@ -4,8 +4,9 @@ A finalizer (``weakref.finalize``) runs in whichever thread's allocation set off
 garbage collection that freed its object: perhaps a keeper thread holding the keeper's
 lock, or one inside a write transaction. Work that takes a lock or runs a statement would
 then wait on what its own thread holds, for ever. The finalizer only puts the work here
-(``SimpleQueue.put`` is safe to call from a finalizer); a consumer's next round and a
-flush run it.
+(``SimpleQueue.put`` is safe to call from a finalizer); the consumer's next turn of the
+loop (a round that found nothing, Celery's ``consume_ready``), the keeper's extending
+thread (at least every third of the shortest lease held) and a flush run it.
 """
 
 from __future__ import annotations

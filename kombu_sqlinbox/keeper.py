@@ -432,6 +432,7 @@ class LeaseKeeper:
     def _extend_loop(self) -> None:
         backoff = 0.0
         while not self._stopped:
+            self.handed_over.run()  # outside the lock; a process no longer consuming too
             with self._lock:
                 wait = self._next_extension - time.monotonic()
             if wait > 0:

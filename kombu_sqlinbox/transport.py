@@ -127,6 +127,7 @@ class Transport(virtual.Transport):
                 self.cadence.active()
                 return
             except Empty:
+                self.broker.keeper.handed_over.run()  # also while no channel may consume
                 if shutting_down() or (timeout is not None
                                        and monotonic() - started >= timeout):
                     raise TimeoutError() from None
@@ -166,6 +167,7 @@ class Transport(virtual.Transport):
         loop, so timers and acks from other threads are not kept waiting. The wake-up
         pipe brings that turn about (the hub's poll would not return for a callback
         scheduled from one of its own callbacks). Whether anything was delivered."""
+        self.broker.keeper.handed_over.run()
         for delivered in range(self.options.max_batch):
             if self._deliver_buffered():
                 continue
