@@ -68,7 +68,10 @@ def settler_busy(conn: Connection, engine: Engine, table_prefix: str) -> Iterato
     ack = run_prepared(broker.dialect.statements(broker.table("slow").spec).complete)
     with rows_locked(engine, table):
         slow.ack()
-        wait_for(lambda: lock_waiters(engine, table, ack), "the settling thread to wait")
+        # A precondition, bounded for a loaded machine: beside the other parts the
+        # settling thread took over 10 s to reach the lock once.
+        wait_for(lambda: lock_waiters(engine, table, ack), "the settling thread to wait",
+                 timeout=60)
         yield
     wait_for(lambda: count_rows(engine, table) == 0, "the slow ack to land")
 
