@@ -1,9 +1,10 @@
 """Concurrency limits: is the limit kept under load, and what does it cost?
 
     python bench/limits.py [--databases postgresql,mysql,sqlite] [--messages N]
-                           [--work SECONDS]
+                           [--work SECONDS] [--prefetch N]
 
-8 worker processes of 4 threads each (one consumer per process, prefetch 8, the task run
+8 worker processes of 4 threads each (one consumer per process, prefetch 8 unless
+``--prefetch`` says otherwise, as Celery's ``worker_prefetch_multiplier`` does; the task run
 and acked on a thread, as Celery's threads pool does; at most 4 database connections
 per process, 32 in all) drain ``--messages`` rows spread over 1,000 keys (in runs of 5
 consecutive rows of a key), each task a short sleep. Once with
@@ -46,7 +47,7 @@ from bench.report import grid
 from bench.targets import SERVERS, drop_tables
 
 QUEUE = "limited"
-PROCESSES, THREADS, PREFETCH = 8, 4, 8
+PROCESSES, THREADS = 8, 4
 KEYS, LIMIT = 1000, 2
 #: consecutive messages of one key: a key's rows come in runs, as a tenant's batch does
 RUN = 5
@@ -56,7 +57,7 @@ POOL = 3
 TARGET = 0.9
 
 
-def worker(url: str, options: dict[str, Any], work: float, stop: Event,
+def worker(url: str, options: dict[str, Any], work: float, prefetch: int, stop: Event,
            results: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     """One worker process: consume until ``stop``, run each task on a thread, then report
     its ledger."""
@@ -69,7 +70,7 @@ def worker(url: str, options: dict[str, Any], work: float, stop: Event,
             runs.append((message.headers["limit_key"], start, time.monotonic()))
             message.ack()
 
-        with Consumer(conn, [Queue(QUEUE, routing_key=QUEUE)], prefetch_count=PREFETCH,
+        with Consumer(conn, [Queue(QUEUE, routing_key=QUEUE)], prefetch_count=prefetch,
                       callbacks=[lambda _, message: pool.submit(task, message)]):
             while not stop.is_set():
                 with contextlib.suppress(TimeoutError):
@@ -88,7 +89,8 @@ def waiting(engine: Engine, prefix: str) -> int | None:
         return None
 
 
-def one_run(plain: str, limited: bool, messages: int, work: float) -> tuple[int, float]:
+def one_run(plain: str, limited: bool, messages: int, work: float,
+            prefetch: int = 8) -> tuple[int, float]:
     """(most runs of a key at once, messages per second) of one drain."""
     prefix = f"bl{uuid.uuid4().hex[:6]}_"
     url = "sqlinbox+" + plain
@@ -101,7 +103,8 @@ def one_run(plain: str, limited: bool, messages: int, work: float) -> tuple[int,
         with Connection(url, transport_options=options) as conn:
             publish_many(conn, Queue(QUEUE, routing_key=QUEUE), range(messages),
                          lambda i: {"limit_key": f"key-{i // RUN % KEYS}"})
-        workers = [spawn.Process(target=worker, args=(url, options, work, stop, results))
+        workers = [spawn.Process(target=worker, args=(url, options, work, prefetch, stop,
+                                                            results))
                    for _ in range(PROCESSES)]
         for process in workers:
             process.start()
@@ -128,19 +131,20 @@ def main() -> None:
     parser.add_argument("--databases", default="postgresql,mysql,sqlite")
     parser.add_argument("--messages", type=int, default=20000)
     parser.add_argument("--work", type=float, default=0.005, help="seconds per task")
+    parser.add_argument("--prefetch", type=int, default=8, help="each consumer's prefetch")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="limitsbench-"))
     lines = []
     for database in args.databases.split(","):
         plain = SERVERS.get(database) or f"sqlite:///{scratch}/{database}.db"
-        free_most, free_rate = one_run(plain, False, args.messages, args.work)
-        most, rate = one_run(plain, True, args.messages, args.work)
+        free_most, free_rate = one_run(plain, False, args.messages, args.work, args.prefetch)
+        most, rate = one_run(plain, True, args.messages, args.work, args.prefetch)
         lines += [(database, "no limits", free_most, f"{free_rate:.0f}", "-"),
                   (database, f'{{"*": {LIMIT}}}', most, f"{rate:.0f}",
                    f"{rate / free_rate:.0%}" + ("" if rate >= TARGET * free_rate else " (!)"))]
         print(f"{database} done", file=sys.stderr)
     print(f"{args.messages} messages over {KEYS} keys, {PROCESSES} processes x {THREADS} "
-          f"threads, {args.work * 1000:.0f} ms tasks")
+          f"threads, prefetch {args.prefetch}, {args.work * 1000:.0f} ms tasks")
     print(grid(("database", "limits", "most of a key at once", "msg/s", "vs no limits"),
                lines))
 

@@ -14,7 +14,8 @@ was taken meanwhile goes back uncounted before the commit, so no other claimer e
 it leased. A slot is free once its holder is no longer in work under the attempt it took
 it with (:mod:`.dialects.limits`): a killed worker's slots free with its leases. Rows of a
 full key are passed over, not delivered; the claim reads on past them (up to
-:data:`ROUNDS` windows), so other keys go on. Where the dialect has one
+:data:`ROUNDS` windows, the keys at their limit read from the slots once a window comes
+up short), so other keys go on. Where the dialect has one
 (:attr:`.LimitedClaim.whole`: PostgreSQL), a claim is first tried as one statement that
 leases only the rows whose slots it wrote. Queues without limits never come here.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -48,6 +49,10 @@ QUEUE_SLOTS = "queue"
 #: candidate rows read per row wanted; and windows read, each passing over the keys the
 #: ones before found full, before a claim gives up on finding more
 OVERSCAN, ROUNDS = 4, 4
+#: rows a congested claim looks ahead at (unlocked, keys only) in a round, to find the
+#: keys at their limit that fill the head: each round of a claim passes over up to as
+#: many more rows of full keys, whatever the keys in work
+LOOKAHEAD = 256
 #: the live slots a key without a limit of its own passes over at (a queue with only a
 #: queue's limit: none of its keys has slots)
 MAX_SLOTS = 2**31 - 1
@@ -193,7 +198,7 @@ class Limiter:
         # the LISTEN connection): no commit of their own, and the slots of the rows they
         # complete are free to this very claim
         reads = self.dialect.limited_claim(table.spec, self.prefix)
-        more = True
+        more, congested = True, False
         if (reads.whole is not None and not skip and ids is None
                 and table.options.max_in_work is None):
             def one(conn: Connection) -> list[ClaimedRow]:
@@ -207,9 +212,11 @@ class Limiter:
                 return touched, rows
 
             rows = self.keeper.folded(one, self.run_statement, (table, completing))
+            congested = more  # its windows held full keys' rows only
         if more:
             rows = self.keeper.folded(
-                lambda conn: self._claim(conn, table, limit, set(skip), ids), self.run_claim)
+                lambda conn: self._claim(conn, table, limit, set(skip), ids, congested),
+                self.run_claim)
         if rows:
             self._busy.add(table)
         else:
@@ -247,7 +254,14 @@ class Limiter:
         return completed, [], True
 
     def _claim(self, conn: Connection, table: QueueTable, limit: int, skip: set[Any],
-               ids: Sequence[int] | None = None) -> list[ClaimedRow]:
+               ids: Sequence[int] | None = None, congested: bool = False
+               ) -> list[ClaimedRow]:
+        """Lease up to ``limit`` rows within the limits, in windows of candidates each
+        passing over the keys found full so far. While windows leave the claim short (or
+        the caller found the queue's head ``congested`` already), each round first looks
+        ahead at the keys of the next :data:`LOOKAHEAD` rows and reads their slots: the
+        rows of many full keys, each with a few rows waiting (bursts of many tenants in
+        work), would fill every window."""
         options, spec = table.options, table.spec
         reads = self.dialect.limited_claim(spec, self.prefix)
         name = spec_name(spec)
@@ -264,10 +278,14 @@ class Limiter:
         plans: dict[int, list[tuple[str, int, tuple[int, int] | None]]] = {}
         floor = self.dialect.claim_floor(conn, spec)
         for _ in range(ROUNDS):
+            params = {"floor": floor, "queue_table": name, "most": most}
+            if congested and ids is None and options.concurrency_limits:
+                full |= self._ahead(conn, reads, options, {
+                    **params, "limit": LOOKAHEAD, "full": sorted(full)})
             window = (limit - len(plans)) * OVERSCAN
             found = conn.execute(reads.candidates if ids is None else reads.among, {
-                "limit": window, "floor": floor, "full": sorted(full), "queue_table": name,
-                "most": most, **({} if ids is None else {"ids": list(ids)})}).all()
+                **params, "limit": window, "full": sorted(full),
+                **({} if ids is None else {"ids": list(ids)})}).all()
             for row in found:
                 # a key as text: a row sent before keys were checked may hold a number
                 row_id, key = row[0], None if row[1] is None else str(row[1])
@@ -295,9 +313,25 @@ class Limiter:
             if len(plans) == limit or len(found) < window or (
                     queue is not None and not queue.available()):
                 break
+            congested = True  # a window that left the claim short
         if not plans:
             return []
         return self._take(conn, table, plans)
+
+    @staticmethod
+    def _ahead(conn: Connection, reads: LimitedClaim, options: QueueOptions,
+               params: dict[str, Any]) -> set[str]:
+        """The keys of the rows ahead (:attr:`.LimitedClaim.ahead`) holding as many live
+        slots as their limit: at most :data:`LOOKAHEAD`, their slots read by key."""
+        limits = {}
+        for (key,) in conn.execute(reads.ahead, params):
+            if key is not None and (n := limit_of(options, str(key))) is not None:
+                limits[digest(str(key))] = (str(key), n)
+        if not limits:
+            return set()
+        live = Counter(row[0] for row in conn.execute(reads.holders, {
+            "queue_table": params["queue_table"], "keys": sorted(limits)}) if row[4])
+        return {key for held, (key, n) in limits.items() if live[held] >= n}
 
     def _slots(self, conn: Connection, reads: LimitedClaim, name: str, key: str,
                limit: int, wanted: int) -> Slots:

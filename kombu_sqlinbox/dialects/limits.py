@@ -81,6 +81,10 @@ class LimitedClaim:
     holders: TextClause
     #: the same of up to 500 slots whose holder is no longer in work
     dead: TextClause
+    #: the limit keys of the first ``:limit`` ready rows the candidates would read on
+    #: to (past the ``:full`` keys, and where the scan reads slots past keys holding
+    #: ``:most``), none locked: a look ahead at the keys a congested head holds
+    ahead: TextClause
     #: the rows ``:ids`` at ``:attempt`` given back uncounted with the slots they hold
     #: (:attr:`LimitStatements.release`), in this order in one transaction; the first
     #: statement's count is the rows'
@@ -268,13 +272,13 @@ class LimitFamily(QueueFamily, UniqueFamily, ScheduleFamily):
         # locked, skipping rows locked by other claims: claimers reading at once take
         # different rows, as the plain claim's do, not the same few one after another
         def picking(among: str, columns: list[str], full: bool = True,
-                    index: str = "claim") -> str:
+                    index: str = "claim", locked: bool = True) -> str:
             passed = (f" AND ({key} IS NULL OR ({self.exact_key(key)} NOT IN :full"
                       f"{f' AND {live} < :most' if in_scan else ''}))") if full else ""
             return self.ordered_select(spec, columns, (
                 f"WHERE {among}{self.ready_filter(spec)}{self.above_floor(spec)}{passed} "
                 f"ORDER BY {self.claim_order(spec, 'r')} LIMIT :limit"),
-                f" {self.lock_clause}" if self.lock_clause else "", index)
+                f" {self.lock_clause}" if locked and self.lock_clause else "", index)
 
         def candidates(among: str, index: str = "claim") -> TextClause:
             picked = picking(among, columns, index=index)
@@ -295,6 +299,8 @@ class LimitFamily(QueueFamily, UniqueFamily, ScheduleFamily):
             holders=self.clocked(text(read + "s.limit_key IN :keys").bindparams(
                 bindparam("keys", expanding=True, type_=String()))),
             dead=self.clocked(text(read + f"h.{f['id']} IS NULL LIMIT 500")),
+            ahead=self.clocked(text(picking("", [key], locked=False)).bindparams(
+                bindparam("full", expanding=True, type_=String()))),
             give_back=self.limited_give_back(self.statements(spec).release_uncounted,
                                              self.limit_statements(prefix).release),
             whole=self.whole_claim(spec, prefix, whole, holder),
