@@ -49,9 +49,9 @@ QUEUE_SLOTS = "queue"
 #: candidate rows read per row wanted; and windows read, each passing over the keys the
 #: ones before found full, before a claim gives up on finding more
 OVERSCAN, ROUNDS = 4, 4
-#: rows a congested claim looks ahead at (unlocked, keys only) in a round, to find the
-#: keys at their limit that fill the head: each round of a claim passes over up to as
-#: many more rows of full keys, whatever the keys in work
+#: rows a congested claim looks ahead at (unlocked, keys only) at a time, to find the
+#: keys at their limit that fill the head: up to :data:`ROUNDS` looks, each past the
+#: keys the ones before found full, whatever the keys in work
 LOOKAHEAD = 256
 #: the live slots a key without a limit of its own passes over at (a queue with only a
 #: queue's limit: none of its keys has slots)
@@ -257,11 +257,10 @@ class Limiter:
                ids: Sequence[int] | None = None, congested: bool = False
                ) -> list[ClaimedRow]:
         """Lease up to ``limit`` rows within the limits, in windows of candidates each
-        passing over the keys found full so far. While windows leave the claim short (or
-        the caller found the queue's head ``congested`` already), each round first looks
-        ahead at the keys of the next :data:`LOOKAHEAD` rows and reads their slots: the
-        rows of many full keys, each with a few rows waiting (bursts of many tenants in
-        work), would fill every window."""
+        passing over the keys found full so far. Once a window leaves the claim short (or
+        the caller found the queue's head ``congested`` already), the next round first
+        looks ahead (:meth:`_ahead`, once a claim): the rows of many full keys, each with
+        a few rows waiting (bursts of many tenants in work), would fill every window."""
         options, spec = table.options, table.spec
         reads = self.dialect.limited_claim(spec, self.prefix)
         name = spec_name(spec)
@@ -277,11 +276,12 @@ class Limiter:
         full: set[str] = set()
         plans: dict[int, list[tuple[str, int, tuple[int, int] | None]]] = {}
         floor = self.dialect.claim_floor(conn, spec)
+        looked = ids is not None or not options.concurrency_limits  # none to look for
         for _ in range(ROUNDS):
             params = {"floor": floor, "queue_table": name, "most": most}
-            if congested and ids is None and options.concurrency_limits:
-                full |= self._ahead(conn, reads, options, {
-                    **params, "limit": LOOKAHEAD, "full": sorted(full)})
+            if congested and not looked:
+                full |= self._ahead(conn, reads, options, params, full)
+                looked = True
             window = (limit - len(plans)) * OVERSCAN
             found = conn.execute(reads.candidates if ids is None else reads.among, {
                 **params, "limit": window, "full": sorted(full),
@@ -289,7 +289,9 @@ class Limiter:
             for row in found:
                 # a key as text: a row sent before keys were checked may hold a number
                 row_id, key = row[0], None if row[1] is None else str(row[1])
-                if row_id in plans or (len(row) > 3 and row[3] in skip):
+                # a key found full (as the look ahead saw its text: SQLite writes a
+                # real's differently, so its rows may still come) never gets a row
+                if row_id in plans or key in full or (len(row) > 3 and row[3] in skip):
                     continue
                 if queue is not None and not queue.available():
                     break
@@ -320,18 +322,25 @@ class Limiter:
 
     @staticmethod
     def _ahead(conn: Connection, reads: LimitedClaim, options: QueueOptions,
-               params: dict[str, Any]) -> set[str]:
-        """The keys of the rows ahead (:attr:`.LimitedClaim.ahead`) holding as many live
-        slots as their limit: at most :data:`LOOKAHEAD`, their slots read by key."""
-        limits = {}
-        for (key,) in conn.execute(reads.ahead, params):
-            if key is not None and (n := limit_of(options, str(key))) is not None:
-                limits[digest(str(key))] = (str(key), n)
-        if not limits:
-            return set()
-        live = Counter(row[0] for row in conn.execute(reads.holders, {
-            "queue_table": params["queue_table"], "keys": sorted(limits)}) if row[4])
-        return {key for held, (key, n) in limits.items() if live[held] >= n}
+               params: dict[str, Any], full: set[str]) -> set[str]:
+        """The keys at their limit among those of the next :data:`LOOKAHEAD` ready rows
+        past the ``full`` ones (:attr:`.LimitedClaim.ahead`; their slots read by key),
+        looked at again past them while every row seen was of a full key (up to
+        :data:`ROUNDS` looks; none past the last ready row)."""
+        found: set[str] = set()
+        for _ in range(ROUNDS):
+            keys = [None if key is None else str(key) for (key,) in conn.execute(
+                reads.ahead, {**params, "limit": LOOKAHEAD, "full": sorted(full | found)})]
+            limits = {digest(key): (key, n) for key in set(keys) if key is not None
+                      and (n := limit_of(options, key)) is not None}
+            live = Counter(row[0] for row in conn.execute(reads.holders, {
+                "queue_table": params["queue_table"], "keys": sorted(limits)})
+                if row[4]) if limits else Counter()
+            now_full = {key for held, (key, n) in limits.items() if live[held] >= n}
+            found |= now_full
+            if len(keys) < LOOKAHEAD or any(key not in now_full for key in keys):
+                break  # the last ready row, or rows a claim can take
+        return found
 
     def _slots(self, conn: Connection, reads: LimitedClaim, name: str, key: str,
                limit: int, wanted: int) -> Slots:

@@ -161,34 +161,6 @@ def test_a_claim_reads_on_past_any_run_of_a_full_keys_rows(connect: Connect,
     assert broker.limits.claim(table, 1) == []  # both keys at their limit
 
 
-@pytest.mark.parametrize(("count", "wanted"), [(40, 1), (40, 4), (300, 1)])
-@pytest.mark.parametrize("limits", [{"*": 1}, {"*": 3, "small-": 1}],
-                         ids=["one-limit", "smaller-prefix-limit"])
-def test_a_claim_reads_on_past_the_rows_of_many_full_keys(
-        connect: Connect, count: int, wanted: int, limits: dict[str, int]) -> None:
-    """``count`` keys at their limit, each with two more rows waiting, ahead of a free
-    key's row (as tenants' bursts in work leave the queue's head): a claim takes the free
-    row, however few rows it wants. Before, a claim gave up after four windows of four
-    rows per row wanted, each passing over only the keys the ones before had found full:
-    a consumer with a small prefetch claimed nothing while the free key's rows waited."""
-    conn = connect(queues={QUEUE: {"concurrency_limits": limits}})
-    keys = [f"small-{n}" for n in range(count)]
-    for key in keys:
-        for _ in range(3):
-            publish(conn, QUEUE, {"key": key}, limit_key=key)
-    publish(conn, QUEUE, {"key": "free"}, limit_key="free")
-    broker = broker_of(conn)
-    table = broker.table(QUEUE)
-    held = []
-    while len(held) < len(keys):  # one row of each key in work: each at its limit
-        taken = broker.limits.claim(table, len(keys))
-        assert taken, f"{len(held)} keys in work, then nothing"
-        held += taken
-    assert sorted(key_of(row) for row in held) == sorted(keys)
-    taken = broker.limits.claim(table, wanted)
-    assert [key_of(row) for row in taken] == ["free"]
-
-
 def test_an_acked_rows_slot_is_free_to_the_claim_that_writes_the_ack(
         connect: Connect, monkeypatch: pytest.MonkeyPatch) -> None:
     """A key at its limit of one: its row acked, the next claim (which writes that ack

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from collections import Counter
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -23,7 +25,7 @@ from kombu_sqlinbox.rows import ClaimedRow, QueueTable
 from .conftest import Connect
 from .support import broker_of, get_within, publish, quoted
 
-QUEUE = "reviewed"
+QUEUE = "congested"
 #: one hour: the keeper extends a lease each third of it, never during a test
 LEASE = 3600
 ONE = {"*": 1}
@@ -68,6 +70,22 @@ def options(limits: dict[str, int], **more: Any) -> dict[str, Any]:
 RATED_PICK_IGNORES_KEYS = pytest.mark.xfail(
     strict=True, reason="task_rate_limits pick rows without looking at their keys: the "
     "rows of a full key fill the pick and the claim takes nothing")
+
+
+@pytest.mark.parametrize(("count", "wanted"), [(40, 1), (40, 4), (300, 1)])
+@LIMITS
+def test_a_claim_reads_on_past_the_rows_of_many_full_keys(
+        connect: Connect, count: int, wanted: int, limits: dict[str, int]) -> None:
+    """``count`` keys at their limit, each with two more rows waiting, ahead of a free
+    key's row (as tenants' bursts in work leave the queue's head): a claim takes the free
+    row, however few rows it wants. Before, a claim gave up after four windows of four
+    rows per row wanted, each passing over only the keys the ones before had found full:
+    a consumer with a small prefetch claimed nothing while the free key's rows waited."""
+    conn = connect(**options(limits))
+    broker, table, _ = congest(conn, small(count))
+    publish(conn, QUEUE, {"key": "free"}, limit_key="free")
+    taken = broker.limits.claim(table, wanted)
+    assert [key_of(row) for row in taken] == ["free"]
 
 
 # -- keys compared exactly -----------------------------------------------------------------
@@ -486,3 +504,114 @@ def test_longest_keys_beyond_ascii_are_read_full(connect: Connect,
     publish(conn, QUEUE, {"key": free}, limit_key=free)
     taken = broker.limits.claim(table, 1)
     assert [key_of(row) for row in taken] == [free]
+
+
+# -- the look ahead: odd keys, priorities, ready times, its reads ------------------------
+
+
+@pytest.mark.parametrize("number", ["1e20", "1e-7", "0.1234567890123456",
+                                    "12345678901234567890"])
+def test_a_key_sent_as_a_real_found_full_ahead_is_not_claimed_past_its_limit(
+        connect: Connect, engine: Any, number: str) -> None:
+    """Forty keys at their limit with rows waiting, then a key sent as a JSON number
+    whose SQLite text (``CAST(real AS TEXT)``: 15 digits, ``1.0e+20``) differs from
+    Python's ``str`` of the float the driver hands back (``1e+20``). The look-ahead
+    finds it full and adds Python's text to ``:full``; the candidates' ``CAST(..) NOT
+    IN :full`` does not match and its row comes back: it is passed over, not leased
+    without a slot (which put two rows of a key at limit one in work)."""
+    conn = connect(**options({"*": 3, "small-": 1, "1": 1, "0": 1}))
+    for key in small():
+        for _ in range(3):
+            publish(conn, QUEUE, {"key": key}, limit_key=key)
+    for _ in range(3):
+        publish(conn, QUEUE, {"key": "NUMBER"}, limit_key="NUMBER")
+    broker = broker_of(conn)
+    table = broker.table(QUEUE)
+    name = quoted(engine, table.spec.table)
+    with engine.begin() as db:
+        db.execute(text(f"UPDATE {name} SET headers = REPLACE(headers, "
+                        f"'\"limit_key\": \"NUMBER\"', '\"limit_key\": {number}')"))
+    held: list[ClaimedRow] = []
+    while len(held) < 41:
+        taken = broker.limits.claim(table, 41)
+        assert taken, f"{len(held)} keys in work, then nothing"
+        held += taken
+    assert len({key_of(row) for row in held}) == 41
+    # every key at its limit of one: nothing may be claimed
+    more = broker.limits.claim(table, 1)
+    counts = Counter(key_of(row) for row in held + more)
+    assert more == [], (more and key_of(more[0]), counts.most_common(2))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("database", ["mysql", "sqlite"], indirect=True)
+def test_the_look_ahead_reads_about_its_rows_on_mariadb_and_sqlite(connect: Connect) -> None:
+    """A backlog of 100,000 ready rows behind forty full keys: the look-ahead reads its
+    256 rows through the claim index (MariaDB: handler reads; SQLite: its plan has no
+    temp B-tree for the order, and it runs in a few milliseconds)."""
+    conn = connect(**options({"*": 2, "small-": 1}))
+    broker, table, _ = congest(conn, small())
+    publish(conn, QUEUE, {"key": "free-0"}, limit_key="free-0")
+    name = broker.dialect.quote(table.spec.table)
+    backend = broker.database.engine.dialect.name
+    numbers = ("(WITH RECURSIVE seq(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM seq "
+               "WHERE n < 100000) SELECT n FROM seq) AS g" if backend == "sqlite"
+               else "(SELECT seq AS n FROM seq_1_to_100000) AS g")
+
+    def fill(db: Any) -> None:
+        db.execute(text(
+            f"INSERT INTO {name} (payload, headers, priority, available_at, locked_until, "
+            f"attempt) SELECT t.payload, t.headers, t.priority, t.available_at, NULL, 0 "
+            f"FROM {name} AS t, {numbers} "
+            f"WHERE t.id = (SELECT MAX(id) FROM {name} AS m)"))
+
+    broker.database.run(fill)
+    reads = broker.dialect.limited_claim(table.spec, broker.limits.prefix)
+    full = sorted(small())
+
+    def run(db: Any) -> tuple[int, float, Any]:
+        floor = broker.dialect.claim_floor(db, table.spec)
+        params = {"queue_table": spec_name(table.spec), "limit": LOOKAHEAD, "full": full,
+                  "floor": floor, "most": 2}
+        plan = None
+        if backend == "sqlite":
+            plan = db.execute(text("EXPLAIN QUERY PLAN " + reads.ahead.text).bindparams(
+                bindparam("full", expanding=True, type_=String())), params).all()
+        else:
+            db.exec_driver_sql("FLUSH STATUS")
+        start = time.perf_counter()
+        got = db.execute(reads.ahead, params).all()
+        took = time.perf_counter() - start
+        if backend != "sqlite":
+            plan = {name: int(value) for name, value in db.exec_driver_sql(
+                "SHOW SESSION STATUS LIKE 'Handler_read%%'")}
+        return len(got), took, plan
+
+    count, took, plan = broker.database.run(run)
+    assert count == LOOKAHEAD
+    if backend == "sqlite":
+        assert not any("TEMP B-TREE" in str(row).upper() for row in plan), plan
+        assert took < 0.05, (took, plan)
+    else:
+        reads_done = sum(v for k, v in plan.items() if k != "Handler_read_key")
+        assert reads_done <= 4 * LOOKAHEAD, plan
+
+
+def test_priorities_eta_and_keyless_rows_behind_a_congested_head(connect: Connect) -> None:
+    """Forty full keys with rows waiting at priority 0, behind them a row with an ETA an
+    hour on (free key), a row of a low priority (free key), a row without a key at a
+    high priority published last, and rows of a full key at high priority: a claim of one
+    row at a time takes the keyless high row then the low free row, never the ETA's."""
+    conn = connect(**options({"*": 3, "small-": 1}))
+    broker, table, _ = congest(conn, small())
+    due = datetime.now(timezone.utc) + timedelta(hours=1)
+    publish(conn, QUEUE, {"key": "later"}, limit_key="free-later",
+            headers={"eta": due.isoformat()})
+    publish(conn, QUEUE, {"key": "low"}, limit_key="free-low", priority=0)
+    for _ in range(3):
+        publish(conn, QUEUE, {"key": "small-3"}, limit_key="small-3", priority=9)
+    publish(conn, QUEUE, {"key": "none"}, priority=9)
+    got = []
+    for _ in range(3):
+        got += [json.loads(row.payload)["key"] for row in broker.limits.claim(table, 1)]
+    assert got == ["none", "low"], got
