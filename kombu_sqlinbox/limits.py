@@ -14,8 +14,8 @@ was taken meanwhile goes back uncounted before the commit, so no other claimer e
 it leased. A slot is free once its holder is no longer in work under the attempt it took
 it with (:mod:`.dialects.limits`): a killed worker's slots free with its leases. Rows of a
 full key are passed over, not delivered; the claim reads on past them (up to
-:data:`ROUNDS` windows, the keys at their limit read from the slots once a window comes
-up short), so other keys go on. Where the dialect has one
+:data:`ROUNDS` windows; once a window comes up short, a look ahead at the keys of the
+rows beyond finds those at their limit), so other keys go on. Where the dialect has one
 (:attr:`.LimitedClaim.whole`: PostgreSQL), a claim is first tried as one statement that
 leases only the rows whose slots it wrote. Queues without limits never come here.
 """
@@ -277,8 +277,8 @@ class Limiter:
         plans: dict[int, list[tuple[str, int, tuple[int, int] | None]]] = {}
         floor = self.dialect.claim_floor(conn, spec)
         looked = ids is not None or not options.concurrency_limits  # none to look for
+        params = {"floor": floor, "queue_table": name, "most": most}
         for _ in range(ROUNDS):
-            params = {"floor": floor, "queue_table": name, "most": most}
             if congested and not looked:
                 full |= self._ahead(conn, reads, options, params, full)
                 looked = True
